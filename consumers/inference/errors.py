@@ -1,0 +1,50 @@
+"""Error hierarchy of the inference consumer.
+
+Decided once, here: a ``PermanentError`` will fail the same way on every retry, so
+the consumer turns it into a failure event and a client error; a ``RetryableError``
+is transient (capacity, a model still loading) and the message is nak'ed with a delay.
+"""
+
+from __future__ import annotations
+
+
+class InferenceError(Exception):
+    """Base class of every error raised by the inference core."""
+
+
+class PermanentError(InferenceError):
+    """The request cannot succeed as sent; do not redeliver it."""
+
+
+class RetryableError(InferenceError):
+    """A transient condition; the same request may succeed later."""
+
+
+class UnknownModel(PermanentError):
+    """The requested model name is not configured in the pool."""
+
+    def __init__(self, name: str, known: list[str] | None = None) -> None:
+        self.name = name
+        self.known = list(known or [])
+        hint = f"; configured models: {', '.join(self.known)}" if self.known else ""
+        super().__init__(f"unknown model {name!r}{hint}")
+
+
+class PromptTooLong(PermanentError):
+    """The prompt does not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, context_len: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_len = context_len
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens but the model's context is "
+            f"{context_len} tokens (at least one must be left for the completion); "
+            "shorten the conversation"
+        )
+
+
+class PoolExhausted(RetryableError):
+    """No model can be evicted to make room: every resident model is in use.
+
+    Retry after in-flight requests finish, or raise the pool's memory budget.
+    """

@@ -1,0 +1,257 @@
+"""Model specs, the models config file, and loading a causal LM with its tokenizer.
+
+Heavy objects are only built by :func:`load_model`, which the pool calls in a worker
+thread; nothing here touches torch at import time beyond importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from consumers.inference.errors import PermanentError
+
+log = logging.getLogger(__name__)
+
+#: Chat template for tokenizers that ship none (e.g. the stories260K base model).
+#: A base model only continues text, so the prompt is the messages' contents joined
+#: by blank lines, with no role markers: a single user message "Once upon a time"
+#: renders to exactly "Once upon a time", which the model then continues. (The
+#: separator is a Jinja expression because HF renders templates with trim_blocks,
+#: which would eat a newline written right after a block tag.)
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "{{ m['content'] }}"
+    "{% endfor %}"
+)
+
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+
+
+class ModelSpec(BaseModel):
+    """One servable model: where its weights are and how to place them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Served model name, as clients ask for it, e.g. 'stories-260k'.")
+    path: str = Field(
+        description="Local Hugging Face model directory (absolute, or relative to the "
+        "models directory) or a hub id (needs the model in the local HF cache when offline)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights' dtype; 'auto' keeps the checkpoint's dtype."
+    )
+    device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template overriding the tokenizer's; when both are "
+        "missing FALLBACK_TEMPLATE is used.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model name must not be empty")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v != "cpu" and not (v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+
+def default_models_dir() -> Path:
+    """``$ARENA_MODELS_DIR``, else ``<repo>/../shared/models``."""
+    env = os.environ.get("ARENA_MODELS_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "models"
+
+
+def default_specs() -> list[ModelSpec]:
+    """The model served when no config file is given: stories260K."""
+    return [ModelSpec(name="stories-260k", path=str(default_models_dir() / "stories260K-hf"))]
+
+
+def _resolve_path(path: str, models_dir: Path) -> str:
+    # A relative path names a directory under models_dir when one exists there;
+    # otherwise it is kept verbatim, as a hub id ("org/model").
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = models_dir / p
+    return str(candidate) if candidate.exists() else path
+
+
+def load_models_config(path: str | None, models_dir: str | None) -> list[ModelSpec]:
+    """Read ``{"models": [{name, path, dtype, device, chat_template}, ...]}`` from YAML or JSON.
+
+    ``path=None`` gives :func:`default_specs`. Relative model paths are resolved against
+    ``models_dir`` (default :func:`default_models_dir`). Raises ``PermanentError`` with
+    what to fix when the file is missing or malformed, or names are duplicated.
+    """
+    if path is None:
+        return default_specs()
+    base = Path(models_dir) if models_dir else default_models_dir()
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise PermanentError(f"cannot read models config {file}: {exc}") from exc
+    data: Any
+    if file.suffix.lower() == ".json":
+        data = json.loads(text)
+    else:
+        import yaml  # YAML is a superset of JSON, so this also reads .json-like files
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+        raise PermanentError(f"models config {file} must be a mapping with a 'models' list")
+    specs: list[ModelSpec] = []
+    for i, entry in enumerate(data["models"]):
+        if not isinstance(entry, dict) or "path" not in entry:
+            raise PermanentError(f"models config {file}: entry {i} needs at least 'name' and 'path'")
+        entry = {**entry, "path": _resolve_path(str(entry["path"]), base)}
+        try:
+            specs.append(ModelSpec(**entry))
+        except ValueError as exc:
+            raise PermanentError(f"models config {file}: entry {i}: {exc}") from exc
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise PermanentError(f"models config {file}: duplicate model names {dupes}")
+    return specs
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: weights in eval mode on their device, plus its tokenizer."""
+
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    version: int
+    nbytes: int  # bytes of parameters and buffers (tied weights counted once)
+    context_len: int  # max tokens (prompt + completion) the model attends over
+    eos_ids: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _weights_nbytes(model: torch.nn.Module) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _context_len(model: Any, tokenizer: Any) -> int:
+    cfg = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            break
+    else:
+        value = 2048
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    # Tokenizers without a limit report a huge sentinel (1e30); ignore it.
+    if isinstance(tok_max, int) and 0 < tok_max < value:
+        value = tok_max
+    return value
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    gen_cfg = getattr(model, "generation_config", None)
+    ids = _as_list(getattr(gen_cfg, "eos_token_id", None))
+    ids += _as_list(getattr(model.config, "eos_token_id", None))
+    ids += _as_list(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
+    """Load ``spec``'s model and tokenizer (blocking; call it from a worker thread)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path)
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=_DTYPES[spec.dtype])
+    except (OSError, ValueError) as exc:
+        raise PermanentError(f"cannot load model {spec.name!r} from {spec.path!r}: {exc}") from exc
+    model.to(spec.device)
+    model.eval()
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        version=version,
+        nbytes=_weights_nbytes(model),
+        context_len=_context_len(model, tokenizer),
+        eos_ids=_eos_ids(model, tokenizer),
+    )
+    log.info(
+        "loaded model %s v%d: %.1f MB, context %d, in %.2fs",
+        spec.name, version, loaded.nbytes / 1e6, loaded.context_len, time.perf_counter() - t0,
+    )
+    return loaded
+
+
+def render_chat(
+    loaded_or_tokenizer: LoadedModel | Any,
+    messages: list[dict],
+    chat_template: str | None = None,
+) -> str:
+    """Render chat ``messages`` to prompt text, ending where the assistant's turn starts.
+
+    Template precedence: ``chat_template`` argument, the spec's ``chat_template``,
+    the tokenizer's own, then :data:`FALLBACK_TEMPLATE`.
+    """
+    if isinstance(loaded_or_tokenizer, LoadedModel):
+        tokenizer = loaded_or_tokenizer.tokenizer
+        chat_template = chat_template or loaded_or_tokenizer.spec.chat_template
+    else:
+        tokenizer = loaded_or_tokenizer
+    template = chat_template or getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    return text
+
+
+def encode_prompt(loaded: LoadedModel, messages: list[dict]) -> list[int]:
+    """Render ``messages`` and tokenize them, adding BOS as the tokenizer does."""
+    tokenizer = loaded.tokenizer
+    text = render_chat(loaded, messages)
+    # Templates that already spell out the BOS token (Llama-2/3 style) must not get a second one.
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and text.startswith(bos))
+    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
