@@ -1,0 +1,77 @@
+"""The delivery consumer: records results and fans a request's output out to gateways.
+
+A chunk already delivered
+(same request and sequence number, e.g. from a worker that regenerated the request
+after a crash) is dropped; the first terminal event is stored in Redis. Each event is
+then published on the request's live subject, where whichever gateway holds the client
+(one or several) is listening.
+"""
+
+from __future__ import annotations
+
+import logging
+from faststream import AckPolicy, FastStream
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+
+from consumers.delivery.store import ResultStore
+from events import decode, subjects
+from events.models import TERMINAL_TYPES
+from infra.runtime import ProcessRuntime
+from infra.settings import DeliverySettings
+
+log = logging.getLogger("arena.delivery")
+
+
+async def deliver(raw: bytes, store: ResultStore, runtime: ProcessRuntime) -> bool:
+    """Record and fan out one output event; False when it was a duplicate and dropped."""
+    event = decode(raw)
+    if event.type == "tokens.generated":
+        fresh = await store.mark_chunk(event.request_id, event.seq)
+    elif event.type in TERMINAL_TYPES:
+        fresh = await store.save_result(event.request_id, raw)
+    else:
+        return False
+    if fresh:
+        await runtime.nc.publish(subjects.live_subject(event.request_id), raw)
+        if event.type in TERMINAL_TYPES:
+            log.info("delivered %s", event.type, extra={"request_id": event.request_id, "event": event.type})
+    return fresh
+
+
+def build_app(settings: DeliverySettings | None = None) -> FastStream:
+    settings = settings or DeliverySettings()
+    broker = NatsBroker(settings.nats_url)
+    runtime = ProcessRuntime("delivery", settings)
+    store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
+
+    @broker.subscriber(
+        subjects.DELIVERY_SUBJECT,
+        stream=JStream(subjects.STREAM, declare=False),
+        durable=subjects.DELIVERY_CONSUMER,
+        # A fetch returns at once with whatever is pending, so delivery adds no batching
+        # delay; the messages of one fetch are handled concurrently, and gateways put
+        # chunks back in sequence order.
+        pull_sub=PullSub(batch_size=settings.batch_size, timeout=5.0),
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+    )
+    async def on_output(body: bytes, message: NatsMessage) -> None:
+        await deliver(message.body, store, runtime)
+
+    app = FastStream(broker)
+
+    @app.on_startup
+    async def _start() -> None:
+        await store.redis.ping()
+        await runtime.start()
+
+    @app.after_startup
+    async def _ready() -> None:
+        runtime.ready = True
+
+    @app.on_shutdown
+    async def _stop() -> None:
+        await runtime.stop()
+        await store.close()
+
+    return app

@@ -1,0 +1,94 @@
+"""The inference consumer: a FastStream app pulling micro-batches of PromptAccepted."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import psutil
+from faststream import AckPolicy, Context, FastStream
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.message import NatsBatchMessage
+from prometheus_client import start_http_server
+
+from consumers.inference.metrics import METRICS
+from consumers.inference.models import load_models_config
+from consumers.inference.pool import ModelPool
+from consumers.inference.service import InferenceService
+from events import decode, subjects
+from infra.runtime import ProcessRuntime
+from infra.servers import free_port
+from infra.settings import InferenceSettings
+
+log = logging.getLogger("arena.inference")
+
+
+def budget_bytes(settings: InferenceSettings) -> int:
+    if settings.memory_budget_mb:
+        return int(settings.memory_budget_mb * 2**20)
+    return int(psutil.virtual_memory().total * 0.6)
+
+
+def build_app(settings: InferenceSettings | None = None) -> FastStream:
+    settings = settings or InferenceSettings()
+    specs = load_models_config(settings.models_config, settings.models_dir)
+    pool = ModelPool(specs, budget_bytes(settings), cuda_memory_fraction=settings.cuda_memory_fraction)
+    metrics_port = settings.metrics_port or free_port()
+
+    def status() -> dict:
+        return {"models": [s.name for s in specs], "resident": pool.resident(), "jobs": len(service.jobs),
+                "metrics_port": metrics_port, "engine": settings.engine}
+
+    runtime = ProcessRuntime("inference", settings, status)
+    service = InferenceService(settings, pool, runtime.publish)
+    broker = NatsBroker(settings.nats_url)
+
+    # The design's dynamic batcher: a pull returns when max_batch_size messages are in,
+    # or after max_wait_ms, whichever comes first.
+    subscriber = broker.subscriber(
+        subjects.INFERENCE_SUBJECT,
+        stream=JStream(subjects.STREAM, declare=False),
+        durable=subjects.INFERENCE_CONSUMER,
+        pull_sub=PullSub(batch_size=settings.max_batch_size, timeout=settings.max_wait_ms / 1000, batch=True),
+        ack_policy=AckPolicy.MANUAL,
+    )
+
+    @subscriber
+    async def on_accepted(body: list, message: Annotated[NatsBatchMessage, Context("message")]) -> None:
+        raws = message.raw_message[: settings.max_batch_size * 2]  # faststream may overfill a batch
+        for raw in message.raw_message[len(raws):]:
+            await raw.nak()
+        METRICS.pulled_batch.observe(len(raws))
+        for raw in raws:
+            await service.wait_for_room()
+            await service.submit(decode(raw.data), raw)
+
+    async def on_cancel(msg) -> None:
+        service.cancel(decode(msg.data).request_id)
+
+    app = FastStream(broker)
+
+    @app.on_startup
+    async def _start() -> None:
+        start_http_server(metrics_port, addr="127.0.0.1")
+        await runtime.start(ack_wait_s=settings.ack_wait_s, max_ack_pending=settings.max_ack_pending)
+        await runtime.nc.subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
+        service.start()
+        warm = settings.warm_models or [settings.default_model]
+        await pool.warm([w for w in warm if any(s.name == w for s in specs)])
+        log.info("warm: %s; metrics on :%d", pool.resident(), metrics_port)
+
+    @app.after_startup
+    async def _ready() -> None:
+        runtime.ready = True
+
+    @app.on_shutdown
+    async def _drain() -> None:
+        runtime.ready = False
+        await subscriber.stop()  # stop pulling before finishing what we hold
+        naked = await service.drain(settings.drain_grace_s)
+        log.info("drained; %d unfinished requests given back", naked)
+        await service.stop()
+        await runtime.stop()
+
+    return app

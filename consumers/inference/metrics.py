@@ -1,0 +1,34 @@
+"""The inference process's Prometheus metrics, labelled by model (never by request)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_TIME = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
+
+
+class InferenceMetrics:
+    def __init__(self) -> None:
+        self.batch_size = Histogram("arena_batch_size", "Requests in a decode step", ["model"],
+                                    buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128))
+        self.pulled_batch = Histogram("arena_pulled_batch_size", "Messages in a pulled micro-batch",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.queue_wait = Histogram("arena_queue_wait_seconds", "Gateway receipt to start of compute",
+                                    ["model"], buckets=_TIME)
+        self.ttft = Histogram("arena_ttft_seconds", "Gateway receipt to first token", ["model"], buckets=_TIME)
+        self.tpot = Histogram("arena_time_per_output_token_seconds", "Decode time per output token", ["model"],
+                              buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))
+        self.tokens = Counter("arena_tokens_generated_total", "Tokens generated", ["model"])
+        self.requests = Counter("arena_inference_requests_total", "Requests ended", ["model", "outcome"])
+        self.running = Gauge("arena_requests_running", "Requests in the running batch", ["model"])
+        self.waiting = Gauge("arena_requests_waiting", "Requests waiting to join a batch", ["model"])
+        self.load_seconds = Histogram("arena_model_load_seconds", "Model load time", ["model"],
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.pool_hits = Counter("arena_pool_hits_total", "Requests for a resident model", ["model"])
+        self.pool_misses = Counter("arena_pool_misses_total", "Requests that needed a load", ["model"])
+        self.pool_evictions = Counter("arena_pool_evictions_total", "Models evicted", ["model"])
+        self.resident_bytes = Gauge("arena_pool_resident_bytes", "Bytes of resident model weights")
+        self.deadline_misses = Counter("arena_deadline_misses_total", "Requests past their deadline", ["model"])
+        self.redeliveries = Counter("arena_redeliveries_total", "Messages delivered more than once")
+        self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
+
+
+METRICS = InferenceMetrics()

@@ -1,0 +1,61 @@
+"""Running a BatchEngine on its own thread, so the event loop never blocks on torch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.metrics import METRICS
+
+log = logging.getLogger("arena.inference")
+
+
+class EngineRunner:
+    """Steps one engine (one model version) in a thread; outputs go back to the loop."""
+
+    def __init__(self, engine: BatchEngine, loop: asyncio.AbstractEventLoop,
+                 on_outputs: Callable[[list[StepOutput]], None]):
+        self.engine = engine
+        self.loop = loop
+        self.on_outputs = on_outputs
+        self.name = engine.loaded.spec.name
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+
+    def add(self, req: GenRequest) -> None:
+        self.engine.add(req)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            batch = self.engine.running
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a broken step must not kill the thread silently
+                log.exception("engine step failed", extra={"model": self.name})
+                outputs = self.engine.fail_all() if hasattr(self.engine, "fail_all") else []
+            if batch:
+                METRICS.batch_size.labels(self.name).observe(batch)
+            METRICS.steps.labels(self.name).inc()
+            METRICS.running.labels(self.name).set(self.engine.running)
+            METRICS.waiting.labels(self.name).set(self.engine.waiting)
+            if outputs:
+                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,250 @@
+"""The inference worker's asyncio side: jobs from pulled messages to terminal events.
+
+A pulled message becomes a job: its model is pinned in the pool, its prompt queued in
+that model's engine. Step outputs come back from the engine thread and are cut into
+TokensGenerated chunks; the terminal event is published, and only then is the message
+acked. Every publish carries a dedupe key, so a worker that regenerates a request after
+another one crashed (deterministically: every request has a seed) cannot duplicate a
+chunk or a terminal event in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
+from consumers.inference.metrics import METRICS
+from consumers.inference.models import encode_prompt
+from consumers.inference.runner import EngineRunner
+from consumers.inference.sampling import SamplingParams as EngineParams
+from events.models import (
+    ChatCompleted, ChatFailed, PromptAccepted, Timings, TokensGenerated, Usage,
+)
+
+log = logging.getLogger("arena.inference")
+
+
+@dataclass
+class Job:
+    event: PromptAccepted
+    msg: object  # the nats Msg, acked after the terminal event
+    runner: EngineRunner
+    pin: AsyncExitStack
+    started_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    seq: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    text: str = ""
+
+    @property
+    def ids(self) -> dict:
+        e = self.event
+        return dict(request_id=e.request_id, conv_id=e.conv_id, turn_id=e.turn_id)
+
+
+class InferenceService:
+    def __init__(self, settings, pool, publish):
+        self.settings = settings
+        self.pool = pool
+        self.publish = publish  # async (event) -> None, with dedupe keys
+        self.jobs: dict[str, Job] = {}
+        self.runners: dict[int, EngineRunner] = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self._room = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._keepalive())]
+
+    async def stop(self) -> None:
+        for runner in self.runners.values():
+            runner.stop()
+        for task in self._tasks:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
+    async def drain(self, grace_s: float) -> int:
+        """Finish held jobs within `grace_s`; give back (nak) the rest. Returns how many were naked."""
+        end = time.monotonic() + grace_s
+        while self.jobs and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        await self.outbox.join()
+        left = list(self.jobs.values())
+        for job in left:
+            job.runner.cancel(job.event.request_id)
+            with suppress(Exception):
+                await job.msg.nak()
+            self.jobs.pop(job.event.request_id, None)
+            await job.pin.aclose()
+        return len(left)
+
+    # ---- intake --------------------------------------------------------------------
+
+    async def wait_for_room(self) -> None:
+        """Hold no more than two batches' worth, so other workers get the rest."""
+        limit = 2 * self.settings.max_batch_size
+        async with self._room:
+            await self._room.wait_for(lambda: len(self.jobs) < limit)
+
+    async def submit(self, event: PromptAccepted, msg) -> None:
+        rid = event.request_id
+        if msg.metadata.num_delivered > 1:
+            METRICS.redeliveries.inc()
+        if rid in self.jobs:  # redelivered while still running here: keep the first
+            return
+        if time.time() >= event.deadline_at:
+            METRICS.deadline_misses.labels(event.model).inc()
+            await self._fail(event, msg, "deadline_exceeded", "the request's deadline passed before it was computed")
+            return
+        pin = AsyncExitStack()
+        try:
+            loaded = await pin.enter_async_context(self.pool.use(event.model))
+            prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+            runner = self._runner_for(loaded)
+            job = Job(event, msg, runner, pin)
+            self.jobs[rid] = job
+            p = event.params
+            runner.add(GenRequest(
+                request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at,
+                params=EngineParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
+                                    stop=tuple(p.stop), seed=p.seed),
+            ))
+        except UnknownModel as exc:
+            await self._drop(rid, pin)
+            await self._fail(event, msg, "unknown_model", str(exc))
+        except PromptTooLong as exc:
+            await self._drop(rid, pin)
+            await self._fail(event, msg, "prompt_too_long", str(exc))
+        except PermanentError as exc:
+            await self._drop(rid, pin)
+            await self._fail(event, msg, "internal_error", str(exc))
+        except RetryableError as exc:
+            await self._drop(rid, pin)
+            log.warning("retrying later: %s", exc, extra={"request_id": rid})
+            await msg.nak(delay=1.0)
+
+    async def _drop(self, rid: str, pin: AsyncExitStack) -> None:
+        self.jobs.pop(rid, None)
+        await pin.aclose()
+
+    def cancel(self, request_id: str) -> None:
+        job = self.jobs.get(request_id)
+        if job:
+            job.runner.cancel(request_id)
+
+    def _runner_for(self, loaded) -> EngineRunner:
+        runner = self.runners.get(id(loaded))
+        if runner is None or runner.engine.loaded is not loaded:
+            engine = BatchEngine(loaded, self.settings.engine, self.settings.max_batch_size)
+            runner = EngineRunner(engine, self.loop, self.on_outputs)
+            self.runners[id(loaded)] = runner
+        return runner
+
+    # ---- outputs (called on the loop by the engine thread) ---------------------------
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            if out.new_token_ids and job.first_token_at is None:
+                job.first_token_at = now
+            job.pending_ids += out.new_token_ids
+            job.pending_text += out.new_text
+            if job.pending_text and (len(job.pending_ids) >= self.settings.chunk_tokens or out.finished):
+                self._emit_chunk(job)
+            if out.finished:
+                self._finish(job, out, now)
+
+    def _emit_chunk(self, job: Job) -> None:
+        event = TokensGenerated(**job.ids, seq=job.seq, text=job.pending_text,
+                                token_ids=tuple(job.pending_ids), model=job.event.model)
+        job.text += job.pending_text
+        job.seq += 1
+        job.pending_ids, job.pending_text = [], ""
+        self.outbox.put_nowait(("event", event))
+
+    def _finish(self, job: Job, out: StepOutput, now: float) -> None:
+        e = job.event
+        model = e.model
+        METRICS.requests.labels(model, out.finish_reason or "unknown").inc()
+        METRICS.tokens.labels(model).inc(out.completion_tokens)
+        if out.finish_reason in ("stop", "length"):
+            first = job.first_token_at or now
+            timings = Timings(queue_wait_s=max(0.0, job.started_at - e.received_at),
+                              ttft_s=max(0.0, first - e.received_at), decode_s=max(0.0, now - first),
+                              compute_s=max(0.0, now - job.started_at))
+            METRICS.queue_wait.labels(model).observe(timings.queue_wait_s)
+            METRICS.ttft.labels(model).observe(timings.ttft_s)
+            if out.completion_tokens > 1:
+                METRICS.tpot.labels(model).observe(timings.decode_s / (out.completion_tokens - 1))
+            terminal = ChatCompleted(
+                **job.ids, model=model, text=job.text, finish_reason=out.finish_reason,
+                usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            total_tokens=out.prompt_tokens + out.completion_tokens),
+                timings=timings, chunks=job.seq)
+        else:
+            code = {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(out.finish_reason, "internal_error")
+            if code == "deadline_exceeded":
+                METRICS.deadline_misses.labels(model).inc()
+            terminal = ChatFailed(**job.ids, code=code, message=f"generation ended: {out.finish_reason}",
+                                  chunks=job.seq)
+        self.outbox.put_nowait(("event", terminal))
+        self.outbox.put_nowait(("done", job))
+
+    async def _fail(self, event, msg, code: str, message: str) -> None:
+        ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
+        await self.publish(ChatFailed(**ids, code=code, message=message))
+        await msg.ack()
+        log.info("failed: %s", code, extra={"request_id": event.request_id, "model": event.model})
+
+    # ---- background tasks ------------------------------------------------------------
+
+    async def _publisher(self) -> None:
+        """Publish in order, one at a time; ack a message only after its terminal event."""
+        while True:
+            kind, item = await self.outbox.get()
+            try:
+                if kind == "event":
+                    await self._publish_retrying(item)
+                else:
+                    await item.msg.ack()
+                    self.jobs.pop(item.event.request_id, None)
+                    await item.pin.aclose()
+                    async with self._room:
+                        self._room.notify_all()
+            except Exception:
+                log.exception("publish failed", extra={"request_id": getattr(item, "request_id", None)})
+            finally:
+                self.outbox.task_done()
+
+    async def _publish_retrying(self, event, attempts: int = 5) -> None:
+        for i in range(attempts):
+            try:
+                await self.publish(event)
+                return
+            except Exception:
+                if i == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2 * (i + 1))
+
+    async def _keepalive(self) -> None:
+        """In-progress acks, so AckWait does not expire during a long generation."""
+        period = self.settings.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(period)
+            for job in list(self.jobs.values()):
+                with suppress(Exception):
+                    await job.msg.in_progress()

@@ -1,0 +1,167 @@
+"""The event contract: one frozen pydantic model per event, past tense.
+
+Every event carries the identity of the request it belongs to (request_id, conv_id,
+turn_id), when it happened and its schema version. Events are immutable facts: a
+breaking change gets a new schema version and an upcaster (see `events.codec`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ChatMessage(Frozen):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SamplingParams(Frozen):
+    """Per-request sampling parameters; they hold inside any batch."""
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(64, ge=1, le=4096, description="Most tokens to generate.")
+    stop: tuple[str, ...] = Field((), description="Strings that end generation; not included in the text.")
+    seed: int | None = Field(None, description="Seed of the request's own RNG; set by the gateway when absent.")
+
+
+class Usage(Frozen):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(Frozen):
+    """Seconds spent in each phase, measured by the inference worker."""
+
+    queue_wait_s: float = Field(description="From the gateway's receipt to the start of compute.")
+    ttft_s: float = Field(description="From the gateway's receipt to the first token.")
+    decode_s: float = Field(description="From the first token to the last.")
+    compute_s: float = Field(description="From the start of compute to the last token.")
+
+
+class FilterReport(Frozen):
+    """What the prompt filter did, kept in the event for audits."""
+
+    action: Literal["pass", "sanitized", "reject"]
+    score: float = 0.0
+    reasons: tuple[str, ...] = ()
+    edits: tuple[str, ...] = ()
+
+
+class EventBase(Frozen):
+    event_id: str = Field(default_factory=new_id, description="Unique id of this event.")
+    request_id: str = Field(description="The request this event belongs to.")
+    conv_id: str = Field(description="The conversation; equals request_id for one-shot requests.")
+    turn_id: int = Field(0, ge=0, description="Index of the turn inside the conversation.")
+    occurred_at: datetime = Field(default_factory=utcnow)
+    schema_version: int = 1
+
+
+class ChatRequested(EventBase):
+    """The gateway accepted a client request."""
+
+    type: Literal["chat.requested"] = "chat.requested"
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: SamplingParams
+    deadline_at: float = Field(description="Epoch seconds after which the answer is useless.")
+    received_at: float = Field(default_factory=time.time, description="Epoch seconds of the gateway's receipt.")
+    stream: bool = False
+    idempotency_key: str | None = None
+
+
+class PromptAccepted(EventBase):
+    """The filter let the prompt through (possibly sanitized)."""
+
+    type: Literal["prompt.accepted"] = "prompt.accepted"
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: SamplingParams
+    deadline_at: float
+    received_at: float
+    filter: FilterReport
+
+
+class PromptRejected(EventBase):
+    """The filter refused the prompt; no model time is spent on it. Terminal."""
+
+    type: Literal["prompt.rejected"] = "prompt.rejected"
+    reason: str
+    filter: FilterReport
+
+
+class TokensGenerated(EventBase):
+    """A chunk of generated text. `seq` counts chunks of one request from 0, without gaps."""
+
+    type: Literal["tokens.generated"] = "tokens.generated"
+    seq: int = Field(ge=0)
+    text: str
+    token_ids: tuple[int, ...]
+    model: str
+
+
+class ChatCompleted(EventBase):
+    """The model finished the answer. Terminal."""
+
+    type: Literal["chat.completed"] = "chat.completed"
+    model: str
+    text: str
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    timings: Timings
+    chunks: int = Field(description="How many TokensGenerated chunks precede this event.")
+
+
+FailureCode = Literal[
+    "deadline_exceeded", "unknown_model", "prompt_too_long", "cancelled", "overloaded", "internal_error"
+]
+
+
+class ChatFailed(EventBase):
+    """The request ended without an answer. Terminal."""
+
+    type: Literal["chat.failed"] = "chat.failed"
+    code: FailureCode
+    message: str
+    chunks: int = 0
+
+
+class ChatCancelled(EventBase):
+    """The client went away; inference stops generating the request."""
+
+    type: Literal["chat.cancelled"] = "chat.cancelled"
+    reason: str = "client_disconnected"
+
+
+Event = Annotated[
+    Union[
+        ChatRequested,
+        PromptAccepted,
+        PromptRejected,
+        TokensGenerated,
+        ChatCompleted,
+        ChatFailed,
+        ChatCancelled,
+    ],
+    Field(discriminator="type"),
+]
+
+TERMINAL_TYPES = frozenset({"chat.completed", "chat.failed", "prompt.rejected"})

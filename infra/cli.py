@@ -1,0 +1,194 @@
+"""The `arena` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+ROLES = ("filter", "inference", "delivery", "gateway")
+
+
+def run_role(role: str) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from infra import logs  # noqa: PLC0415
+
+    if role == "gateway":
+        import uvicorn  # noqa: PLC0415
+
+        from gateway.app import build_app  # noqa: PLC0415
+        from infra.settings import GatewaySettings  # noqa: PLC0415
+
+        settings = GatewaySettings()
+        logs.setup(settings.log_level, role)
+        uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
+                    timeout_graceful_shutdown=10)
+        return 0
+    if role == "filter":
+        from consumers.filter.app import build_app  # noqa: PLC0415
+    elif role == "inference":
+        from consumers.inference.app import build_app  # noqa: PLC0415
+    else:
+        from consumers.delivery.app import build_app  # noqa: PLC0415
+    logs.setup(os.environ.get("ARENA_LOG_LEVEL", "INFO"), role)
+    asyncio.run(build_app().run())
+    return 0
+
+
+def _endpoints(state_dir: str) -> dict:
+    path = Path(state_dir) / "endpoints.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@asynccontextmanager
+async def _jetstream(args):
+    """The stream to read: --nats-url, NATS_URL, a running `arena up`, or (when it is
+    stopped) a temporary nats-server on the store `arena up` left behind."""
+    import nats  # noqa: PLC0415
+
+    from infra.servers import start_nats  # noqa: PLC0415
+
+    url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
+    server = None
+    nc = None
+    if url:
+        try:
+            nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+        except Exception:
+            nc = None
+    if nc is None:
+        store = Path(args.state_dir) / "nats"
+        if not store.exists():
+            raise SystemExit(f"no NATS server reachable and no stored stream at {store}; pass --nats-url")
+        server = start_nats(store)
+        nc = await nats.connect(server.url)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+        if server:
+            server.stop()
+
+
+def _line(event) -> str:
+    d = event.model_dump(mode="json")
+    keep = {k: v for k, v in d.items() if k not in ("event_id", "request_id", "conv_id", "occurred_at", "type",
+                                                       "schema_version")}
+    text = json.dumps(keep, ensure_ascii=False)
+    return f"{d['occurred_at']}  {event.type:<17} req={event.request_id} turn={event.turn_id}  {text[:300]}"
+
+
+async def _replay(args) -> int:
+    from infra.replay import conversation_events, request_events  # noqa: PLC0415
+
+    async with _jetstream(args) as js:
+        events = (await request_events(js, args.request_id) if args.request_id
+                  else await conversation_events(js, args.conv_id))
+    for e in events:
+        print(e.model_dump_json() if args.json else _line(e))
+    if not events:
+        print("no events found", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _audit(args) -> int:
+    from infra.replay import audit_window, parse_window  # noqa: PLC0415
+
+    async with _jetstream(args) as js:
+        report = await audit_window(js, parse_window(args.since))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"requests: {report['requests']}  in flight: {len(report['in_flight'])}")
+        print(f"missing terminal event: {len(report['missing_terminal'])}")
+        for r in report["missing_terminal"]:
+            print(f"  {r}")
+        print(f"more than one terminal event: {len(report['duplicate_terminal'])}")
+        for r in report["duplicate_terminal"]:
+            print(f"  {r}")
+        print("OK" if report["ok"] else "PROBLEMS FOUND")
+    return 0 if report["ok"] else 1
+
+
+def _asyncapi(args) -> int:
+    from infra.asyncapi import schema_json  # noqa: PLC0415
+
+    text = schema_json()
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start everything on this machine")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000; 0 picks a free one)")
+    up.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--models-config", default=None, help="YAML/JSON file listing served models")
+    up.add_argument("--default-model", default=None)
+    up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
+    up.add_argument("--max-batch-size", type=int, default=32)
+    up.add_argument("--inference-replicas", type=int, default=1)
+    up.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+    up.add_argument("--ready-timeout", type=float, default=180.0)
+
+    run = sub.add_parser("run", help="run one process (settings from ARENA_* variables)")
+    run.add_argument("role", choices=ROLES)
+
+    for name, helptext in (("replay", "print every event of a request or conversation"),
+                           ("audit", "check every request reached exactly one terminal event")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("--nats-url", default=None)
+        sp.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+        sp.add_argument("--json", action="store_true")
+        if name == "replay":
+            g = sp.add_mutually_exclusive_group(required=True)
+            g.add_argument("--request-id")
+            g.add_argument("--conv-id")
+        else:
+            sp.add_argument("--since", default="1h", help="window, e.g. 30m, 1h, 2d")
+
+    fe = sub.add_parser("filter-eval", help="measure the prompt filter on a labelled JSONL file")
+    fe.add_argument("file")
+    fe.add_argument("--json", action="store_true")
+
+    aa = sub.add_parser("asyncapi", help="write the AsyncAPI document of the event contract")
+    aa.add_argument("--out", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.cmd == "up":
+        from infra.supervisor import up  # noqa: PLC0415
+
+        return up(args)
+    if args.cmd == "run":
+        return run_role(args.role)
+    if args.cmd == "replay":
+        return asyncio.run(_replay(args))
+    if args.cmd == "audit":
+        return asyncio.run(_audit(args))
+    if args.cmd == "filter-eval":
+        from consumers.filter.evaluate import main as filter_eval  # noqa: PLC0415
+
+        return filter_eval([args.file] + (["--json"] if args.json else []))
+    if args.cmd == "asyncapi":
+        return _asyncapi(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

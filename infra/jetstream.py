@@ -1,0 +1,92 @@
+"""Creating the stream and the durable consumers, and publishing events.
+
+Everything is declared explicitly and idempotently at start-up (never implicitly by a
+first subscriber), so a consumer's ack deadline and bounds are what the code says.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from events import encode, subjects
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86_400
+
+
+def stream_config(retention_days: float) -> StreamConfig:
+    return StreamConfig(
+        name=subjects.STREAM,
+        subjects=list(subjects.STREAM_SUBJECTS),
+        # Limits retention: acked events stay, so any request can be replayed.
+        retention=RetentionPolicy.LIMITS,
+        max_age=retention_days * DAY_S,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=300.0,
+    )
+
+
+def consumer_configs(ack_wait_s: float = 30.0, max_ack_pending: int = 256) -> list[ConsumerConfig]:
+    def durable(name: str, subject: str, **kw) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=name,
+            filter_subject=subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW,
+            **kw,
+        )
+
+    return [
+        durable(subjects.FILTER_CONSUMER, subjects.FILTER_SUBJECT, ack_wait=30.0, max_deliver=10),
+        durable(
+            subjects.INFERENCE_CONSUMER,
+            subjects.INFERENCE_SUBJECT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+            max_deliver=20,
+        ),
+        durable(subjects.DELIVERY_CONSUMER, subjects.DELIVERY_SUBJECT, ack_wait=30.0, max_deliver=20),
+    ]
+
+
+async def ensure_topology(js: JetStreamContext, retention_days: float = 7.0, **consumer_kw) -> None:
+    """Create or update the stream and the durable consumers; safe to run from every process."""
+    config = stream_config(retention_days)
+    try:
+        await js.update_stream(config)
+    except NotFoundError:
+        await js.add_stream(config)
+    for cc in consumer_configs(**consumer_kw):
+        try:
+            await js.add_consumer(subjects.STREAM, cc)
+        except BadRequestError as exc:
+            # Exists with other settings (e.g. an operator changed ack_wait): keep it, say so.
+            log.warning("consumer %s kept as it is: %s", cc.durable_name, exc)
+
+
+async def connect(url: str, name: str) -> nats.NATS:
+    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+
+
+async def publish(js: JetStreamContext, event) -> None:
+    """Publish an event with its dedupe key, so a repeated publish is dropped by the server."""
+    await js.publish(
+        subjects.subject_for(event),
+        encode(event),
+        headers={"Nats-Msg-Id": subjects.dedupe_key(event)},
+    )

@@ -1,0 +1,44 @@
+"""Structured (JSON-lines) logging; every record may carry a request id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_FIELDS = ("request_id", "conv_id", "model", "event", "count", "seconds", "component")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(time.time(), 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in _FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup(level: str = "INFO", process: str | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    if process:
+        old = logging.getLogRecordFactory()
+
+        def factory(*args, **kwargs):
+            record = old(*args, **kwargs)
+            record.component = process
+            return record
+
+        logging.setLogRecordFactory(factory)

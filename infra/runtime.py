@@ -1,0 +1,56 @@
+"""What every consumer process shares: a management connection and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import suppress
+from typing import Callable
+
+import nats
+
+from events import subjects
+from infra import jetstream
+
+log = logging.getLogger(__name__)
+
+
+class ProcessRuntime:
+    """A NATS connection for publishing and heartbeats, opened before the broker subscribes."""
+
+    def __init__(self, role: str, settings, status: Callable[[], dict] | None = None):
+        self.role = role
+        self.settings = settings
+        self.status = status or (lambda: {})
+        self.nc: nats.NATS | None = None
+        self.js = None
+        self._beat: asyncio.Task | None = None
+        self.ready = False
+
+    async def start(self, **consumer_kw) -> None:
+        self.nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
+        self.js = self.nc.jetstream()
+        await jetstream.ensure_topology(self.js, self.settings.retention_days, **consumer_kw)
+        self._beat = asyncio.create_task(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        subject = subjects.heartbeat_subject(self.role, self.settings.instance_id.replace(".", "_"))
+        while True:
+            beat = {"role": self.role, "instance": self.settings.instance_id, "ready": self.ready,
+                    "ts": time.time(), **self.status()}
+            with suppress(Exception):
+                await self.nc.publish(subject, json.dumps(beat).encode())
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def publish(self, event) -> None:
+        await jetstream.publish(self.js, event)
+
+    async def stop(self) -> None:
+        if self._beat:
+            self._beat.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._beat
+        if self.nc and not self.nc.is_closed:
+            await self.nc.drain()
