@@ -1,0 +1,161 @@
+"""Per-request sampling parameters, token selection, and incremental detokenization.
+
+Reproducibility contract: a request's tokens depend only on its own prompt, its
+parameters and its seed, never on which other requests share its batch. Each sampled
+request owns a CPU ``torch.Generator`` and draws exactly one uniform number from it per
+step (inverse-CDF sampling), so batch composition cannot shift its random stream; the
+global RNG is never touched.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request."""
+
+    temperature: float = 1.0  # 0 means greedy (argmax); top_p and seed are then unused
+    top_p: float = 1.0  # nucleus: sample among the smallest set of tokens with this much mass
+    max_tokens: int = 256  # completion tokens at most (the engine may clamp it to the context)
+    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
+    seed: int | None = None  # None draws a fresh seed per request (not reproducible)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # Accept any iterable (a list from JSON) but store a tuple so params stay hashable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's private RNG, or None for greedy requests."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """Pick one token per row of ``logits`` ([batch, vocab]) under each row's params.
+
+    Every row is computed independently of the others (row-wise ops only), and every
+    sampled row consumes exactly one draw from its own generator.
+    """
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)
+        uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
+        picked = _sample_top_p(logits.index_select(0, rows) / temps[:, None], top_p, uniforms.to(logits.device))
+        tokens = tokens.index_copy(0, rows, picked)
+    return tokens.tolist()
+
+
+def _sample_top_p(logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Keep a token while the mass before it is below top_p; the first is always kept.
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p[:, None]
+    cdf = (sorted_probs * keep).cumsum(dim=-1)
+    target = uniforms * cdf[:, -1]
+    pos = torch.searchsorted(cdf, target[:, None], right=True).clamp(max=keep.sum(dim=-1, keepdim=True) - 1)
+    return order.gather(-1, pos).squeeze(-1)
+
+
+@dataclass
+class TextTracker:
+    """Turns a request's generated token ids into text deltas and applies stop strings.
+
+    Text is decoded together with a few prompt tokens so that tokenizers that drop a
+    leading space at the start of a decode (SentencePiece) still produce it. A delta
+    never ends inside a multi-byte character (the replacement character marks an
+    incomplete one), and never ends with text that could be the start of a stop
+    string: that tail is held back until it is resolved or the request finishes.
+    """
+
+    tokenizer: Any
+    prompt_ids: list[int]
+    stop: tuple[str, ...] = ()
+    _prefix_ids: list[int] = field(init=False)
+    _prefix_len: int = field(init=False)
+    _ids: list[int] = field(init=False, default_factory=list)
+    _emitted: int = field(init=False, default=0)
+    text: str = field(init=False, default="")  # the completion so far, stop-trimmed
+    stopped: bool = field(init=False, default=False)
+
+    _PREFIX_TOKENS = 4
+
+    def __post_init__(self) -> None:
+        self._prefix_ids = list(self.prompt_ids[-self._PREFIX_TOKENS :])
+        self._prefix_len = len(self._decode(self._prefix_ids))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the new text that is safe to emit (may be empty)."""
+        self._ids.append(token_id)
+        full = self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
+        if self.stop:
+            cut = _first_stop(full, self.stop, start=self._emitted)
+            if cut is not None:
+                self.stopped = True
+                self.text = full[:cut]
+                return self._emit(cut)
+        self.text = full
+        if full.endswith("\ufffd"):
+            return ""
+        return self._emit(len(full) - _partial_stop_len(full, self.stop))
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of generation."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : upto]
+        self._emitted = upto
+        return delta
+
+
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    # Emitted text never ends with the start of a stop string (that tail is held
+    # back), so a stop string can only begin at or after ``start``.
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,257 @@
+"""Tests of the stepping batch engine against the real stories260K model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.errors import PermanentError, PromptTooLong
+from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.sampling import SamplingParams
+
+STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
+
+PROMPTS = [
+    "Once upon a time",
+    "Lily had a red ball. She",
+    "The big dog ran to the park and saw a bird in the tall green tree. The dog",
+    "Tom",
+    "One day, a little boy named Ben went to the beach with his mom and dad.",
+    "Sara liked to",
+    "There was a cat who",
+    "The sun was shining and the birds were singing. Anna wanted to go outside, but",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(ModelSpec(name="stories-260k", path=str(STORIES)))
+
+
+def ids(loaded, text: str) -> list[int]:
+    return loaded.tokenizer(text).input_ids
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(engine: BatchEngine, arrivals: dict[int, list[GenRequest]] | None = None) -> dict[str, list[StepOutput]]:
+    """Step until idle, adding ``arrivals[step]`` before each step; outputs per request."""
+    arrivals = dict(arrivals or {})
+    outs: dict[str, list[StepOutput]] = {}
+    step = 0
+    while engine.has_work() or arrivals:
+        for req in arrivals.pop(step, []):
+            engine.add(req)
+        assert engine.running <= engine.max_batch_size
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        step += 1
+        assert step < 10_000
+    return outs
+
+
+def tokens(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def alone(loaded, mode, req: GenRequest) -> list[int]:
+    return tokens(run(BatchEngine(loaded, mode), {0: [req]})[req.request_id])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:4])
+def test_greedy_alone_matches_model_generate(loaded, prompt):
+    prompt_ids = ids(loaded, prompt)
+    expected = loaded.model.generate(
+        torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt_ids) :].tolist()
+    got = alone(loaded, "continuous", GenRequest("r", prompt_ids, SamplingParams(temperature=0, max_tokens=40)))
+    # generate() stops at EOS too; compare up to and including it.
+    if 2 in expected:
+        expected = expected[: expected.index(2) + 1]
+    assert got == expected
+
+
+def _requests(loaded, sampled: bool) -> list[GenRequest]:
+    reqs = []
+    for i, text in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=20 + 5 * i) if sampled else (
+            SamplingParams(temperature=0, max_tokens=20 + 5 * i)
+        )
+        reqs.append(GenRequest(f"r{i}", ids(loaded, text), params))
+    return reqs
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_batched_output_equals_alone(loaded, mode, sampled):
+    reqs = _requests(loaded, sampled)
+    solo = {r.request_id: run(BatchEngine(loaded, mode), {0: [r]})[r.request_id] for r in reqs}
+    # Staggered arrivals: 3 at once, then others joining at different steps.
+    arrivals = {0: reqs[:3], 2: reqs[3:5], 7: [reqs[5]], 11: reqs[6:]}
+    outs = run(BatchEngine(loaded, mode, max_batch_size=8), arrivals)
+    assert {rid: tokens(o) for rid, o in outs.items()} == {rid: tokens(o) for rid, o in solo.items()}
+    for rid, o in outs.items():
+        assert o[-1].finished and not any(x.finished for x in o[:-1])
+        text = "".join(x.new_text for x in o)
+        assert text == "".join(x.new_text for x in solo[rid])
+        assert text.strip() == loaded.tokenizer.decode(tokens(o), skip_special_tokens=True).strip()
+    if sampled:
+        greedy = alone(loaded, mode, GenRequest("x", reqs[0].prompt_ids, GREEDY))
+        assert tokens(solo["r0"]) != greedy[: len(solo["r0"])]
+
+
+def test_continuous_lets_short_request_overtake(loaded):
+    long = GenRequest("long", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=200))
+    short = GenRequest("short", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=3))
+    finished_at = {}
+    for mode in ("continuous", "static"):
+        engine = BatchEngine(loaded, mode)
+        engine.add(long)
+        step = 0
+        while engine.has_work():
+            if step == 5:
+                engine.add(short)
+            for out in engine.step():
+                if out.finished:
+                    finished_at[(mode, out.request_id)] = step
+            step += 1
+    assert finished_at[("continuous", "short")] == 5 + 2  # prefill + 2 decode steps
+    assert finished_at[("continuous", "short")] < finished_at[("continuous", "long")]
+    assert finished_at[("static", "short")] > finished_at[("static", "long")]
+
+
+def test_static_admits_only_into_an_empty_batch(loaded):
+    engine = BatchEngine(loaded, "static", max_batch_size=2)
+    for i in range(3):
+        engine.add(GenRequest(f"r{i}", ids(loaded, PROMPTS[i]), SamplingParams(temperature=0, max_tokens=4)))
+    engine.step()
+    assert (engine.running, engine.waiting) == (2, 1)
+    engine.add(GenRequest("late", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=4)))
+    for _ in range(2):  # tokens 2 and 3 of the first micro-batch; nobody joins
+        engine.step()
+        assert (engine.running, engine.waiting) == (2, 2)
+    outs = engine.step()  # token 4 finishes the batch; the next two are admitted
+    assert sorted(o.request_id for o in outs if o.finished) == ["r0", "r1"]
+    assert (engine.running, engine.waiting) == (2, 0)
+
+
+def test_cache_shrinks_when_long_rows_leave(loaded):
+    engine = BatchEngine(loaded, "continuous")
+    engine.add(GenRequest("long-prompt", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0, max_tokens=2)))
+    engine.add(GenRequest("short-prompt", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=30)))
+    engine.step()
+    wide = engine._mask.shape[1]
+    engine.step()  # long-prompt finishes; its padding columns go
+    engine.step()
+    assert engine.running == 1
+    assert engine._mask.shape[1] == len(ids(loaded, PROMPTS[3])) + 2
+    assert engine._mask.shape[1] < wide
+    assert engine._cache.layers[0].keys.shape[2] == engine._mask.shape[1]
+
+
+def test_expired_waiting_request_finishes_without_compute(loaded):
+    clock = Clock()
+    engine = BatchEngine(loaded, "continuous", clock=clock)
+    engine.add(GenRequest("late", ids(loaded, PROMPTS[0]), GREEDY, deadline=clock.now - 1))
+    [out] = engine.step()
+    assert (out.finish_reason, out.completion_tokens, out.new_token_ids) == ("deadline", 0, [])
+    assert engine.running == 0 and not engine.has_work()
+
+
+def test_running_request_past_deadline_finishes_at_next_step(loaded):
+    clock = Clock()
+    engine = BatchEngine(loaded, "continuous", clock=clock)
+    engine.add(GenRequest("a", ids(loaded, PROMPTS[0]), GREEDY, deadline=clock.now + 10))
+    engine.add(GenRequest("b", ids(loaded, PROMPTS[1]), GREEDY))
+    engine.step()
+    engine.step()
+    clock.now += 11
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].finish_reason == "deadline" and outs["a"].completion_tokens == 2
+    assert not outs["b"].finished and outs["b"].completion_tokens == 3
+    assert engine.running == 1
+
+
+def test_cancel_waiting_and_running(loaded):
+    engine = BatchEngine(loaded, "static", max_batch_size=1)
+    engine.add(GenRequest("run", ids(loaded, PROMPTS[0]), GREEDY))
+    engine.add(GenRequest("queued", ids(loaded, PROMPTS[1]), GREEDY))
+    engine.step()
+    engine.cancel("queued")
+    engine.cancel("run")
+    engine.cancel("unknown")  # ignored
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["queued"].finish_reason == "cancelled" and outs["queued"].completion_tokens == 0
+    assert outs["run"].finish_reason == "cancelled" and outs["run"].completion_tokens == 1
+    assert not engine.has_work()
+    # The id may be reused once finished.
+    engine.add(GenRequest("run", ids(loaded, PROMPTS[0]), GREEDY))
+    assert engine.waiting == 1
+
+
+def test_prompt_too_long_and_duplicates_rejected_at_add(loaded):
+    engine = BatchEngine(loaded, "continuous")
+    with pytest.raises(PromptTooLong) as err:
+        engine.add(GenRequest("big", [1] * loaded.context_len, GREEDY))
+    assert isinstance(err.value, PermanentError) and "512" in str(err.value)
+    with pytest.raises(PermanentError):
+        engine.add(GenRequest("empty", [], GREEDY))
+    engine.add(GenRequest("dup", [1, 403], GREEDY))
+    with pytest.raises(PermanentError):
+        engine.add(GenRequest("dup", [1, 403], GREEDY))
+
+
+def test_max_tokens_clamped_to_context(loaded):
+    prompt = (ids(loaded, PROMPTS[4]) * 40)[: loaded.context_len - 5]
+    outs = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("r", prompt, SamplingParams(temperature=0, max_tokens=100, stop=("zzz",)))]})["r"]
+    last = outs[-1]
+    assert last.completion_tokens <= 5
+    assert last.finish_reason == "length" or 2 in tokens(outs)
+
+
+def test_stop_string_trims_text(loaded):
+    prompt = ids(loaded, "Once upon a time")
+    free = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("free", prompt, GREEDY)]})["free"]
+    full_text = "".join(o.new_text for o in free)
+    assert "Lily" in full_text
+    stopped = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("s", prompt, SamplingParams(temperature=0, max_tokens=40, stop=("Lily",)))]})["s"]
+    assert stopped[-1].finish_reason == "stop"
+    assert "".join(o.new_text for o in stopped) == full_text[: full_text.index("Lily")]
+
+
+def test_eos_finishes_with_stop(loaded):
+    # Greedy stories rarely end on their own, so declare "." the end-of-sequence token.
+    dot = loaded.tokenizer.convert_tokens_to_ids(".")
+    engine = BatchEngine(dataclasses.replace(loaded, eos_ids=[dot]), "continuous")
+    outs = run(engine, {0: [GenRequest("r", ids(loaded, "Once upon a time"), SamplingParams(temperature=0, max_tokens=400))]})["r"]
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].new_token_ids == [dot] and dot not in tokens(outs[:-1])
+    assert outs[-1].completion_tokens == len(tokens(outs)) < 400
+
+
+def test_forward_error_fails_requests_not_engine(loaded, monkeypatch):
+    engine = BatchEngine(loaded, "continuous")
+    engine.add(GenRequest("ok", ids(loaded, PROMPTS[0]), GREEDY))
+    engine.step()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(engine, "_model", boom)
+    [out] = engine.step()
+    assert (out.request_id, out.finish_reason) == ("ok", "error")
+    assert not engine.has_work()
+    monkeypatch.undo()
+    engine.add(GenRequest("after", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=3)))
+    assert tokens(run(engine)["after"]) == alone(loaded, "continuous", GenRequest("x", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=3)))
