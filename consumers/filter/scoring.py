@@ -1,0 +1,158 @@
+"""Injection scoring and the pass / sanitize / reject decision (pure functions).
+
+Each rule that fires contributes a weight; the score is their noisy-OR,
+``1 - prod(1 - w)``, so it stays in [0, 1], grows with independent evidence, and
+no single weak cue can reach the reject threshold alone. The weights were set
+by judgement before any measurement (they say how sure one cue makes us); only
+the reject threshold was chosen on data (docs/filter.md).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from consumers.filter.sanitize import Skeleton
+
+__all__ = ["RULE_WEIGHTS", "decide", "gibberish", "score"]
+
+Action = Literal["pass", "sanitized", "reject"]
+
+#: Weight of each reason code; sanitizing findings are scored too.
+RULE_WEIGHTS: dict[str, float] = {
+    "control_token": 0.5,
+    "role_marker:system": 0.5,
+    "role_marker:tool": 0.5,
+    "role_marker:assistant": 0.4,
+    "role_marker:user": 0.1,
+    "invisible:bidi_or_tag": 0.3,
+    "invisible:zero_width": 0.2,
+    "obfuscation:mixed_script": 0.3,
+    "jailbreak:ignore_previous": 0.7,
+    "jailbreak:ignore_ethics": 0.5,
+    "jailbreak:persona": 0.5,
+    "jailbreak:no_refusal": 0.5,
+    "jailbreak:prefill": 0.4,
+    "jailbreak:hypothetical": 0.2,
+}
+
+# Phrases of published jailbreak styles, matched on the folded skeleton.
+_JAILBREAK = {
+    "jailbreak:ignore_previous": (
+        r"\b(?:ignore|disregard|forget|override|bypass)\b[^.\n]{0,40}?\b(?:previous|prior|above|earlier|preceding"
+        r"|all|any|your|the|system)\b[^.\n]{0,30}?\b(?:instructions?|prompts?|rules|directions|guidelines"
+        r"|restrictions|programming|constraints|polic(?:y|ies)|directives?)\b"
+    ),
+    "jailbreak:ignore_ethics": (
+        r"\b(?:ignor\w*|disregard\w*|without|regardless of|set aside)\b[^.\n]{0,30}?\b(?:moral|ethical|legal)"
+        r"\w*\b[^.\n]{0,20}?\b(?:implications|considerations|concerns|guidelines|constraints|boundaries)"
+    ),
+    "jailbreak:persona": (
+        r"\b(?:do anything now|developer mode|jailbr(?:oken|eak)|unfiltered and amoral|amoral|dan mode"
+        r"|(?:no|any|without) (?:ethical|moral) (?:or moral )?(?:guidelines|principles|boundaries|restrictions)"
+        r"|stay in character|never break character)\b"
+    ),
+    "jailbreak:no_refusal": (
+        r"\b(?:never (?:ever )?(?:refuse|say no|start your response with)"
+        r"|(?:do not|don't|never|will not|won't|should not|shouldn't) (?:apologi[sz]e|refuse|contain \W*i'm sorry"
+        r"|include (?:any )?(?:warnings|disclaimers|caveats))"
+        r"|without (?:any )?(?:warnings|disclaimers|caveats|refusals?))"
+    ),
+    "jailbreak:prefill": (
+        r"\b(?:(?:start|begin) (?:your|the) (?:response|reply|answer|output) (?:with|using|by saying)"
+        r"|respond (?:only )?with \W*sure)"
+    ),
+    "jailbreak:hypothetical": (
+        r"\b(?:for (?:purely )?educational (?:and research )?purposes|purely (?:hypothetical\w*|for fictional purposes)"
+        r"|entirely hypothetical\w*|fictional purposes)"
+    ),
+}
+# Words one of which each pattern needs: a substring test is far cheaper than a
+# regex scan, and most prompts contain none of them.
+_NEEDS = {
+    "jailbreak:ignore_previous": ("ignor", "disregard", "forget", "override", "bypass"),
+    "jailbreak:ignore_ethics": ("moral", "ethical", "legal"),
+    "jailbreak:persona": ("anything now", "developer mode", "jailbr", "amoral", "dan mode", "ethical", "moral", "character"),
+    "jailbreak:no_refusal": ("never", "not ", "n't", "without"),
+    "jailbreak:prefill": ("start", "begin", "respond"),
+    "jailbreak:hypothetical": ("educational", "hypothetical", "fictional"),
+}
+_JAILBREAK_RE = {code: (re.compile(p), _NEEDS[code]) for code, p in _JAILBREAK.items()}
+_NON_LATIN_LETTER = re.compile(r"[\u0370-\u03ff\u0400-\u04ff]")
+
+_MIXED_SCRIPT = re.compile(r"\b(?=\w*[a-zA-Z])(?=\w*[\u0370-\u03ff\u0400-\u04ff])\w+\b")
+_SYMBOLS = set("{}[]()<>|\\$^~=`\"'*#@&;")
+_GLUED = re.compile(r"[a-z][A-Z]|[A-Za-z]\d[A-Za-z]|[({\[][({\[]|[)}\]][({\[.]")
+_CLOSE = {")": "(", "]": "[", "}": "{"}
+# Kinds of evidence that the text is code or LaTeX, where glued symbols are normal.
+_CODE = re.compile(
+    r";[ \t]*(?:$|\\n)|==|->|\breturn\b|\bdef |#include|\bimport\b|\\n|\\section|\\label"
+    r"|\bint \w+\s*[=(;]|:\s*np\.|\bprint\(|\bconsole\.",
+    re.M,
+)
+
+
+def gibberish(text: str) -> float:
+    """How much the last line of ``text`` looks like an optimized adversarial suffix.
+
+    GCG-style suffixes are word fragments glued to stray brackets and markup
+    ("trunc {\\}/ST] Title summar ToS'. (.umerate((quantity|_{]"), usually
+    with unbalanced brackets; prose rarely has both, and text showing two kinds
+    of code evidence is let off. Returns 0..0.8.
+    """
+    tail = text[-1000:].rstrip().rpartition("\n")[2][-240:]
+    words = tail.split()[-24:]
+    if len(words) < 6:
+        return 0.0
+    odd = 0
+    for w in words:
+        letters = sum(c.isalpha() for c in w)
+        symbols = sum(c in _SYMBOLS for c in w)
+        if letters and (symbols >= 2 or (symbols and _GLUED.search(w)) or (letters > 3 and _GLUED.search(w))):
+            odd += 1
+    stack: list[str] = []
+    unbalanced = 0
+    for c in tail:
+        if c in "([{":
+            stack.append(c)
+        elif c in _CLOSE:
+            if stack and stack[-1] == _CLOSE[c]:
+                stack.pop()
+            else:
+                unbalanced += 1
+    unbalanced += len(stack)
+    if odd < 3 or unbalanced < 1:
+        return 0.0
+    if len({m.group(0).strip() for m in _CODE.finditer(text)}) >= 2:
+        return 0.0
+    return min(0.8, 0.15 * odd + 0.1 * min(unbalanced, 3))
+
+
+def score(sk: Skeleton, original: str, found: tuple[str, ...] = ()) -> tuple[float, tuple[str, ...]]:
+    """Injection score in [0, 1] and its reason codes.
+
+    ``found`` are the reason codes of sanitizing findings; ``original`` is the
+    unfolded text (the suffix heuristic needs its case and brackets).
+    """
+    reasons = dict.fromkeys(found)
+    text = sk.text
+    for code, (pattern, needs) in _JAILBREAK_RE.items():
+        if any(word in text for word in needs) and pattern.search(text):
+            reasons[code] = None
+    if not original.isascii() and _NON_LATIN_LETTER.search(original) and _MIXED_SCRIPT.search(original):
+        reasons["obfuscation:mixed_script"] = None
+    keep = 1.0
+    for code in reasons:
+        keep *= 1.0 - RULE_WEIGHTS.get(code, 0.0)
+    suffix = gibberish(original)
+    if suffix:
+        reasons["adversarial_suffix"] = None
+        keep *= 1.0 - suffix
+    return round(1.0 - keep, 4), tuple(reasons)
+
+
+def decide(score_: float, changed: bool, reject_threshold: float) -> Action:
+    """Reject at or above the threshold; else "sanitized" if the text changed."""
+    if score_ >= reject_threshold:
+        return "reject"
+    return "sanitized" if changed else "pass"
