@@ -84,12 +84,30 @@ _MIXED_SCRIPT = re.compile(r"\b(?=\w*[a-zA-Z])(?=\w*[\u0370-\u03ff\u0400-\u04ff]
 _SYMBOLS = set("{}[]()<>|\\$^~=`\"'*#@&;")
 _GLUED = re.compile(r"[a-z][A-Z]|[A-Za-z]\d[A-Za-z]|[({\[][({\[]|[)}\]][({\[.]")
 _CLOSE = {")": "(", "]": "[", "}": "{"}
+_BRACKETS = frozenset("()[]{}")
 # Kinds of evidence that the text is code or LaTeX, where glued symbols are normal.
 _CODE = re.compile(
     r";[ \t]*(?:$|\\n)|==|->|\breturn\b|\bdef |#include|\bimport\b|\\n|\\section|\\label"
     r"|\bint \w+\s*[=(;]|:\s*np\.|\bprint\(|\bconsole\.",
     re.M,
 )
+
+
+def _unbalanced(tail: str) -> int:
+    """Closing brackets without their opener, plus openers never closed."""
+    brackets = [c for c in tail if c in _BRACKETS]
+    if not brackets:
+        return 0
+    stack: list[str] = []
+    unbalanced = 0
+    for c in brackets:
+        if c not in _CLOSE:
+            stack.append(c)
+        elif stack and stack[-1] == _CLOSE[c]:
+            stack.pop()
+        else:
+            unbalanced += 1
+    return unbalanced + len(stack)
 
 
 def gibberish(text: str) -> float:
@@ -101,6 +119,9 @@ def gibberish(text: str) -> float:
     of code evidence is let off. Returns 0..0.8.
     """
     tail = text[-1000:].rstrip().rpartition("\n")[2][-240:]
+    unbalanced = _unbalanced(tail)  # cheap, and zero for most prompts: test it first
+    if not unbalanced:
+        return 0.0
     words = tail.split()[-24:]
     if len(words) < 6:
         return 0.0
@@ -110,18 +131,7 @@ def gibberish(text: str) -> float:
         symbols = sum(c in _SYMBOLS for c in w)
         if letters and (symbols >= 2 or (symbols and _GLUED.search(w)) or (letters > 3 and _GLUED.search(w))):
             odd += 1
-    stack: list[str] = []
-    unbalanced = 0
-    for c in tail:
-        if c in "([{":
-            stack.append(c)
-        elif c in _CLOSE:
-            if stack and stack[-1] == _CLOSE[c]:
-                stack.pop()
-            else:
-                unbalanced += 1
-    unbalanced += len(stack)
-    if odd < 3 or unbalanced < 1:
+    if odd < 3:
         return 0.0
     if len({m.group(0).strip() for m in _CODE.finditer(text)}) >= 2:
         return 0.0
