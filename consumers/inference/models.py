@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ FALLBACK_TEMPLATE = (
     "{{ m['content'] }}"
     "{% endfor %}"
 )
+
+# transformers' from_pretrained is not thread-safe: two concurrent loads in one process
+# can leave tied weights on the meta device. Loads are serialized here.
+_LOAD_LOCK = threading.Lock()
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -203,11 +208,12 @@ def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec.path)
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=_DTYPES[spec.dtype])
+        with _LOAD_LOCK:
+            tokenizer = AutoTokenizer.from_pretrained(spec.path)
+            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=_DTYPES[spec.dtype])
+            model.to(spec.device)
     except (OSError, ValueError) as exc:
         raise PermanentError(f"cannot load model {spec.name!r} from {spec.path!r}: {exc}") from exc
-    model.to(spec.device)
     model.eval()
     loaded = LoadedModel(
         model=model,
