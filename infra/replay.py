@@ -20,7 +20,9 @@ async def read_events(js, filter_subject: str, since: datetime | None = None, ti
     )
     sub = await js.subscribe(filter_subject, ordered_consumer=True, config=config)
     try:
-        total = (await sub.consumer_info()).num_pending
+        info = await sub.consumer_info()
+        # Messages may already be on their way to us: count those as well as the rest.
+        total = info.num_pending + info.delivered.consumer_seq
         out = []
         while len(out) < total:
             msg = await sub.next_msg(timeout=timeout)

@@ -41,7 +41,7 @@ async def deliver(raw: bytes, store: ResultStore, runtime: ProcessRuntime) -> bo
 
 def build_app(settings: DeliverySettings | None = None) -> FastStream:
     settings = settings or DeliverySettings()
-    broker = NatsBroker(settings.nats_url)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime("delivery", settings)
     store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
 
@@ -55,7 +55,7 @@ def build_app(settings: DeliverySettings | None = None) -> FastStream:
         pull_sub=PullSub(batch_size=settings.batch_size, timeout=5.0),
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )
-    async def on_output(body: bytes, message: NatsMessage) -> None:
+    async def on_output(body: dict, message: NatsMessage) -> None:
         await deliver(message.body, store, runtime)
 
     app = FastStream(broker)

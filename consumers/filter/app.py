@@ -44,7 +44,7 @@ def decide(event: ChatRequested, config: FilterConfig) -> PromptAccepted | Promp
 def build_app(settings: FilterSettings | None = None, config: FilterConfig | None = None) -> FastStream:
     settings = settings or FilterSettings()
     config = config or FilterConfig()
-    broker = NatsBroker(settings.nats_url)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime("filter", settings)
 
     @broker.subscriber(

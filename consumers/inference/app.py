@@ -32,7 +32,7 @@ def budget_bytes(settings: InferenceSettings) -> int:
 def build_app(settings: InferenceSettings | None = None) -> FastStream:
     settings = settings or InferenceSettings()
     specs = load_models_config(settings.models_config, settings.models_dir)
-    pool = ModelPool(specs, budget_bytes(settings), cuda_memory_fraction=settings.cuda_memory_fraction)
+    pool = ModelPool(specs, budget_bytes(settings), gpu_memory_fraction=settings.cuda_memory_fraction)
     metrics_port = settings.metrics_port or free_port()
 
     def status() -> dict:
@@ -41,7 +41,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
 
     runtime = ProcessRuntime("inference", settings, status)
     service = InferenceService(settings, pool, runtime.publish)
-    broker = NatsBroker(settings.nats_url)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
 
     # The design's dynamic batcher: a pull returns when max_batch_size messages are in,
     # or after max_wait_ms, whichever comes first.

@@ -27,7 +27,12 @@ def reference_completion(messages, max_tokens: int) -> str:
     ids = tok(text, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    # The completion is the text the new tokens add to the prompt's text (decoding the new
+    # tokens alone would drop the leading space of a sentencepiece word).
+    full = tok.decode(out[0], skip_special_tokens=True)
+    prefix = tok.decode(ids["input_ids"][0], skip_special_tokens=True)
+    assert full.startswith(prefix)
+    return full[len(prefix):]
 
 
 def test_chat_completion_is_the_models_own_greedy_output(stack):
