@@ -188,13 +188,12 @@ async def test_warm_loads_in_order(one_model_bytes):
 
 async def test_model_larger_than_budget_is_permanent(one_model_bytes):
     pool = make_pool(one_model_bytes)
-    await pool.warm(["a"])
+    await pool.warm(["a"])  # its size is now known exactly
     pool.budget_bytes = one_model_bytes // 2
-    await pool.remove("a")
-    await pool.add(ModelSpec(name="a", path=str(STORIES)))
-    pool._sizes["a"] = one_model_bytes  # size known from the earlier load
     with pytest.raises(PermanentError, match="raise the budget"):
-        await pool.acquire("a")
+        await pool.reload("a")
+    async with pool.use("a") as a:  # the resident version is untouched
+        assert a.version == 1
 
 
 def test_release_of_unborrowed_model_is_an_error(one_model_bytes):
