@@ -178,6 +178,21 @@ class BatchEngine:
                     self._cancelled.discard(out.request_id)
         return outputs
 
+    def fail_all(self) -> list[StepOutput]:
+        """Finish every running and waiting request with "error" and reset the batch.
+
+        For the driver to call when :meth:`step` raised (model errors inside a step are
+        already turned into "error" outputs by the step itself).
+        """
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+            self._active_ids.clear()
+            self._cancelled.clear()
+        outputs = [s.output([], "", "error") for s in self._seqs]
+        outputs += [StepOutput(r.request_id, [], "", True, "error", len(r.prompt_ids), 0) for r in waiting]
+        self._seqs, self._cache, self._mask = [], None, None
+        return outputs
+
     def _expired(self, req: GenRequest, now: float) -> bool:
         return req.deadline is not None and now >= req.deadline
 

@@ -304,7 +304,9 @@ class ModelPool:
         while self._used_bytes() > self.budget_bytes:
             victim = self._lru_unpinned(exclude=keep)
             if victim is None:
-                log.warning("pool over budget (%d > %d) with every other model in use", self._used_bytes(), self.budget_bytes)
+                log.warning(
+                    "pool over budget (%d > %d) with every other model in use", self._used_bytes(), self.budget_bytes
+                )
                 return
             self._evict(victim)
 

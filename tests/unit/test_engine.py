@@ -61,6 +61,10 @@ def run(engine: BatchEngine, arrivals: dict[int, list[GenRequest]] | None = None
     return outs
 
 
+def run_one(loaded, req: GenRequest) -> list[StepOutput]:
+    return run(BatchEngine(loaded, "continuous"), {0: [req]})[req.request_id]
+
+
 def tokens(outs: list[StepOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
@@ -214,7 +218,7 @@ def test_prompt_too_long_and_duplicates_rejected_at_add(loaded):
 
 def test_max_tokens_clamped_to_context(loaded):
     prompt = (ids(loaded, PROMPTS[4]) * 40)[: loaded.context_len - 5]
-    outs = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("r", prompt, SamplingParams(temperature=0, max_tokens=100, stop=("zzz",)))]})["r"]
+    outs = run_one(loaded, GenRequest("r", prompt, SamplingParams(temperature=0, max_tokens=100, stop=("zzz",))))
     last = outs[-1]
     assert last.completion_tokens <= 5
     assert last.finish_reason == "length" or 2 in tokens(outs)
@@ -222,10 +226,10 @@ def test_max_tokens_clamped_to_context(loaded):
 
 def test_stop_string_trims_text(loaded):
     prompt = ids(loaded, "Once upon a time")
-    free = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("free", prompt, GREEDY)]})["free"]
+    free = run_one(loaded, GenRequest("free", prompt, GREEDY))
     full_text = "".join(o.new_text for o in free)
     assert "Lily" in full_text
-    stopped = run(BatchEngine(loaded, "continuous"), {0: [GenRequest("s", prompt, SamplingParams(temperature=0, max_tokens=40, stop=("Lily",)))]})["s"]
+    stopped = run_one(loaded, GenRequest("s", prompt, SamplingParams(temperature=0, max_tokens=40, stop=("Lily",))))
     assert stopped[-1].finish_reason == "stop"
     assert "".join(o.new_text for o in stopped) == full_text[: full_text.index("Lily")]
 
@@ -234,7 +238,8 @@ def test_eos_finishes_with_stop(loaded):
     # Greedy stories rarely end on their own, so declare "." the end-of-sequence token.
     dot = loaded.tokenizer.convert_tokens_to_ids(".")
     engine = BatchEngine(dataclasses.replace(loaded, eos_ids=[dot]), "continuous")
-    outs = run(engine, {0: [GenRequest("r", ids(loaded, "Once upon a time"), SamplingParams(temperature=0, max_tokens=400))]})["r"]
+    req = GenRequest("r", ids(loaded, "Once upon a time"), SamplingParams(temperature=0, max_tokens=400))
+    outs = run(engine, {0: [req]})["r"]
     assert outs[-1].finish_reason == "stop"
     assert outs[-1].new_token_ids == [dot] and dot not in tokens(outs[:-1])
     assert outs[-1].completion_tokens == len(tokens(outs)) < 400
@@ -253,5 +258,21 @@ def test_forward_error_fails_requests_not_engine(loaded, monkeypatch):
     assert (out.request_id, out.finish_reason) == ("ok", "error")
     assert not engine.has_work()
     monkeypatch.undo()
-    engine.add(GenRequest("after", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=3)))
-    assert tokens(run(engine)["after"]) == alone(loaded, "continuous", GenRequest("x", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=3)))
+    three = SamplingParams(temperature=0, max_tokens=3)
+    engine.add(GenRequest("after", ids(loaded, PROMPTS[0]), three))
+    assert tokens(run(engine)["after"]) == alone(loaded, "continuous", GenRequest("x", ids(loaded, PROMPTS[0]), three))
+
+
+def test_fail_all_finishes_everything_with_error(loaded):
+    engine = BatchEngine(loaded, "static", max_batch_size=1)
+    engine.add(GenRequest("running", ids(loaded, PROMPTS[0]), GREEDY))
+    engine.add(GenRequest("queued", ids(loaded, PROMPTS[1]), GREEDY))
+    engine.step()
+    outs = {o.request_id: o for o in engine.fail_all()}
+    assert {rid: (o.finished, o.finish_reason) for rid, o in outs.items()} == {
+        "running": (True, "error"),
+        "queued": (True, "error"),
+    }
+    assert not engine.has_work()
+    engine.add(GenRequest("running", ids(loaded, PROMPTS[0]), GREEDY))  # ids are free again
+    assert len(engine.step()) == 1
