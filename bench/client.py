@@ -1,0 +1,151 @@
+"""One streamed chat completion against an OpenAI-compatible server, timed.
+
+Time to first token is the arrival of the first chunk with non-empty `delta.content`
+(servers send a role-only chunk first; that is not a token). Output tokens come from
+the final `usage` chunk when the server sends one (we ask with `stream_options`), else
+from the count of content chunks, one token each for the servers measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+import httpx
+
+Status = Literal["ok", "error", "rejected"]
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured; times in seconds from the run's start."""
+
+    session: int
+    turn: int
+    max_tokens: int
+    start_s: float
+    status: Status = "error"
+    http_status: int | None = None
+    latency_s: float | None = None
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    tokens_from: Literal["usage", "chunks", "none"] = "none"
+    error: str | None = None
+    text: str = ""
+    timings: dict | None = None
+
+    def as_json(self) -> dict:
+        row = asdict(self)
+        row.pop("text")
+        return row
+
+
+def check_local(base_url: str) -> str:
+    """The base URL without a trailing slash; refuses anything but this machine."""
+    host = urlsplit(base_url).hostname
+    if host not in LOCAL_HOSTS:
+        raise ValueError(f"base URL {base_url!r}: the benchmark only targets 127.0.0.1")
+    return base_url.rstrip("/")
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = True) -> dict:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        # Not in OpenAI's API; servers that know it keep generating past EOS so
+        # lengths stay as drawn, most others ignore it.
+        body["ignore_eos"] = True
+    return body
+
+
+def server_timings(body: dict) -> dict | None:
+    """Timings a server reports about itself (arenaflow: `x_arena.timings`), if any."""
+    usage = body.get("usage") or {}
+    return ((body.get("x_arena") or {}).get("timings") or body.get("x_arena_timings")
+            or usage.get("x_arena_timings"))
+
+
+async def complete_chat(
+    client: httpx.AsyncClient, base_url: str, body: dict, record: RequestRecord, t0: float
+) -> RequestRecord:
+    """Like `stream_chat` without streaming: one JSON answer, so no TTFT."""
+    body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    sent = time.perf_counter()
+    record.start_s = sent - t0
+    try:
+        resp = await client.post(f"{base_url}/v1/chat/completions", json=body)
+        record.http_status = resp.status_code
+        if resp.status_code != 200:
+            record.status = "rejected" if resp.status_code == 429 else "error"
+            record.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return record
+        answer = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+        return record
+    record.latency_s = time.perf_counter() - sent
+    record.text = answer["choices"][0]["message"]["content"] or ""
+    record.output_tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
+    record.tokens_from = "usage" if answer.get("usage") else "none"
+    record.timings = server_timings(answer)
+    record.status = "ok"
+    return record
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, base_url: str, body: dict, record: RequestRecord, t0: float
+) -> RequestRecord:
+    """Send `body`, fill `record` in place and return it; never raises for HTTP trouble."""
+    sent = time.perf_counter()
+    record.start_s = sent - t0
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
+            record.http_status = resp.status_code
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:200]
+                record.status = "rejected" if resp.status_code == 429 else "error"
+                record.error = f"HTTP {resp.status_code}: {detail}"
+                return record
+            parts: list[str] = []
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    record.error = str(event["error"])[:200]
+                    return record
+                for choice in event.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if record.ttft_s is None:
+                            record.ttft_s = time.perf_counter() - sent
+                        chunks += 1
+                        parts.append(content)
+                usage = event.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    record.output_tokens = int(usage["completion_tokens"])
+                    record.tokens_from = "usage"
+                record.timings = server_timings(event) or record.timings
+            record.text = "".join(parts)
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+        return record
+    record.latency_s = time.perf_counter() - sent
+    if record.tokens_from == "none" and chunks:
+        record.output_tokens, record.tokens_from = chunks, "chunks"
+    record.status = "ok"
+    return record

@@ -1,0 +1,147 @@
+"""Write a comparison's results as JSON, a markdown table and a latency plot.
+
+`results` is `{"meta": {...}, "targets": [...], "overhead": {...}}`; each target is
+`{"name", "status": "ok" | "not runnable" | "failed", "reason"?, "levels": [...]}` and
+each level carries `load_label`, `load` and a `summary` from `bench.stats.summarize`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REFERENCES = ("naive", "ceiling", "transformers-serve")
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f}%"
+
+
+def level_rows(results: dict) -> list[str]:
+    head = ("| target | load | req/s | tok/s | latency P50 / P95 / P99 (ms) "
+            "| TTFT P50 / P95 / P99 (ms) | errors | 429s |")
+    lines = [head, "|" + "---|" * 8]
+    for target in results["targets"]:
+        if target["status"] != "ok":
+            reason = target.get("reason", "").replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {target['name']} | {target['status']}: {reason} | | | | | | |")
+            continue
+        for level in target["levels"]:
+            s = level["summary"]
+            lat = " / ".join(_ms(s[f"latency_p{q}"]) for q in (50, 95, 99))
+            ttft = " / ".join(_ms(s[f"ttft_p{q}"]) for q in (50, 95, 99))
+            lines.append(
+                f"| {target['name']} | {level['load_label']} | {s['requests_per_s']:.2f} "
+                f"| {s['tokens_per_s']:.0f} | {lat} | {ttft} | {_pct(s['error_rate'])} "
+                f"| {_pct(s['rejection_rate'])} |"
+            )
+    return lines
+
+
+def peak(target: dict) -> dict | None:
+    """The level with the highest token throughput, or None for a target that did not run."""
+    if target["status"] != "ok" or not target["levels"]:
+        return None
+    return max(target["levels"], key=lambda lv: lv["summary"]["tokens_per_s"])
+
+
+def ratios(results: dict) -> dict[str, dict[str, float | None]]:
+    """Peak tokens/s of each target over each reference's peak tokens/s."""
+    peaks = {t["name"]: peak(t) for t in results["targets"]}
+    out: dict[str, dict[str, float | None]] = {}
+    for name, level in peaks.items():
+        out[name] = {}
+        for ref in REFERENCES:
+            ref_level = peaks.get(ref)
+            if level is None or ref_level is None or not ref_level["summary"]["tokens_per_s"]:
+                out[name][ref] = None
+            else:
+                out[name][ref] = level["summary"]["tokens_per_s"] / ref_level["summary"]["tokens_per_s"]
+    return out
+
+
+def ratio_rows(results: dict) -> list[str]:
+    table = ratios(results)
+    lines = ["| target | peak tok/s (at) | " + " | ".join(f"× {r}" for r in REFERENCES) + " |",
+             "|" + "---|" * (2 + len(REFERENCES))]
+    for target in results["targets"]:
+        level = peak(target)
+        if level is None:
+            continue
+        cells = " | ".join("–" if table[target["name"]][r] is None else f"{table[target['name']][r]:.2f}"
+                           for r in REFERENCES)
+        lines.append(f"| {target['name']} | {level['summary']['tokens_per_s']:.0f} "
+                     f"({level['load_label']}) | {cells} |")
+    return lines
+
+
+def overhead_rows(overhead: dict) -> list[str]:
+    lines = ["| target | requests | end-to-end P50 / P99 (ms) | compute P50 / P99 (ms) "
+             "| overhead P50 / P99 (ms) | overhead vs server-reported compute P50 / P99 (ms) |",
+             "|---|---|---|---|---|---|"]
+    for name, row in overhead.items():
+        if row.get("status") != "ok":
+            lines.append(f"| {name} | {row.get('status')}: {row.get('reason', '')[:120]} | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {row['requests']} | {_ms(row['latency_p50'])} / {_ms(row['latency_p99'])} "
+            f"| {_ms(row['compute_p50'])} / {_ms(row['compute_p99'])} "
+            f"| {_ms(row['overhead_p50'])} / {_ms(row['overhead_p99'])} "
+            f"| {_ms(row.get('server_overhead_p50'))} / {_ms(row.get('server_overhead_p99'))} |"
+        )
+    return lines
+
+
+def markdown(results: dict) -> str:
+    meta = results.get("meta", {})
+    parts = ["# Benchmark results", ""]
+    if meta:
+        parts += [f"- {key}: {value}" for key, value in meta.items()] + [""]
+    parts += ["## Throughput and latency", ""] + level_rows(results) + [""]
+    parts += ["## Ratios (peak tokens/s)", ""] + ratio_rows(results) + [""]
+    if results.get("overhead"):
+        parts += ["## Pipeline overhead at 1 user", ""] + overhead_rows(results["overhead"]) + [""]
+    return "\n".join(parts)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Latency P50/P95/P99 and tokens/s against offered load, one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    for target in results["targets"]:
+        if target["status"] != "ok" or not target["levels"]:
+            continue
+        loads = [lv["load"] for lv in target["levels"]]
+        for ax, q in zip(axes[:3], (50, 95, 99), strict=True):
+            ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in target["levels"]],
+                    marker="o", label=target["name"])
+        axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in target["levels"]],
+                     marker="o", label=target["name"])
+    for ax, title in zip(axes, ("latency P50", "latency P95", "latency P99", "throughput"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("offered load (users, or batch size for the ceiling)")
+        ax.set_ylabel("tokens/s" if title == "throughput" else "seconds")
+        ax.grid(alpha=0.3)
+    axes[3].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(results: dict, out: Path, stem: str = "results") -> list[Path]:
+    """Writes `{stem}.json`, `{stem}.md` and `{stem}.png` under `out`; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = {**results, "ratios": ratios(results)}
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    paths[0].write_text(json.dumps(results, indent=2) + "\n")
+    paths[1].write_text(markdown(results) + "\n")
+    plot(results, paths[2])
+    return paths
