@@ -1,0 +1,56 @@
+"""Pipeline overhead at low load: served latency minus the model's own compute.
+
+One user sends the ceiling's first N requests in order, one after another, without
+streaming (so the latency is the whole answer's); for each, overhead = end-to-end
+latency - the batch-1 `generate` time that `bench.ceiling` measured in-process for the
+same prompt and `max_tokens`. Where the server reports its own compute time
+(arenaflow's `x_arena.timings.compute_s`), latency minus that is given as well: the
+pipeline's own share, free of any difference between its model code and `generate`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from bench.client import RequestRecord, chat_body, check_local, complete_chat
+from bench.stats import percentile
+from bench.workload import Turn
+
+
+async def measure(base_url: str, model: str, turns: list[Turn], ignore_eos: bool = True,
+                  timeout_s: float = 120.0) -> list[RequestRecord]:
+    """The requests, sequentially, over one connection pool."""
+    base = check_local(base_url)
+    records = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client:
+        t0 = time.perf_counter()
+        for index, turn in enumerate(turns):
+            record = RequestRecord(session=index, turn=0, max_tokens=turn.max_tokens, start_s=0.0)
+            body = chat_body(model, [{"role": "user", "content": turn.user_message}], turn.max_tokens, ignore_eos)
+            records.append(await complete_chat(client, base, body, record, t0))
+    return records
+
+
+def overhead_row(records: list[RequestRecord], compute: list[dict]) -> dict:
+    """P50/P99 of latency, compute and their difference, over the requests that succeeded."""
+    pairs = [(r, c) for r, c in zip(records, compute, strict=False) if r.status == "ok"]
+    if not pairs:
+        errors = {r.error for r in records if r.error}
+        return {"status": "failed", "reason": f"no request succeeded: {sorted(errors)[:2]}"}
+    latency = [r.latency_s for r, _ in pairs]
+    comp = [c["compute_s"] for _, c in pairs]
+    over = [lat - c for lat, c in zip(latency, comp, strict=True)]
+    server = [(r.latency_s, r.timings["compute_s"]) for r, _ in pairs
+              if r.timings and r.timings.get("compute_s") is not None]
+    row = {"status": "ok", "requests": len(pairs), "failed": len(records) - len(pairs)}
+    for label, values in (("latency", latency), ("compute", comp), ("overhead", over)):
+        row[f"{label}_p50"] = percentile(values, 50)
+        row[f"{label}_p99"] = percentile(values, 99)
+    row["overhead_share_p50"] = percentile([o / lat for o, lat in zip(over, latency, strict=True)], 50)
+    if server:
+        row["server_compute_p50"] = percentile([c for _, c in server], 50)
+        row["server_overhead_p50"] = percentile([lat - c for lat, c in server], 50)
+        row["server_overhead_p99"] = percentile([lat - c for lat, c in server], 99)
+    return row
