@@ -1,0 +1,149 @@
+"""Side by side, one run, same model, same requests: ceiling, naive, transformers serve, arenaflow.
+
+    python -m bench.compare --model .arena/models/llama-60m --out bench/results/
+    python -m bench.compare --model .arena/models/llama-60m --out bench/results/ --quick
+
+Runs the ceiling in a subprocess, then starts each server in turn on a free port,
+warms it up, sweeps the load levels, times the low-load overhead, and stops it before
+the next one starts (they would share the CPU otherwise). Writes `results.json`,
+`results.md` and `results.png` under `--out`; server logs go to `--out/logs/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench import overhead, procs, targets
+from bench.loadgen import add_workload_args, sweep, warm_up, workload_from_args
+from bench.report import write_report
+from bench.workload import Workload, fixed_requests
+
+ALL_TARGETS = ("naive", "transformers-serve", "transformers-serve-cb", "arenaflow-static", "arenaflow-continuous")
+QUICK = {"loads": "1,4", "duration": 4.0, "max_requests": 12, "lengths": "16:0.8,64:0.2",
+         "ceiling_requests": 8, "batch_sizes": "1,8", "overhead_requests": 4,
+         "targets": "naive,transformers-serve,arenaflow-static,arenaflow-continuous"}
+
+
+def run_ceiling(args, out: Path, workload: Workload) -> dict:
+    path = out / "ceiling.json"
+    cmd = [sys.executable, "-m", "bench.ceiling", "--model", str(args.model), "--requests",
+           str(args.ceiling_requests), "--batch-sizes", args.batch_sizes, "--lengths", str(workload.lengths),
+           "--seed", str(workload.seed), "--compute", str(args.overhead_requests), "--out", str(path)]
+    env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
+    with open(out / "logs" / "ceiling.log", "wb") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout)
+    if done.returncode != 0:
+        tail = (out / "logs" / "ceiling.log").read_text(errors="replace")[-800:]
+        return {"name": "ceiling", "status": "failed", "reason": tail, "levels": [], "compute": []}
+    return json.loads(path.read_text())
+
+
+async def run_target(target: targets.Target, workload: Workload, loads: list[float], turns, compute) -> dict:
+    workload = replace(workload, model=target.served_name, ignore_eos=target.send_ignore_eos)
+    warm = await warm_up(target.base_url, workload)
+    if warm["summary"]["completed"] == 0:
+        errors = {r["error"] for r in warm["records"]}
+        return {"status": "failed", "reason": f"warm-up failed: {sorted(map(str, errors))[:2]}", "levels": []}
+    levels = await sweep(target.base_url, workload, loads)
+    records = await overhead.measure(target.base_url, target.served_name, turns, target.send_ignore_eos)
+    return {"status": "ok", "levels": levels, "overhead": overhead.overhead_row(records, compute)}
+
+
+def measure(name: str, setup: targets.Setup, args, workload, loads, turns, compute) -> dict:
+    """Start, measure and stop one target; never raises, the row says what went wrong."""
+    row = {"name": name, "loadavg_at_start": os.getloadavg()}
+    try:
+        target = targets.prepare(name, setup)
+    except targets.NotRunnable as exc:
+        return {**row, "status": "not runnable", "reason": str(exc), "levels": []}
+    started = time.perf_counter()
+    with target.process as server:
+        try:
+            server.wait_ready(args.ready_timeout)
+            row["startup_s"] = time.perf_counter() - started
+            row.update(asyncio.run(run_target(target, workload, loads, turns, compute)))
+        except procs.ServerFailed as exc:
+            row.update(status="failed", reason=str(exc), levels=[])
+        except Exception as exc:  # one target's surprise must not lose the others' figures
+            row.update(status="failed", reason=f"{type(exc).__name__}: {exc}\n{server.log_tail(600)}", levels=[])
+    print(f"[compare] {name}: {row['status']} in {time.perf_counter() - started:.0f}s", flush=True)
+    return row
+
+
+def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit or "unknown",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.torch_threads or 'default'}",
+        "model": f"{args.model} ({ceiling.get('params', 0) / 1e6:.1f}M params, float32, CPU)",
+        "workload": (f"{workload.mode} loop, loads {','.join(f'{x:g}' for x in loads)}, lengths "
+                     f"{workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level"),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True, help="HF model directory")
+    parser.add_argument("--name", help="served model name (default: the directory's name)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--targets", default=",".join(ALL_TARGETS))
+    parser.add_argument("--quick", action="store_true", help="small, short run (under ~2 min)")
+    parser.add_argument("--ceiling-requests", type=int, default=32)
+    parser.add_argument("--batch-sizes", default="1,4,8,16", help="ceiling batch sizes")
+    parser.add_argument("--overhead-requests", type=int, default=20)
+    parser.add_argument("--max-batch-size", type=int, default=16, help="arenaflow's batch limit")
+    parser.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS for every process measured")
+    parser.add_argument("--ready-timeout", type=float, default=240.0)
+    parser.add_argument("--ceiling-timeout", type=float, default=600.0)
+    add_workload_args(parser)
+    parser.set_defaults(loads="1,4,8,16")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    unknown = set(args.targets.split(",")) - set(ALL_TARGETS)
+    if unknown:
+        parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(ALL_TARGETS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    procs.install_cleanup()
+    out: Path = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    name = args.name or args.model.name
+    workload, loads = workload_from_args(args, name)
+    setup = targets.Setup(args.model, name, out, args.max_batch_size, args.torch_threads)
+
+    t0 = time.perf_counter()
+    ceiling = run_ceiling(args, out, workload)
+    print(f"[compare] ceiling: {ceiling['status']} in {time.perf_counter() - t0:.0f}s", flush=True)
+    turns = fixed_requests(workload, args.overhead_requests)
+    rows = [measure(t, setup, args, workload, loads, turns, ceiling.get("compute", []))
+            for t in args.targets.split(",")]
+    results = {
+        "meta": _meta(args, ceiling, workload, loads),
+        "targets": [{k: v for k, v in ceiling.items() if k != "compute"}, *rows],
+        "overhead": {r["name"]: r["overhead"] for r in rows if "overhead" in r},
+        "compute": ceiling.get("compute", []),
+    }
+    paths = write_report(results, out)
+    print((out / "results.md").read_text())
+    print(f"[compare] done in {time.perf_counter() - t0:.0f}s: " + ", ".join(map(str, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

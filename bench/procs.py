@@ -1,0 +1,132 @@
+"""Servers under test as subprocesses: a free port, readiness, and no leftovers.
+
+Each server starts in its own session (process group). Stopping it sends SIGTERM to
+the group and to every descendant seen at that moment (a server may start children in
+sessions of their own, like arenaflow's nats-server and redis), then SIGKILL to
+whatever is still alive after a grace period. An atexit hook and SIGTERM/SIGINT
+handlers stop everything still running when the harness itself ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+_RUNNING: set[ServerProcess] = set()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or never became ready; the message ends with its log's tail."""
+
+
+class ServerProcess:
+    """One server command, its log file, and the URL that answers 200 once it is ready."""
+
+    def __init__(self, name: str, cmd: list[str], ready_url: str, log_path: Path,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        self.name, self.cmd, self.ready_url, self.log_path = name, cmd, ready_url, log_path
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         cwd=self.cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+        _RUNNING.add(self)
+        return self
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.ready_url, timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise ServerFailed(f"{self.name} not ready at {self.ready_url} after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        _RUNNING.discard(self)
+        if self.proc is None or self.proc.poll() is not None and not _descendants(self.proc.pid):
+            return
+        family = [*_descendants(self.proc.pid)]
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        for p in family:
+            _signal(p, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _, alive = psutil.wait_procs(family, timeout=max(1.0, grace_s / 3))
+        for p in alive + ([psutil.Process(self.proc.pid)] if self.proc.poll() is None else []):
+            _signal(p, signal.SIGKILL)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=5)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(grace_s=5.0)
+
+
+def _on_signal(signum, frame) -> None:
+    stop_all()
+    raise SystemExit(128 + signum)
+
+
+def install_cleanup() -> None:
+    """Stop every started server when the harness exits or is told to stop."""
+    atexit.register(stop_all)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
