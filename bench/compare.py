@@ -29,8 +29,8 @@ from bench.report import write_report
 from bench.workload import Workload, fixed_requests
 
 ALL_TARGETS = ("naive", "transformers-serve", "transformers-serve-cb", "arenaflow-static", "arenaflow-continuous")
-QUICK = {"loads": "1,4", "duration": 4.0, "max_requests": 12, "lengths": "16:0.8,64:0.2",
-         "ceiling_requests": 8, "batch_sizes": "1,8", "overhead_requests": 4,
+QUICK = {"loads": "1,4", "duration": 3.0, "max_requests": 8, "lengths": "16:0.8,64:0.2",
+         "ceiling_requests": 8, "batch_sizes": "1,8", "overhead_requests": 3,
          "targets": "naive,transformers-serve,arenaflow-static,arenaflow-continuous"}
 
 
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = targets.Setup(args.model, name, out, args.max_batch_size, args.torch_threads)
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     ceiling = run_ceiling(args, out, workload)
+    ceiling["loadavg_at_start"] = load_before
     print(f"[compare] ceiling: {ceiling['status']} in {time.perf_counter() - t0:.0f}s", flush=True)
     turns = fixed_requests(workload, args.overhead_requests)
     rows = [measure(t, setup, args, workload, loads, turns, ceiling.get("compute", []))

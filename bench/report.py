@@ -105,7 +105,21 @@ def markdown(results: dict) -> str:
     parts += ["## Ratios (peak tokens/s)", ""] + ratio_rows(results) + [""]
     if results.get("overhead"):
         parts += ["## Pipeline overhead at 1 user", ""] + overhead_rows(results["overhead"]) + [""]
+    parts += ["## Conditions", ""] + condition_rows(results) + [""]
     return "\n".join(parts)
+
+
+def condition_rows(results: dict) -> list[str]:
+    """Start-up time, and the machine's load average when each target started: other
+    work on a shared machine shows up here before it shows up as odd figures."""
+    lines = ["| target | status | start-up (s) | load average 1/5/15 min at start |", "|---|---|---|---|"]
+    for target in results["targets"]:
+        load = target.get("loadavg_at_start")
+        load_text = " / ".join(f"{x:.1f}" for x in load) if load else "–"
+        startup = target.get("startup_s")
+        lines.append(f"| {target['name']} | {target['status']} | "
+                     f"{'–' if startup is None else f'{startup:.1f}'} | {load_text} |")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:
@@ -120,11 +134,10 @@ def plot(results: dict, path: Path) -> None:
         if target["status"] != "ok" or not target["levels"]:
             continue
         loads = [lv["load"] for lv in target["levels"]]
+        style = {"marker": "o", "label": target["name"], "linestyle": "--" if target["name"] == "ceiling" else "-"}
         for ax, q in zip(axes[:3], (50, 95, 99), strict=True):
-            ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in target["levels"]],
-                    marker="o", label=target["name"])
-        axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in target["levels"]],
-                     marker="o", label=target["name"])
+            ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in target["levels"]], **style)
+        axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in target["levels"]], **style)
     for ax, title in zip(axes, ("latency P50", "latency P95", "latency P99", "throughput"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("offered load (users, or batch size for the ceiling)")
