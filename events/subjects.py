@@ -86,3 +86,6 @@ HEARTBEAT_PREFIX = "arena.hb"
 
 def heartbeat_subject(role: str, instance: str) -> str:
     return f"{HEARTBEAT_PREFIX}.{role}.{instance}"
+
+# Core-NATS request subject for hot swap: every inference process answers.
+ADMIN_MODELS = "arena.admin.models"

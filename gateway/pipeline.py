@@ -33,7 +33,7 @@ class Pipeline:
         await self.store.redis.ping()
         self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway")
         self.js = self.nc.jetstream()
-        await jetstream.ensure_topology(self.js, self.settings.retention_days)
+        await jetstream.ensure_topology(self.js, self.settings.retention_days, **self.settings.topology())
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
 
     async def stop(self) -> None:

@@ -39,6 +39,18 @@ def run_role(role: str) -> int:
     return 0
 
 
+def _reachable(url: str) -> bool:
+    import socket  # noqa: PLC0415
+    from urllib.parse import urlparse  # noqa: PLC0415
+
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _endpoints(state_dir: str) -> dict:
     path = Path(state_dir) / "endpoints.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -55,11 +67,8 @@ async def _jetstream(args):
     url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
     server = None
     nc = None
-    if url:
-        try:
-            nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
-        except Exception:
-            nc = None
+    if url and _reachable(url):
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False)
     if nc is None:
         store = Path(args.state_dir) / "nats"
         if not store.exists():
@@ -127,6 +136,44 @@ def _asyncapi(args) -> int:
     return 0
 
 
+async def _models(args) -> int:
+    """Send a hot-swap command to every inference process and print their answers."""
+    import nats  # noqa: PLC0415
+
+    from events import subjects  # noqa: PLC0415
+
+    command: dict = {"op": args.op}
+    if args.op in ("add", "reload", "remove"):
+        if not args.name:
+            raise SystemExit(f"arena models {args.op} needs --name")
+        command["name"] = args.name
+    if args.op == "add" or (args.op == "reload" and args.path):
+        if not args.path:
+            raise SystemExit("arena models add needs --path")
+        command["spec"] = {"name": args.name, "path": str(Path(args.path).resolve()) if Path(args.path).exists()
+                           else args.path, "dtype": args.dtype, "device": args.device}
+    url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
+    if not url or not _reachable(url):
+        raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
+    nc = await nats.connect(url, allow_reconnect=False)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subjects.ADMIN_MODELS, json.dumps(command).encode(), reply=inbox)
+    answers = []
+    try:
+        while True:  # the first answer may wait for a load; the others come right after it
+            msg = await sub.next_msg(timeout=args.wait if not answers else 1.0)
+            answers.append(json.loads(msg.data))
+    except Exception:  # noqa: BLE001 - a timeout ends the collection
+        pass
+    await nc.close()
+    for a in answers:
+        print(json.dumps(a))
+    if not answers:
+        print("no inference process answered", file=sys.stderr)
+    return 0 if answers and all(a.get("ok") for a in answers) else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -164,6 +211,16 @@ def parser() -> argparse.ArgumentParser:
     fe.add_argument("file")
     fe.add_argument("--json", action="store_true")
 
+    mo = sub.add_parser("models", help="hot swap: list, add, reload or remove a model on every inference process")
+    mo.add_argument("op", choices=("list", "add", "reload", "remove"))
+    mo.add_argument("--name")
+    mo.add_argument("--path", help="HF model directory (add; reload with new weights)")
+    mo.add_argument("--dtype", default="float32")
+    mo.add_argument("--device", default="cpu")
+    mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
+    mo.add_argument("--nats-url", default=None)
+    mo.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+
     aa = sub.add_parser("asyncapi", help="write the AsyncAPI document of the event contract")
     aa.add_argument("--out", default=None)
     return p
@@ -185,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         from consumers.filter.evaluate import main as filter_eval  # noqa: PLC0415
 
         return filter_eval([args.file] + (["--json"] if args.json else []))
+    if args.cmd == "models":
+        return asyncio.run(_models(args))
     if args.cmd == "asyncapi":
         return _asyncapi(args)
     return 2

@@ -29,10 +29,11 @@ class ProcessRuntime:
         self._beat: asyncio.Task | None = None
         self.ready = False
 
-    async def start(self, **consumer_kw) -> None:
+    async def start(self) -> None:
         self.nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
         self.js = self.nc.jetstream()
-        await jetstream.ensure_topology(self.js, self.settings.retention_days, **consumer_kw)
+        await jetstream.ensure_topology(self.js, self.settings.retention_days,
+                                       **self.settings.topology())
         self._beat = asyncio.create_task(self._heartbeats())
 
     async def _heartbeats(self) -> None:

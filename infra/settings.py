@@ -30,6 +30,13 @@ class CommonSettings(BaseSettings):
     retention_days: float = Field(7.0, gt=0, description="Max age of events kept in the stream.")
     log_level: str = "INFO"
     heartbeat_s: float = Field(1.0, gt=0, description="How often a consumer announces itself.")
+    # Consumer definitions are created by whichever process starts first, so every
+    # process must compute the same ones.
+    ack_wait_s: float = Field(30.0, gt=1, description="Inference AckWait; in-progress acks every third of it.")
+    max_ack_pending: int = Field(256, ge=1, description="Most unacked requests the inference group holds.")
+
+    def topology(self) -> dict:
+        return {"ack_wait_s": self.ack_wait_s, "max_ack_pending": self.max_ack_pending}
 
 
 class FilterSettings(CommonSettings):
@@ -49,8 +56,6 @@ class InferenceSettings(CommonSettings):
     engine: str = Field("continuous", description="'static' (padded micro-batches) or 'continuous'.")
     max_batch_size: int = Field(32, ge=1, le=512, description="Most requests decoded together.")
     max_wait_ms: int = Field(5, ge=0, le=10_000, description="Longest a pull waits to fill a micro-batch.")
-    max_ack_pending: int = Field(256, ge=1, description="Most unacked requests this consumer group holds.")
-    ack_wait_s: float = Field(30.0, gt=1, description="AckWait; in-progress acks are sent every third of it.")
     chunk_tokens: int = Field(4, ge=1, le=256, description="Tokens per TokensGenerated event.")
     memory_budget_mb: float | None = Field(None, gt=0, description="Model pool budget; default: 60% of RAM.")
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)

@@ -11,7 +11,8 @@ from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsBatchMessage
 from prometheus_client import start_http_server
 
-from consumers.inference.metrics import METRICS
+from consumers.inference import admin
+from consumers.inference.metrics import METRICS, register_pool
 from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
@@ -36,7 +37,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     metrics_port = settings.metrics_port or free_port()
 
     def status() -> dict:
-        return {"models": [s.name for s in specs], "resident": pool.resident(), "jobs": len(service.jobs),
+        return {"models": [s.name for s in pool.specs()], "resident": pool.resident(), "jobs": len(service.jobs),
                 "metrics_port": metrics_port, "engine": settings.engine}
 
     runtime = ProcessRuntime("inference", settings, status)
@@ -70,9 +71,11 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
 
     @app.on_startup
     async def _start() -> None:
+        register_pool(pool)
         start_http_server(metrics_port, addr="127.0.0.1")
-        await runtime.start(ack_wait_s=settings.ack_wait_s, max_ack_pending=settings.max_ack_pending)
+        await runtime.start()
         await runtime.nc.subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
+        await runtime.nc.subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
         service.start()
         warm = settings.warm_models or [settings.default_model]
         await pool.warm([w for w in warm if any(s.name == w for s in specs)])

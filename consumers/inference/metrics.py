@@ -1,6 +1,7 @@
 """The inference process's Prometheus metrics, labelled by model (never by request)."""
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
 _TIME = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 
@@ -20,15 +21,34 @@ class InferenceMetrics:
         self.requests = Counter("arena_inference_requests_total", "Requests ended", ["model", "outcome"])
         self.running = Gauge("arena_requests_running", "Requests in the running batch", ["model"])
         self.waiting = Gauge("arena_requests_waiting", "Requests waiting to join a batch", ["model"])
-        self.load_seconds = Histogram("arena_model_load_seconds", "Model load time", ["model"],
-                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self.pool_hits = Counter("arena_pool_hits_total", "Requests for a resident model", ["model"])
-        self.pool_misses = Counter("arena_pool_misses_total", "Requests that needed a load", ["model"])
-        self.pool_evictions = Counter("arena_pool_evictions_total", "Models evicted", ["model"])
-        self.resident_bytes = Gauge("arena_pool_resident_bytes", "Bytes of resident model weights")
         self.deadline_misses = Counter("arena_deadline_misses_total", "Requests past their deadline", ["model"])
         self.redeliveries = Counter("arena_redeliveries_total", "Messages delivered more than once")
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
 
 
 METRICS = InferenceMetrics()
+
+
+class PoolCollector:
+    """The model pool's counters, read from the pool itself at scrape time."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        st = self.pool.stats
+        yield CounterMetricFamily("arena_pool_hits", "Acquires served by a resident model", value=st.hits)
+        yield CounterMetricFamily("arena_pool_misses", "Acquires that waited for a load", value=st.misses)
+        yield CounterMetricFamily("arena_pool_evictions", "Models evicted to make room", value=st.evictions)
+        yield CounterMetricFamily("arena_model_loads", "Model loads (reloads included)", value=st.loads)
+        yield CounterMetricFamily("arena_model_load_seconds", "Seconds spent loading models", value=st.load_seconds)
+        yield GaugeMetricFamily("arena_pool_resident_bytes", "Bytes of resident model weights",
+                                value=st.resident_bytes)
+        resident = GaugeMetricFamily("arena_pool_resident", "1 for each resident model", labels=["model"])
+        for name in self.pool.resident():
+            resident.add_metric([name], 1)
+        yield resident
+
+
+def register_pool(pool) -> None:
+    REGISTRY.register(PoolCollector(pool))

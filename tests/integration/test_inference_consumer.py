@@ -1,0 +1,202 @@
+"""The inference consumer against a real nats-server, redis-server and stories260K."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import nats
+import pytest
+
+from infra.replay import request_events
+from infra.servers import free_port
+from tests.conftest import STORIES
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+CHAT = "/v1/chat/completions"
+
+
+def ask(url, content, **kw):
+    body = {"model": "stories-260k", "messages": [{"role": "user", "content": content}], **kw}
+    return httpx.post(url + CHAT, json=body, timeout=60)
+
+
+async def ask_many(url, prompts, **kw):
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(p):
+            body = {"model": "stories-260k", "messages": [{"role": "user", "content": p}], **kw}
+            return await client.post(url + CHAT, json=body)
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def events_of(nats_url, request_id):
+    async def go():
+        nc = await nats.connect(nats_url)
+        try:
+            return await request_events(nc.jetstream(), request_id)
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def metric(port, name):
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+PROMPTS = ["Once upon a time", "The little cat", "Tom had a red ball", "One day, a bird",
+           "Lily went to the park", "The sun was hot", "A big dog ran", "Mom said"]
+
+
+def test_batches_form_under_concurrent_load_and_outputs_do_not_depend_on_them(stack_factory):
+    port = free_port()
+    s = stack_factory(ARENA_METRICS_PORT=port, ARENA_MAX_WAIT_MS=20).start()
+    params = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=48)
+    alone = {p: ask(s.url, p, **params).json()["choices"][0]["message"]["content"] for p in PROMPTS[:2]}
+    greedy_alone = ask(s.url, PROMPTS[2], temperature=0, max_tokens=48).json()["choices"][0]["message"]["content"]
+
+    together = asyncio.run(ask_many(s.url, PROMPTS * 2, **params))
+    assert all(r.status_code == 200 for r in together)
+    texts = [r.json()["choices"][0]["message"]["content"] for r in together]
+    for p, t in zip(PROMPTS * 2, texts):
+        if p in alone:
+            assert t == alone[p], "seeded sampling changed inside a batch"
+    greedy_batch = asyncio.run(ask_many(s.url, [PROMPTS[2]] + PROMPTS[3:], temperature=0, max_tokens=48))
+    assert greedy_batch[0].json()["choices"][0]["message"]["content"] == greedy_alone
+
+    count = metric(port, "arena_batch_size_count")
+    total = metric(port, "arena_batch_size_sum")
+    assert count > 0 and total / count > 1.0, "no decode step ran more than one request"
+
+
+def test_expired_request_fails_without_compute(stack_factory):
+    port = free_port()
+    s = stack_factory(ARENA_METRICS_PORT=port).start()
+    r = ask(s.url, "Once upon a time", deadline_s=0.001, max_tokens=16)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert metric(port, "arena_deadline_misses_total") >= 1
+    assert metric(port, "arena_tokens_generated_total") == 0
+
+
+def _wait_for_chunks(nats_url, timeout=30.0):
+    """Block until the stream holds some token events; returns their request ids."""
+    async def go():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        end = time.monotonic() + timeout
+        try:
+            while time.monotonic() < end:
+                try:
+                    info = await js.stream_info("ARENA", subjects_filter="arena.res.tokens.>")
+                    if info.state.subjects:
+                        return True
+                except Exception:
+                    pass
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def _stream_request(url, content, out, **kw):
+    """Read an SSE stream into out[content] = text."""
+    body = {"model": "stories-260k", "messages": [{"role": "user", "content": content}], "stream": True, **kw}
+    text = ""
+    with httpx.stream("POST", url + CHAT, json=body, timeout=90) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                d = json.loads(line[6:])
+                if d.get("choices"):
+                    text += d["choices"][0]["delta"].get("content") or ""
+            if line.startswith("data: ") and '"error"' in line:
+                out[content] = ("error", line)
+                return
+        out["rid:" + content] = r.headers["x-request-id"]
+    out[content] = text
+
+
+def test_kill_9_mid_generation_loses_and_duplicates_nothing(stack_factory):
+    import threading
+
+    s = stack_factory(ARENA_ACK_WAIT_S=3, ARENA_MAX_WAIT_MS=20)
+    s.start(roles=("filter", "delivery", "gateway", "inference"))
+    victim = s.stack.procs["inference"]
+    prompts = PROMPTS[:4]
+    out: dict = {}
+    threads = [threading.Thread(target=_stream_request, args=(s.url, p, out),
+                                kwargs=dict(max_tokens=400, temperature=0.8, seed=7, deadline_s=90)) for p in prompts]
+    for t in threads:
+        t.start()
+    assert _wait_for_chunks(s.nats.url), "no tokens were generated"
+    s.stack.spawn("inference", "inference-b")  # the survivor
+    time.sleep(0.3)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    for t in threads:
+        t.join(120)
+    for p in prompts:
+        assert isinstance(out.get(p), str), out.get(p)
+        events = events_of(s.nats.url, out["rid:" + p])
+        terminals = [e for e in events if e.type in ("chat.completed", "chat.failed", "prompt.rejected")]
+        assert [e.type for e in terminals] == ["chat.completed"]
+        chunks = [e for e in events if e.type == "tokens.generated"]
+        assert [c.seq for c in chunks] == list(range(len(chunks))), "gap or duplicate in the stream"
+        assert "".join(c.text for c in chunks) == terminals[0].text
+        assert out[p] == terminals[0].text, "the client saw other text than the completed answer"
+
+
+def test_sigterm_drains_and_gives_back_unfinished_work(stack_factory):
+    import threading
+
+    s = stack_factory(ARENA_DRAIN_GRACE_S=0.5, ARENA_MAX_WAIT_MS=20)
+    s.start(roles=("filter", "delivery", "gateway", "inference"))
+    first = s.stack.procs["inference"]
+    out: dict = {}
+    threads = [threading.Thread(target=_stream_request, args=(s.url, p, out),
+                                kwargs=dict(max_tokens=400, temperature=0, deadline_s=90)) for p in PROMPTS[:3]]
+    for t in threads:
+        t.start()
+    assert _wait_for_chunks(s.nats.url)
+    s.stack.spawn("inference", "inference-b")
+    time.sleep(0.3)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == 0, s.log("inference")[-3000:]
+    for t in threads:
+        t.join(120)
+    for p in PROMPTS[:3]:
+        assert isinstance(out.get(p), str) and out[p], out.get(p)
+        terminals = [e for e in events_of(s.nats.url, out["rid:" + p]) if e.type == "chat.completed"]
+        assert len(terminals) == 1 and terminals[0].text == out[p]
+    assert "given back" in s.log("inference")
+
+
+def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
+    s = stack_factory().start()
+    env = {**os.environ, "NATS_URL": s.nats.url}
+
+    def models(*args):
+        r = subprocess.run([sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        return r.returncode, [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+    rc, answers = models("add", "--name", "stories-b", "--path", str(STORIES))
+    assert rc == 0 and "stories-b" in answers[0]["resident"]
+    assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 200
+    rc, answers = models("reload", "--name", "stories-b")
+    assert rc == 0
+    assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 200
+    rc, answers = models("remove", "--name", "stories-b")
+    assert rc == 0 and "stories-b" not in answers[0]["models"]
+    time.sleep(1.5)  # the gateway learns the fleet's models from heartbeats
+    assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 404
+    assert ask(s.url, "Once upon a time", max_tokens=8).status_code == 200
