@@ -7,11 +7,13 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
+import anyio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import errors
+from gateway import errors, routes_async, ws
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
@@ -37,6 +39,8 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings
     errors.install(app)
+    app.include_router(routes_async.router(chat, pipeline, settings))
+    app.include_router(ws.router(chat, pipeline, settings))
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -163,7 +167,9 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
             chat.in_flight[ticket.model] -= 1
             METRICS.in_flight.labels(ticket.model).dec()
             if not finished and not ticket.attached:
-                # The client went away mid-stream: stop spending the model on it.
-                await pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
+                # The client went away mid-stream: stop spending the model on it. The
+                # shield lets the publish finish inside the cancelled response task.
+                with anyio.CancelScope(shield=True):
+                    await pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
 
     return app

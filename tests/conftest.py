@@ -100,3 +100,22 @@ def stack_factory(tmp_path, nats_server, redis_server):
 @pytest.fixture
 def stack(stack_factory):
     return stack_factory().start()
+
+
+@pytest.fixture(scope="module")
+def module_stack_factory(tmp_path_factory):
+    """Like stack_factory, but one nats/redis pair and stacks shared by a whole module."""
+    tmp = tmp_path_factory.mktemp("modstack")
+    nats_srv, redis_srv = start_nats(tmp / "nats"), start_redis(tmp / "redis")
+    stacks = []
+
+    def make(**extra) -> RunningStack:
+        s = RunningStack(tmp / f"stack{len(stacks)}", nats_srv, redis_srv, **extra)
+        stacks.append(s)
+        return s
+
+    yield make
+    for s in stacks:
+        s.stop()
+    nats_srv.stop()
+    redis_srv.stop()
