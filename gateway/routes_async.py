@@ -1,0 +1,132 @@
+"""The design's asynchronous API: `POST /chat` answers 202 at once, `GET /chat/result/{id}`
+is polled for the answer.
+
+No connection is held while the model works: the request is published as a
+`ChatRequested` event and delivery keeps its terminal event in Redis, where the result
+endpoint reads it. Admission, validation and idempotency are `/v1/chat/completions`'
+own (`ChatService.admit`), so the two APIs refuse and deduplicate the same requests.
+
+Result statuses: 200 `completed`; 202 `pending` (with `Retry-After`); a failed request
+answers with the status its failure has on `/v1` (400 `prompt_rejected`, 499
+`cancelled`, 504 `deadline_exceeded`, ...) and an OpenAI error object; 404 for an id
+that was never accepted or whose records expired (`result_ttl_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from events import decode, subjects
+from gateway.errors import APIError
+from gateway.metrics import METRICS
+from gateway.pipeline import Pipeline
+from gateway.protocol import ChatCompletionRequest
+from gateway.requests_index import RequestsIndex
+from gateway.serving_chat import ChatService, Ticket, failure, usage_of
+
+# A request with no terminal event this long after its deadline never will have one.
+LOST_AFTER_S = 5.0
+
+
+class ChatTask(BaseModel):
+    """Body of `POST /chat`: one user prompt, optionally inside a conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1, description="The user message.")
+    system: str | None = Field(None, description="An optional system message before the prompt.")
+    model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
+    conv_id: str | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
+    turn_id: int | None = Field(None, ge=0, description="Turn index; with conv_id, a retry is idempotent.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+
+    def to_chat(self) -> ChatCompletionRequest:
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": self.prompt})
+        fields = self.model_dump(exclude={"prompt", "system"}, exclude_none=True)
+        return ChatCompletionRequest(messages=messages, **fields)
+
+
+def result_url(request_id: str) -> str:
+    return f"/chat/result/{request_id}"
+
+
+def pending(request_id: str) -> JSONResponse:
+    body = {"request_id": request_id, "status": "pending", "result_url": result_url(request_id)}
+    return JSONResponse(body, status_code=202, headers={"x-request-id": request_id, "Retry-After": "1",
+                                                        "Location": result_url(request_id)})
+
+
+def failed(request_id: str, err: APIError) -> JSONResponse:
+    return JSONResponse({"request_id": request_id, "status": "failed", **err.body()}, status_code=err.status,
+                        headers={"x-request-id": request_id})
+
+
+def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
+    r = APIRouter(tags=["async"])
+    index = RequestsIndex(pipeline.store.redis, settings.result_ttl_s)
+    watchers: set[asyncio.Task] = set()
+
+    async def watch(ticket: Ticket, started: float) -> None:
+        """Count the request as in flight until it ends, so admission control (429) sees it."""
+        chat.in_flight[ticket.model] = chat.in_flight.get(ticket.model, 0) + 1
+        METRICS.in_flight.labels(ticket.model).inc()
+        terminal = None
+        try:
+            async with pipeline.follow(ticket.request_id) as follower:
+                async for event in follower.events(until=ticket.deadline_at + 2.0):
+                    if event.type in ("chat.completed", "chat.failed", "prompt.rejected"):
+                        terminal = event
+                        break
+        finally:
+            chat.in_flight[ticket.model] -= 1
+            METRICS.in_flight.labels(ticket.model).dec()
+        status = "504" if terminal is None else "200" if terminal.type == "chat.completed" \
+            else str(failure(terminal).status)
+        METRICS.requests.labels(ticket.model, status).inc()
+        if status == "200":
+            METRICS.latency.labels(ticket.model).observe(time.perf_counter() - started)
+
+    @r.post("/chat", status_code=202)
+    async def submit(task: ChatTask, request: Request) -> JSONResponse:
+        """Accept a prompt and answer 202 with the URL to poll for its result."""
+        started = time.perf_counter()
+        ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"))
+        await index.record(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at)
+        if event is not None:
+            await pipeline.publish(event)
+            task_ = asyncio.create_task(watch(ticket, started))
+            watchers.add(task_)
+            task_.add_done_callback(watchers.discard)
+        return pending(ticket.request_id)
+
+    @r.get("/chat/result/{request_id}")
+    async def result(request_id: str) -> JSONResponse:
+        """The request's answer, `pending` while it runs, or its failure."""
+        known = subjects.is_valid_token(request_id)
+        stored = await pipeline.store.get_result(request_id) if known else None
+        if stored is not None:
+            terminal = decode(stored)
+            if terminal.type != "chat.completed":
+                return failed(request_id, failure(terminal))
+            body = {"request_id": request_id, "status": "completed", "text": terminal.text,
+                    "finish_reason": terminal.finish_reason, "usage": usage_of(terminal), "model": terminal.model,
+                    "conv_id": terminal.conv_id, "turn_id": terminal.turn_id}
+            return JSONResponse(body, headers={"x-request-id": request_id})
+        record = await index.lookup(request_id) if known else None
+        if record is None:
+            raise APIError(404, f"no request '{request_id}' is known here (results are kept "
+                           f"{settings.result_ttl_s} s)", "request_not_found", "request_id")
+        if time.time() > record["deadline_at"] + LOST_AFTER_S:
+            return failed(request_id, APIError(504, "no answer before the request's deadline", "deadline_exceeded"))
+        return pending(request_id)
+
+    return r

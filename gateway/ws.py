@@ -1,0 +1,353 @@
+"""WebSocket chat: `/v1/ws`, one conversation per socket, each turn streamed as frames.
+
+Handshake query: `conv_id` (generated when absent), `model`, and for a reconnect
+`resume_request_id` + `last_seq` (the last chunk seq the client holds; -1 for none).
+`resume_grace_s` (default 5, at most 60) is how long a request whose client went away
+keeps running, waiting for a resume, before it is cancelled.
+
+Frames, server to client: `session` first, then per turn `chunk`s (one per
+TokensGenerated event) and `done`, or `error` (OpenAI's error object; the socket stays
+open). Client to server: `turn` (and `ping`, answered with `pong`).
+
+The conversation lives in the stream, not in the socket: each turn reads the
+conversation's events (`infra.replay.conversation_events`) and sends the model the last
+completed turn's messages, that turn's answer and the new user message. Any socket, on
+any gateway, can therefore carry on a conversation, and `arena replay --conv-id` shows
+exactly what the model saw. turn_id is the number of completed turns; a turn is sent
+with the idempotency key `ws:<conv>:<turn>:<attempt>` (attempt = earlier failed tries of
+that turn), so re-sending a turn while it runs attaches to it instead of running twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from events import decode, subjects
+from events.models import ChatMessage, new_id
+from gateway.assembler import Assembler
+from gateway.errors import APIError
+from gateway.metrics import METRICS
+from gateway.pipeline import Pipeline
+from gateway.protocol import ChatCompletionRequest
+from gateway.requests_index import RequestsIndex
+from gateway.serving_chat import ChatService, failure, usage_of
+from infra.replay import conversation_events
+
+log = logging.getLogger("arena.gateway")
+
+RESUME_GRACE_S = 5.0
+MAX_RESUME_GRACE_S = 60.0
+FAILURES = ("chat.failed", "prompt.rejected")
+
+
+class TurnFrame(BaseModel):
+    """A user turn; only the new message, the conversation so far is in the stream."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["turn"]
+    content: str = Field(min_length=1)
+    system: str | None = Field(None, description="System message; used only on a conversation's first turn.")
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+
+
+@dataclass
+class Conversation:
+    turn_id: int = 0
+    attempt: int = 0
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+def conversation_state(events: list) -> Conversation:
+    """The next turn of a conversation, from its events in stream order (pure logic)."""
+    requested = {e.request_id: e for e in events if e.type == "chat.requested"}
+    failed = {e.request_id for e in events if e.type in FAILURES}
+    last = None
+    for e in events:
+        if e.type == "chat.completed" and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
+            last = e
+    conv = Conversation()
+    if last is not None:
+        conv.turn_id = last.turn_id + 1
+        conv.messages = [*requested[last.request_id].messages, ChatMessage(role="assistant", content=last.text)]
+    conv.attempt = sum(1 for r in requested.values() if r.turn_id == conv.turn_id and r.request_id in failed)
+    return conv
+
+
+async def outputs(pipeline: Pipeline, request_id: str, until: float, after_seq: int = -1) -> AsyncIterator:
+    """A request's chunks after `after_seq`, each once and in order, then its terminal
+    event (nothing more when the deadline passes first).
+
+    Subscribes to the live subject before reading the stream, so a chunk is in the
+    backlog, or arrives live, or both (the assembler drops the second copy)."""
+    async with pipeline.follow(request_id) as follower:
+        earlier = await pipeline.history(request_id)
+        stored = await pipeline.store.get_result(request_id)
+        if stored is not None:
+            earlier.append(decode(stored))
+        asm = Assembler()
+        async for ev in follower.events(until=until, backlog=earlier):
+            ready = asm.add(ev)
+            if asm.terminal is not None and not asm.done:
+                # The terminal event overtook chunks still inside delivery; inference
+                # published them all to the stream before it, so they are there.
+                for old in await pipeline.history(request_id):
+                    ready += asm.add(old)
+            for chunk in ready:
+                if chunk.seq > after_seq:
+                    yield chunk
+            if asm.terminal is not None:
+                yield asm.terminal
+                return
+
+
+class Gone(Exception):
+    """The client closed the socket."""
+
+
+@dataclass
+class Deps:
+    chat: ChatService
+    pipeline: Pipeline
+    index: RequestsIndex
+    background: set = field(default_factory=set)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+class Session:
+    """One socket: reads frames in a task of its own, so a client leaving mid-turn is
+    noticed at once and the running turn is stopped."""
+
+    def __init__(self, ws: WebSocket, deps: Deps, conv_id: str, model: str | None, grace_s: float):
+        self.ws, self.deps, self.conv_id, self.model, self.grace_s = ws, deps, conv_id, model, grace_s
+        self.token = new_id()  # names this session as a request's holder
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.current: asyncio.Task | None = None
+        self.closed = False
+
+    async def send(self, body: dict) -> None:
+        if self.closed:
+            raise Gone
+        try:
+            await self.ws.send_text(json.dumps(body, ensure_ascii=False))
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            self.closed = True
+            raise Gone from exc
+
+    async def error(self, err: APIError, **ids) -> None:
+        await self.send({"type": "error", "status": err.status, **ids, **err.body()})
+
+    async def run(self, first=None) -> None:
+        reader = asyncio.create_task(self._read())
+        try:
+            if first is not None:
+                await self._work(first)
+            while not self.closed:
+                text = await self.inbox.get()
+                if text is None:
+                    break
+                await self._work(self.handle(text))
+        finally:
+            reader.cancel()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                self.inbox.put_nowait(message.get("text") or (message.get("bytes") or b"").decode(errors="replace"))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        finally:
+            self.closed = True
+            if self.current is not None:
+                self.current.cancel()
+            self.inbox.put_nowait(None)
+
+    async def _work(self, coro) -> None:
+        self.current = asyncio.create_task(coro)
+        await asyncio.wait({self.current})
+        task, self.current = self.current, None
+        if task.cancelled() or isinstance(task.exception(), Gone):
+            return
+        if task.exception() is not None:
+            log.error("websocket turn failed", exc_info=task.exception(), extra={"conv_id": self.conv_id})
+            try:
+                await self.error(APIError(500, f"internal error: {type(task.exception()).__name__}", "internal_error"))
+            except Gone:
+                pass
+
+    async def handle(self, text: str) -> None:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return await self.error(APIError(400, "frame is not valid JSON", "invalid_json"))
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "ping":
+            return await self.send({"type": "pong"})
+        if kind != "turn":
+            return await self.error(APIError(400, "frame type must be 'turn' or 'ping'", "invalid_value", "type"))
+        try:
+            frame = TurnFrame.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            return await self.error(APIError(400, f"{param}: {first['msg']}", "invalid_value", param))
+        await self.turn(frame)
+
+    async def turn(self, frame: TurnFrame) -> None:
+        d = self.deps
+        conv = conversation_state(await conversation_events(d.pipeline.js, self.conv_id))
+        messages = conv.messages or ([ChatMessage(role="system", content=frame.system)] if frame.system else [])
+        messages = [*messages, ChatMessage(role="user", content=frame.content)]
+        req = ChatCompletionRequest(
+            model=self.model, messages=[m.model_dump() for m in messages], conv_id=self.conv_id,
+            turn_id=conv.turn_id, stream=True,
+            **frame.model_dump(include={"max_tokens", "temperature", "seed", "deadline_s"}, exclude_none=True))
+        admission = asyncio.ensure_future(self._admit(req, f"ws:{self.conv_id}:{conv.turn_id}:{conv.attempt}"))
+        try:
+            ticket = await asyncio.shield(admission)
+        except APIError as err:
+            return await self.error(err, turn_id=conv.turn_id)
+        except asyncio.CancelledError:
+            admission.add_done_callback(self._abandon)
+            raise
+        # Published already, so the chunks so far are read from the stream first.
+        await self.follow(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model,
+                          ticket.deadline_at + 2.0)
+
+    async def _admit(self, req: ChatCompletionRequest, key: str):
+        """Admit and publish in one step that a client leaving cannot cut in half: a
+        claimed idempotency key with no request behind it would hang the turn's retry."""
+        d = self.deps
+        ticket, event = await d.chat.admit(req, key)
+        await d.index.record(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at)
+        await d.index.hold(ticket.request_id, self.token)
+        if event is not None:
+            await d.pipeline.publish(event)
+        return ticket
+
+    def _abandon(self, admission: asyncio.Task) -> None:
+        if not admission.cancelled() and admission.exception() is None:
+            ticket = admission.result()
+            self.deps.spawn(self._cancel_later(ticket.request_id, ticket.conv_id, ticket.turn_id))
+
+    async def resume(self, request_id: str, last_seq: int) -> None:
+        record = await self.deps.index.lookup(request_id) if subjects.is_valid_token(request_id) else None
+        if record is None:
+            return await self.error(APIError(404, f"no request '{request_id}' is known here", "request_not_found",
+                                             "resume_request_id"))
+        if record["conv_id"] != self.conv_id:
+            return await self.error(APIError(400, f"request '{request_id}' belongs to another conversation",
+                                             "invalid_value", "resume_request_id"))
+        await self.follow(request_id, self.conv_id, record["turn_id"], record["model"], record["deadline_at"] + 2.0,
+                          after_seq=last_seq)
+
+    async def follow(self, request_id: str, conv_id: str, turn_id: int, model: str, until: float, *,
+                     after_seq: int = -1) -> None:
+        d = self.deps
+        ids = {"request_id": request_id, "turn_id": turn_id}
+        await d.index.hold(request_id, self.token)
+        d.chat.in_flight[model] = d.chat.in_flight.get(model, 0) + 1
+        METRICS.in_flight.labels(model).inc()
+        finished = False
+        try:
+            terminal = None
+            async for ev in outputs(d.pipeline, request_id, until, after_seq):
+                if ev.type == "tokens.generated":
+                    await self.send({"type": "chunk", **ids, "seq": ev.seq, "text": ev.text})
+                else:
+                    terminal = ev
+            if terminal is None:
+                await self.error(APIError(504, "no answer before the request's deadline", "deadline_exceeded"), **ids)
+            elif terminal.type != "chat.completed":
+                await self.error(failure(terminal), **ids)
+            else:
+                await self.send({"type": "done", **ids, "model": terminal.model,
+                                 "finish_reason": terminal.finish_reason, "usage": usage_of(terminal),
+                                 "text": terminal.text})
+            finished = True
+        finally:
+            d.chat.in_flight[model] -= 1
+            METRICS.in_flight.labels(model).dec()
+            if not finished:
+                d.spawn(self._cancel_later(request_id, conv_id, turn_id))
+
+    async def _cancel_later(self, request_id: str, conv_id: str, turn_id: int) -> None:
+        """Cancel a request whose client went away, unless a socket resumed it meanwhile."""
+        await asyncio.sleep(self.grace_s)
+        d = self.deps
+        try:
+            if await d.index.holder(request_id) != self.token or await d.pipeline.store.get_result(request_id):
+                return
+        except Exception:  # Redis unreachable: cancelling is the safe default
+            log.warning("cannot check whether the request was resumed", extra={"request_id": request_id})
+        log.info("client gone; cancelling", extra={"request_id": request_id})
+        await d.pipeline.cancel(request_id, conv_id, turn_id)
+
+
+def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
+    q = ws.query_params
+    if settings.api_keys:
+        auth = ws.headers.get("authorization", "")
+        if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
+            return {}, APIError(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    conv_id = q.get("conv_id")
+    if conv_id is not None and not subjects.is_valid_token(conv_id):
+        return {}, APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
+    try:
+        last_seq = int(q.get("last_seq", "-1"))
+        grace = float(q.get("resume_grace_s", RESUME_GRACE_S))
+    except ValueError:
+        return {}, APIError(400, "last_seq must be an integer and resume_grace_s a number", "invalid_value")
+    if last_seq < -1 or not 0 <= grace <= MAX_RESUME_GRACE_S:
+        return {}, APIError(400, f"last_seq must be >= -1 and resume_grace_s in [0, {MAX_RESUME_GRACE_S:g}]",
+                            "invalid_value")
+    return {"conv_id": conv_id, "model": q.get("model"), "resume": q.get("resume_request_id"),
+            "last_seq": last_seq, "grace": grace}, None
+
+
+def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
+    r = APIRouter(tags=["websocket"])
+    deps = Deps(chat, pipeline, RequestsIndex(pipeline.store.redis, settings.result_ttl_s))
+
+    @r.websocket("/v1/ws")
+    async def chat_ws(ws: WebSocket) -> None:
+        await ws.accept()
+        METRICS.websockets.inc()
+        try:
+            args, err = _handshake(ws, settings)
+            if err is not None:
+                await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
+                await ws.close(code=1008)
+                return
+            conv_id = args["conv_id"]
+            if conv_id is None and args["resume"] and subjects.is_valid_token(args["resume"]):
+                record = await deps.index.lookup(args["resume"])
+                conv_id = record["conv_id"] if record else None
+            session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"])
+            await session.send({"type": "session", "conv_id": session.conv_id,
+                                "model": args["model"] or settings.default_model})
+            first = session.resume(args["resume"], args["last_seq"]) if args["resume"] else None
+            await session.run(first)
+        except Gone:
+            pass
+        finally:
+            METRICS.websockets.dec()
+
+    return r
