@@ -60,6 +60,7 @@ class InferenceSettings(CommonSettings):
     memory_budget_mb: float | None = Field(None, gt=0, description="Model pool budget; default: 60% of RAM.")
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 picks a free one.")
 
     @field_validator("engine")

@@ -6,6 +6,7 @@ import logging
 from typing import Annotated
 
 import psutil
+import torch
 from faststream import AckPolicy, Context, FastStream
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsBatchMessage
@@ -32,6 +33,8 @@ def budget_bytes(settings: InferenceSettings) -> int:
 
 def build_app(settings: InferenceSettings | None = None) -> FastStream:
     settings = settings or InferenceSettings()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     specs = load_models_config(settings.models_config, settings.models_dir)
     pool = ModelPool(specs, budget_bytes(settings), gpu_memory_fraction=settings.cuda_memory_fraction)
     metrics_port = settings.metrics_port or free_port()
@@ -61,8 +64,14 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             await raw.nak()
         METRICS.pulled_batch.observe(len(raws))
         for raw in raws:
+            try:
+                event = decode(raw.data)
+            except ValueError:  # a message that is no PromptAccepted can never succeed
+                log.error("undecodable message on %s terminated", raw.subject)
+                await raw.term()
+                continue
             await service.wait_for_room()
-            await service.submit(decode(raw.data), raw)
+            await service.submit(event, raw)
 
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)

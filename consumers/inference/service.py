@@ -205,9 +205,10 @@ class InferenceService:
         self.outbox.put_nowait(("done", job))
 
     async def _fail(self, event, msg, code: str, message: str) -> None:
+        """A permanent failure: publish ChatFailed, then terminate the message (no redelivery)."""
         ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
         await self.publish(ChatFailed(**ids, code=code, message=message))
-        await msg.ack()
+        await msg.term()
         log.info("failed: %s", code, extra={"request_id": event.request_id, "model": event.model})
 
     # ---- background tasks ------------------------------------------------------------

@@ -56,20 +56,21 @@ PROMPTS = ["Once upon a time", "The little cat", "Tom had a red ball", "One day,
            "Lily went to the park", "The sun was hot", "A big dog ran", "Mom said"]
 
 
-def test_batches_form_under_concurrent_load_and_outputs_do_not_depend_on_them(stack_factory):
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_batches_form_under_concurrent_load_and_outputs_do_not_depend_on_them(stack_factory, engine):
     port = free_port()
-    s = stack_factory(ARENA_METRICS_PORT=port, ARENA_MAX_WAIT_MS=20).start()
-    params = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=48)
+    s = stack_factory(ARENA_METRICS_PORT=port, ARENA_MAX_WAIT_MS=20, ARENA_ENGINE=engine).start()
+    params = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=48, deadline_s=90)
     alone = {p: ask(s.url, p, **params).json()["choices"][0]["message"]["content"] for p in PROMPTS[:2]}
     greedy_alone = ask(s.url, PROMPTS[2], temperature=0, max_tokens=48).json()["choices"][0]["message"]["content"]
 
     together = asyncio.run(ask_many(s.url, PROMPTS * 2, **params))
-    assert all(r.status_code == 200 for r in together)
+    assert all(r.status_code == 200 for r in together), [(r.status_code, r.text[:200]) for r in together]
     texts = [r.json()["choices"][0]["message"]["content"] for r in together]
     for p, t in zip(PROMPTS * 2, texts):
         if p in alone:
             assert t == alone[p], "seeded sampling changed inside a batch"
-    greedy_batch = asyncio.run(ask_many(s.url, [PROMPTS[2]] + PROMPTS[3:], temperature=0, max_tokens=48))
+    greedy_batch = asyncio.run(ask_many(s.url, [PROMPTS[2]] + PROMPTS[3:], temperature=0, max_tokens=48, deadline_s=90))
     assert greedy_batch[0].json()["choices"][0]["message"]["content"] == greedy_alone
 
     count = metric(port, "arena_batch_size_count")
