@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
-
 import psutil
 import torch
-from faststream import AckPolicy, Context, FastStream
+from faststream import AckPolicy, FastStream
 from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.message import NatsBatchMessage
+from faststream.nats.annotations import NatsMessage
 from prometheus_client import start_http_server
 
 from consumers.inference import admin
@@ -47,31 +45,29 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     service = InferenceService(settings, pool, runtime.publish)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
 
-    # The design's dynamic batcher: a pull returns when max_batch_size messages are in,
-    # or after max_wait_ms, whichever comes first.
+    # A fetch returns at once with what is pending (up to max_batch_size messages) and
+    # long-polls when there is nothing, so an idle worker costs nothing and a lone request
+    # is not held back. Batches form in the engine: continuous mode admits newcomers at
+    # every decode step; static mode waits up to max_wait_ms for a fuller micro-batch.
     subscriber = broker.subscriber(
         subjects.INFERENCE_SUBJECT,
         stream=JStream(subjects.STREAM, declare=False),
         durable=subjects.INFERENCE_CONSUMER,
-        pull_sub=PullSub(batch_size=settings.max_batch_size, timeout=settings.max_wait_ms / 1000, batch=True),
+        pull_sub=PullSub(batch_size=settings.max_batch_size, timeout=5.0),
         ack_policy=AckPolicy.MANUAL,
     )
 
     @subscriber
-    async def on_accepted(body: list, message: Annotated[NatsBatchMessage, Context("message")]) -> None:
-        raws = message.raw_message[: settings.max_batch_size * 2]  # faststream may overfill a batch
-        for raw in message.raw_message[len(raws):]:
-            await raw.nak()
-        METRICS.pulled_batch.observe(len(raws))
-        for raw in raws:
-            try:
-                event = decode(raw.data)
-            except ValueError:  # a message that is no PromptAccepted can never succeed
-                log.error("undecodable message on %s terminated", raw.subject)
-                await raw.term()
-                continue
-            await service.wait_for_room()
-            await service.submit(event, raw)
+    async def on_accepted(body: dict, message: NatsMessage) -> None:
+        raw = message.raw_message
+        try:
+            event = decode(raw.data)
+        except ValueError:  # a message that is no PromptAccepted can never succeed
+            log.error("undecodable message on %s terminated", raw.subject)
+            await raw.term()
+            return
+        await service.wait_for_room()
+        await service.submit(event, raw)
 
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)

@@ -10,8 +10,6 @@ class InferenceMetrics:
     def __init__(self) -> None:
         self.batch_size = Histogram("arena_batch_size", "Requests in a decode step", ["model"],
                                     buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128))
-        self.pulled_batch = Histogram("arena_pulled_batch_size", "Messages in a pulled micro-batch",
-                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.queue_wait = Histogram("arena_queue_wait_seconds", "Gateway receipt to start of compute",
                                     ["model"], buckets=_TIME)
         self.ttft = Histogram("arena_ttft_seconds", "Gateway receipt to first token", ["model"], buckets=_TIME)

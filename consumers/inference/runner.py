@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
@@ -17,8 +18,10 @@ class EngineRunner:
     """Steps one engine (one model version) in a thread; outputs go back to the loop."""
 
     def __init__(self, engine: BatchEngine, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[StepOutput]], None]):
+                 on_outputs: Callable[[list[StepOutput]], None], max_wait_s: float = 0.0):
         self.engine = engine
+        self.max_wait_s = max_wait_s
+        self._first_wait: float | None = None
         self.loop = loop
         self.on_outputs = on_outputs
         self.name = engine.loaded.spec.name
@@ -35,12 +38,28 @@ class EngineRunner:
         self.engine.cancel(request_id)
         self._wake.set()
 
+    def _hold_for_batch(self) -> float:
+        """Static mode: seconds to wait for a fuller micro-batch before starting one."""
+        e = self.engine
+        if e.mode != "static" or e.running or not e.waiting or e.waiting >= e.max_batch_size:
+            self._first_wait = None
+            return 0.0
+        now = time.monotonic()
+        self._first_wait = self._first_wait or now
+        return max(0.0, self.max_wait_s - (now - self._first_wait))
+
     def _run(self) -> None:
         while not self._stop:
             if not self.engine.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            hold = self._hold_for_batch()
+            if hold > 0:
+                self._wake.wait(hold)
+                self._wake.clear()
+                continue
+            self._first_wait = None
             batch = self.engine.running
             try:
                 outputs = self.engine.step()

@@ -147,7 +147,7 @@ class InferenceService:
         runner = self.runners.get(id(loaded))
         if runner is None or runner.engine.loaded is not loaded:
             engine = BatchEngine(loaded, self.settings.engine, self.settings.max_batch_size)
-            runner = EngineRunner(engine, self.loop, self.on_outputs)
+            runner = EngineRunner(engine, self.loop, self.on_outputs, self.settings.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner
 
