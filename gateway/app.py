@@ -90,21 +90,21 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     async def answer_chat(request: Request, ticket: Ticket, event) -> JSONResponse:
         started = time.perf_counter()
-        chat.in_flight[ticket.model] = chat.in_flight.get(ticket.model, 0) + 1
-        METRICS.in_flight.labels(ticket.model).inc()
+        chat.enter(ticket.model)
         try:
             async with pipeline.follow(ticket.request_id) as follower:
                 if event is not None:
                     await pipeline.publish(event)
                 _, terminal = await collect(follower, ticket)
         finally:
-            chat.in_flight[ticket.model] -= 1
-            METRICS.in_flight.labels(ticket.model).dec()
+            chat.leave(ticket.model)
+        rid = {"x-request-id": ticket.request_id}
         if terminal is None:
             METRICS.requests.labels(ticket.model, "504").inc()
-            raise APIError(504, "no answer before the request's deadline", "deadline_exceeded")
+            raise APIError(504, "no answer before the request's deadline", "deadline_exceeded", headers=rid)
         if terminal.type != "chat.completed":
             err = failure(terminal)
+            err.headers.update(rid)
             METRICS.requests.labels(ticket.model, str(err.status)).inc()
             raise err
         METRICS.requests.labels(ticket.model, "200").inc()
@@ -121,8 +121,7 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
         def sse(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        chat.in_flight[ticket.model] = chat.in_flight.get(ticket.model, 0) + 1
-        METRICS.in_flight.labels(ticket.model).inc()
+        chat.enter(ticket.model)
         try:
             async with pipeline.follow(ticket.request_id) as follower:
                 if event is not None:
@@ -164,8 +163,7 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
                 finished = True
                 yield "data: [DONE]\n\n"
         finally:
-            chat.in_flight[ticket.model] -= 1
-            METRICS.in_flight.labels(ticket.model).dec()
+            chat.leave(ticket.model)
             if not finished and not ticket.attached:
                 # The client went away mid-stream: stop spending the model on it. The
                 # shield lets the publish finish inside the cancelled response task.

@@ -77,8 +77,7 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
 
     async def watch(ticket: Ticket, started: float) -> None:
         """Count the request as in flight until it ends, so admission control (429) sees it."""
-        chat.in_flight[ticket.model] = chat.in_flight.get(ticket.model, 0) + 1
-        METRICS.in_flight.labels(ticket.model).inc()
+        chat.enter(ticket.model)
         terminal = None
         try:
             async with pipeline.follow(ticket.request_id) as follower:
@@ -87,8 +86,7 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
                         terminal = event
                         break
         finally:
-            chat.in_flight[ticket.model] -= 1
-            METRICS.in_flight.labels(ticket.model).dec()
+            chat.leave(ticket.model)
         status = "504" if terminal is None else "200" if terminal.type == "chat.completed" \
             else str(failure(terminal).status)
         METRICS.requests.labels(ticket.model, status).inc()

@@ -48,6 +48,15 @@ class ChatService:
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
 
+    def enter(self, model: str) -> None:
+        """Count a request against its model's queue while a gateway waits on it."""
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        METRICS.in_flight.labels(model).inc()
+
+    def leave(self, model: str) -> None:
+        self.in_flight[model] -= 1
+        METRICS.in_flight.labels(model).dec()
+
     def _check(self, req: ChatCompletionRequest) -> str:
         model = req.model or self.settings.default_model
         fleet = self.pipeline.fleet()

@@ -263,8 +263,7 @@ class Session:
         d = self.deps
         ids = {"request_id": request_id, "turn_id": turn_id}
         await d.index.hold(request_id, self.token)
-        d.chat.in_flight[model] = d.chat.in_flight.get(model, 0) + 1
-        METRICS.in_flight.labels(model).inc()
+        d.chat.enter(model)
         finished = False
         try:
             terminal = None
@@ -283,8 +282,7 @@ class Session:
                                  "text": terminal.text})
             finished = True
         finally:
-            d.chat.in_flight[model] -= 1
-            METRICS.in_flight.labels(model).dec()
+            d.chat.leave(model)
             if not finished:
                 d.spawn(self._cancel_later(request_id, conv_id, turn_id))
 

@@ -55,3 +55,24 @@ class ProcessRuntime:
                 await self._beat
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
+
+
+def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -> None:
+    """Start the runtime (topology, heartbeats) before the broker subscribes; report ready
+    once it has; stop it on shutdown. `before` / `after_stop` are extra async steps."""
+
+    @app.on_startup
+    async def _start() -> None:
+        if before:
+            await before()
+        await runtime.start()
+
+    @app.after_startup
+    async def _ready() -> None:
+        runtime.ready = True
+
+    @app.on_shutdown
+    async def _stop() -> None:
+        await runtime.stop()
+        if after_stop:
+            await after_stop()

@@ -17,7 +17,7 @@ from faststream.nats.annotations import NatsMessage
 from consumers.delivery.store import ResultStore
 from events import decode, subjects
 from events.models import TERMINAL_TYPES
-from infra.runtime import ProcessRuntime
+from infra.runtime import ProcessRuntime, wire_lifecycle
 from infra.settings import DeliverySettings
 
 log = logging.getLogger("arena.delivery")
@@ -59,19 +59,5 @@ def build_app(settings: DeliverySettings | None = None) -> FastStream:
         await deliver(message.body, store, runtime)
 
     app = FastStream(broker)
-
-    @app.on_startup
-    async def _start() -> None:
-        await store.redis.ping()
-        await runtime.start()
-
-    @app.after_startup
-    async def _ready() -> None:
-        runtime.ready = True
-
-    @app.on_shutdown
-    async def _stop() -> None:
-        await runtime.stop()
-        await store.close()
-
+    wire_lifecycle(app, runtime, before=store.redis.ping, after_stop=store.close)
     return app

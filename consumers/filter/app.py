@@ -11,7 +11,7 @@ from consumers.filter.config import FilterConfig
 from consumers.filter.policy import inspect_messages
 from events import subjects
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
-from infra.runtime import ProcessRuntime
+from infra.runtime import ProcessRuntime, wire_lifecycle
 from infra.settings import FilterSettings
 
 log = logging.getLogger("arena.filter")
@@ -60,17 +60,5 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)
-
-    @app.on_startup
-    async def _start() -> None:
-        await runtime.start()
-
-    @app.after_startup
-    async def _ready() -> None:
-        runtime.ready = True
-
-    @app.on_shutdown
-    async def _stop() -> None:
-        await runtime.stop()
-
+    wire_lifecycle(app, runtime)
     return app

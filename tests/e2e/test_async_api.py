@@ -8,8 +8,6 @@ import httpx
 import pytest
 
 from events.models import new_id
-from infra.servers import start_nats, start_redis
-from tests.conftest import RunningStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -17,17 +15,9 @@ PROMPT = "Once upon a time, there was a little dog"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(module_stack_factory):
     """One stack for the whole module: starting one takes ~15 s."""
-    tmp = tmp_path_factory.mktemp("async_api")
-    nats_server, redis_server = start_nats(tmp / "nats"), start_redis(tmp / "redis")
-    running = RunningStack(tmp / "stack", nats_server, redis_server)
-    try:
-        yield running.start()
-    finally:
-        running.stop()
-        nats_server.stop()
-        redis_server.stop()
+    return module_stack_factory().start()
 
 
 def poll(url: str, request_id: str, timeout: float = 60.0) -> httpx.Response:

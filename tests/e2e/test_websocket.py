@@ -16,24 +16,14 @@ from events.models import (ChatCompleted, ChatFailed, ChatMessage, ChatRequested
                            new_id)
 from gateway.ws import Conversation, conversation_state
 from infra.replay import conversation_events, request_events
-from infra.servers import start_nats, start_redis
-from tests.conftest import RunningStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(module_stack_factory):
     """One stack for the whole module: starting one takes ~15 s."""
-    tmp = tmp_path_factory.mktemp("websocket")
-    nats_server, redis_server = start_nats(tmp / "nats"), start_redis(tmp / "redis")
-    running = RunningStack(tmp / "stack", nats_server, redis_server)
-    try:
-        yield running.start()
-    finally:
-        running.stop()
-        nats_server.stop()
-        redis_server.stop()
+    return module_stack_factory().start()
 
 
 def ws_url(stack, **query) -> str:
