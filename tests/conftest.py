@@ -22,6 +22,24 @@ from infra.servers import start_nats, start_redis  # noqa: E402
 from infra.supervisor import ROLES, Stack  # noqa: E402
 
 
+def stored_events(nats_url: str, request_id: str) -> list:
+    """A request's events as the stream holds them (what `arena replay` prints)."""
+    import asyncio
+
+    import nats
+
+    from infra.replay import request_events
+
+    async def go():
+        nc = await nats.connect(nats_url)
+        try:
+            return await request_events(nc.jetstream(), request_id)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     server = start_nats(tmp_path / "nats")

@@ -11,7 +11,7 @@ from faststream.nats.annotations import NatsMessage
 from prometheus_client import start_http_server
 
 from consumers.inference import admin
-from consumers.inference.metrics import METRICS, register_pool
+from consumers.inference.metrics import register_pool
 from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService

@@ -14,9 +14,8 @@ import httpx
 import nats
 import pytest
 
-from infra.replay import request_events
 from infra.servers import free_port
-from tests.conftest import STORIES
+from tests.conftest import STORIES, stored_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -34,16 +33,6 @@ async def ask_many(url, prompts, **kw):
             body = {"model": "stories-260k", "messages": [{"role": "user", "content": p}], **kw}
             return await client.post(url + CHAT, json=body)
         return await asyncio.gather(*(one(p) for p in prompts))
-
-
-def events_of(nats_url, request_id):
-    async def go():
-        nc = await nats.connect(nats_url)
-        try:
-            return await request_events(nc.jetstream(), request_id)
-        finally:
-            await nc.close()
-    return asyncio.run(go())
 
 
 def metric(port, name):
@@ -147,7 +136,7 @@ def test_kill_9_mid_generation_loses_and_duplicates_nothing(stack_factory):
         t.join(120)
     for p in prompts:
         assert isinstance(out.get(p), str), out.get(p)
-        events = events_of(s.nats.url, out["rid:" + p])
+        events = stored_events(s.nats.url, out["rid:" + p])
         terminals = [e for e in events if e.type in ("chat.completed", "chat.failed", "prompt.rejected")]
         assert [e.type for e in terminals] == ["chat.completed"]
         chunks = [e for e in events if e.type == "tokens.generated"]
@@ -176,7 +165,7 @@ def test_sigterm_drains_and_gives_back_unfinished_work(stack_factory):
         t.join(120)
     for p in PROMPTS[:3]:
         assert isinstance(out.get(p), str) and out[p], out.get(p)
-        terminals = [e for e in events_of(s.nats.url, out["rid:" + p]) if e.type == "chat.completed"]
+        terminals = [e for e in stored_events(s.nats.url, out["rid:" + p]) if e.type == "chat.completed"]
         assert len(terminals) == 1 and terminals[0].text == out[p]
     assert "given back" in s.log("inference")
 
