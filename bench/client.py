@@ -108,7 +108,6 @@ async def stream_chat(
     """Send `body`, fill `record` in place and return it; never raises for HTTP trouble."""
     sent = time.perf_counter()
     record.start_s = sent - t0
-    chunks = 0
     try:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
             record.http_status = resp.status_code
@@ -117,35 +116,39 @@ async def stream_chat(
                 record.status = "rejected" if resp.status_code == 429 else "error"
                 record.error = f"HTTP {resp.status_code}: {detail}"
                 return record
-            parts: list[str] = []
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if event.get("error"):
-                    record.error = str(event["error"])[:200]
-                    return record
-                for choice in event.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if record.ttft_s is None:
-                            record.ttft_s = time.perf_counter() - sent
-                        chunks += 1
-                        parts.append(content)
-                usage = event.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    record.output_tokens = int(usage["completion_tokens"])
-                    record.tokens_from = "usage"
-                record.timings = server_timings(event) or record.timings
-            record.text = "".join(parts)
+            record.error = await _read_events(resp, record, sent)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
-        return record
-    record.latency_s = time.perf_counter() - sent
-    if record.tokens_from == "none" and chunks:
-        record.output_tokens, record.tokens_from = chunks, "chunks"
-    record.status = "ok"
+    if record.error is None:
+        record.latency_s = time.perf_counter() - sent
+        record.status = "ok"
     return record
+
+
+async def _read_events(resp: httpx.Response, record: RequestRecord, sent: float) -> str | None:
+    """Consume the SSE stream into `record`; returns the error event's text, if one came."""
+    parts: list[str] = []
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if event.get("error"):
+            return str(event["error"])[:200]
+        for choice in event.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if record.ttft_s is None:
+                    record.ttft_s = time.perf_counter() - sent
+                parts.append(content)
+        usage = event.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            record.output_tokens = int(usage["completion_tokens"])
+            record.tokens_from = "usage"
+        record.timings = server_timings(event) or record.timings
+    record.text = "".join(parts)
+    if record.tokens_from == "none" and parts:
+        record.output_tokens, record.tokens_from = len(parts), "chunks"
+    return None
