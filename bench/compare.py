@@ -108,10 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ceiling-timeout", type=float, default=600.0)
     add_workload_args(parser)
     parser.set_defaults(loads="1,4,8,16")
+    # --quick changes the defaults, so options given with it still win.
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
     unknown = set(args.targets.split(",")) - set(ALL_TARGETS)
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {', '.join(ALL_TARGETS)}")

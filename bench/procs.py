@@ -72,13 +72,14 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 15.0) -> None:
         _RUNNING.discard(self)
-        if self.proc is None or self.proc.poll() is not None and not _descendants(self.proc.pid):
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            # Already gone: its orphans were re-parented, but they are still in its group.
+            _killpg(self.proc.pid, signal.SIGKILL)
             return
         family = [*_descendants(self.proc.pid)]
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        _killpg(self.proc.pid, signal.SIGTERM)
         for p in family:
             _signal(p, signal.SIGTERM)
         try:
@@ -86,12 +87,11 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
         _, alive = psutil.wait_procs(family, timeout=max(1.0, grace_s / 3))
-        for p in alive + ([psutil.Process(self.proc.pid)] if self.proc.poll() is None else []):
+        for p in alive:
             _signal(p, signal.SIGKILL)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=5)
 
     def __enter__(self) -> ServerProcess:
@@ -106,6 +106,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:
