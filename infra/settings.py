@@ -40,11 +40,11 @@ class CommonSettings(BaseSettings):
 
 
 class FilterSettings(CommonSettings):
-    batch_size: int = Field(64, ge=1, description="Most messages pulled at once.")
+    workers: int = Field(4, ge=1, le=256, description="Messages handled concurrently.")
 
 
 class DeliverySettings(CommonSettings):
-    batch_size: int = Field(128, ge=1, description="Most messages pulled at once.")
+    workers: int = Field(8, ge=1, le=256, description="Messages handled concurrently.")
     result_ttl_s: int = Field(1800, ge=1, description="How long completed results are kept in Redis.")
 
 

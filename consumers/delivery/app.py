@@ -49,10 +49,12 @@ def build_app(settings: DeliverySettings | None = None) -> FastStream:
         subjects.DELIVERY_SUBJECT,
         stream=JStream(subjects.STREAM, declare=False),
         durable=subjects.DELIVERY_CONSUMER,
-        # A fetch returns at once with whatever is pending, so delivery adds no batching
-        # delay; the messages of one fetch are handled concurrently, and gateways put
-        # chunks back in sequence order.
-        pull_sub=PullSub(batch_size=settings.batch_size, timeout=5.0),
+        # One message per fetch: nats-py's fetch of a larger batch, once a message has
+        # arrived on an idle long-poll, waits out its timeout for the rest, which would
+        # sit on every token's path to the client. Workers handle fetched messages
+        # concurrently; gateways put chunks back in sequence order.
+        pull_sub=PullSub(batch_size=1, timeout=5.0),
+        max_workers=settings.workers,
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )
     async def on_output(body: dict, message: NatsMessage) -> None:

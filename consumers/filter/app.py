@@ -51,7 +51,10 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
         subjects.FILTER_SUBJECT,
         stream=JStream(subjects.STREAM, declare=False),
         durable=subjects.FILTER_CONSUMER,
-        pull_sub=PullSub(batch_size=settings.batch_size, timeout=0.5),
+        # One message per fetch, so a lone request is not held while a long-poll waits
+        # for a fuller batch (see the delivery consumer).
+        pull_sub=PullSub(batch_size=1, timeout=5.0),
+        max_workers=settings.workers,
         ack_policy=AckPolicy.NACK_ON_ERROR,
     )
     async def on_requested(event: ChatRequested) -> None:

@@ -45,15 +45,16 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     service = InferenceService(settings, pool, runtime.publish)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
 
-    # A fetch returns at once with what is pending (up to max_batch_size messages) and
-    # long-polls when there is nothing, so an idle worker costs nothing and a lone request
-    # is not held back. Batches form in the engine: continuous mode admits newcomers at
-    # every decode step; static mode waits up to max_wait_ms for a fuller micro-batch.
+    # Fetches long-poll one message at a time: an idle worker costs nothing, and a lone
+    # request is not held back (nats-py's fetch of a larger batch, once a message arrives
+    # on an idle long-poll, waits out its timeout for the rest). Micro-batches form in
+    # the engine: continuous mode admits newcomers at every decode step; static mode
+    # waits up to max_wait_ms for a fuller batch.
     subscriber = broker.subscriber(
         subjects.INFERENCE_SUBJECT,
         stream=JStream(subjects.STREAM, declare=False),
         durable=subjects.INFERENCE_CONSUMER,
-        pull_sub=PullSub(batch_size=settings.max_batch_size, timeout=5.0),
+        pull_sub=PullSub(batch_size=1, timeout=5.0),
         ack_policy=AckPolicy.MANUAL,
     )
 
