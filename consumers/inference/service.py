@@ -163,7 +163,11 @@ class InferenceService:
                 job.first_token_at = now
             job.pending_ids += out.new_token_ids
             job.pending_text += out.new_text
-            if job.pending_text and (len(job.pending_ids) >= self.settings.chunk_tokens or out.finished):
+            # The first chunk goes out at once (time to first token); then every
+            # chunk_tokens tokens. Boundaries depend on token counts only, so a request
+            # regenerated after a crash is cut into the same chunks.
+            full = len(job.pending_ids) >= self.settings.chunk_tokens or job.seq == 0
+            if job.pending_text and (full or out.finished):
                 self._emit_chunk(job)
             if out.finished:
                 self._finish(job, out, now)
