@@ -101,18 +101,28 @@ class RunningStack:
         self.stack.stop()
 
 
-@pytest.fixture
-def stack_factory(tmp_path, nats_server, redis_server):
-    stacks = []
+class StackSet:
+    """Stacks sharing one nats-server and redis-server, all stopped together."""
 
-    def make(**extra) -> RunningStack:
-        s = RunningStack(tmp_path / f"stack{len(stacks)}", nats_server, redis_server, **extra)
-        stacks.append(s)
+    def __init__(self, tmp: Path, nats, redis):
+        self.tmp, self.nats, self.redis = tmp, nats, redis
+        self.stacks: list[RunningStack] = []
+
+    def make(self, **extra) -> RunningStack:
+        s = RunningStack(self.tmp / f"stack{len(self.stacks)}", self.nats, self.redis, **extra)
+        self.stacks.append(s)
         return s
 
-    yield make
-    for s in stacks:
-        s.stop()
+    def stop(self) -> None:
+        for s in self.stacks:
+            s.stop()
+
+
+@pytest.fixture
+def stack_factory(tmp_path, nats_server, redis_server):
+    stacks = StackSet(tmp_path, nats_server, redis_server)
+    yield stacks.make
+    stacks.stop()
 
 
 @pytest.fixture
@@ -125,15 +135,8 @@ def module_stack_factory(tmp_path_factory):
     """Like stack_factory, but one nats/redis pair and stacks shared by a whole module."""
     tmp = tmp_path_factory.mktemp("modstack")
     nats_srv, redis_srv = start_nats(tmp / "nats"), start_redis(tmp / "redis")
-    stacks = []
-
-    def make(**extra) -> RunningStack:
-        s = RunningStack(tmp / f"stack{len(stacks)}", nats_srv, redis_srv, **extra)
-        stacks.append(s)
-        return s
-
-    yield make
-    for s in stacks:
-        s.stop()
+    stacks = StackSet(tmp, nats_srv, redis_srv)
+    yield stacks.make
+    stacks.stop()
     nats_srv.stop()
     redis_srv.stop()
