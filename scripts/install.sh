@@ -9,4 +9,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,bench]"
-echo "installed: $(.venv/bin/python -c 'import torch, transformers, faststream, nats; print("torch", torch.__version__, "transformers", transformers.__version__, "nats-py", nats.__version__)')"
+.venv/bin/python - <<'PY'
+from importlib.metadata import version
+print("installed:", ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "faststream", "nats-py")))
+PY
