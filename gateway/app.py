@@ -18,7 +18,7 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
-from gateway.serving_chat import ChatService, Ticket, collect, extra_of, failure, usage_of
+from gateway.serving_chat import ChatService, Ticket, extra_of, failure, usage_of, wait_terminal
 from gateway.assembler import Assembler
 from infra.settings import GatewaySettings
 
@@ -95,7 +95,7 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
             async with pipeline.follow(ticket.request_id) as follower:
                 if event is not None:
                     await pipeline.publish(event)
-                _, terminal = await collect(follower, ticket)
+                terminal = await wait_terminal(follower, ticket)
         finally:
             chat.leave(ticket.model)
         rid = {"x-request-id": ticket.request_id}

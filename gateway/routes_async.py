@@ -27,7 +27,7 @@ from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.protocol import ChatCompletionRequest
 from gateway.requests_index import RequestsIndex
-from gateway.serving_chat import ChatService, Ticket, failure, usage_of
+from gateway.serving_chat import ChatService, Ticket, failure, usage_of, wait_terminal
 
 # A request with no terminal event this long after its deadline never will have one.
 LOST_AFTER_S = 5.0
@@ -78,13 +78,9 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
     async def watch(ticket: Ticket, started: float) -> None:
         """Count the request as in flight until it ends, so admission control (429) sees it."""
         chat.enter(ticket.model)
-        terminal = None
         try:
             async with pipeline.follow(ticket.request_id) as follower:
-                async for event in follower.events(until=ticket.deadline_at + 2.0):
-                    if event.type in ("chat.completed", "chat.failed", "prompt.rejected"):
-                        terminal = event
-                        break
+                terminal = await wait_terminal(follower, ticket)
         finally:
             chat.leave(ticket.model)
         status = "504" if terminal is None else "200" if terminal.type == "chat.completed" \

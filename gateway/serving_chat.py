@@ -10,8 +10,7 @@ import time
 from dataclasses import dataclass
 
 from events import subjects
-from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
-from gateway.assembler import Assembler
+from events.models import TERMINAL_TYPES, ChatMessage, ChatRequested, SamplingParams, new_id
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
@@ -127,11 +126,9 @@ def extra_of(ticket: Ticket, terminal) -> dict:
             "timings": terminal.timings.model_dump(), "attached": ticket.attached}
 
 
-async def collect(follower, ticket: Ticket) -> tuple[Assembler, object | None]:
-    """Wait for the whole answer (non-streaming)."""
-    asm = Assembler()
+async def wait_terminal(follower, ticket: Ticket):
+    """Wait for the request's terminal event (non-streaming); None past the deadline."""
     async for event in follower.events(until=ticket.deadline_at + 2.0):
-        asm.add(event)
-        if asm.terminal is not None:
-            break
-    return asm, asm.terminal
+        if event.type in TERMINAL_TYPES:
+            return event
+    return None
