@@ -11,6 +11,9 @@ from typing import Callable
 
 import nats
 
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+
 from events import subjects
 from infra import jetstream
 
@@ -76,3 +79,21 @@ def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -
         await runtime.stop()
         if after_stop:
             await after_stop()
+
+
+def durable_pull(broker: NatsBroker, subject: str, durable: str, ack_policy: AckPolicy, workers: int = 1):
+    """Bind a pull subscriber to a durable consumer that `ensure_topology` created.
+
+    Fetches long-poll one message at a time: an idle consumer costs nothing, and a lone
+    message is not held back (nats-py's fetch of a larger batch, once a message arrives
+    on an idle long-poll, waits out its timeout for the rest). `workers` handle fetched
+    messages concurrently.
+    """
+    return broker.subscriber(
+        subject,
+        stream=JStream(subjects.STREAM, declare=False),
+        durable=durable,
+        pull_sub=PullSub(batch_size=1, timeout=5.0),
+        ack_policy=ack_policy,
+        **({"max_workers": workers} if workers > 1 else {}),
+    )

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from faststream import AckPolicy, FastStream
-from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
 
 from consumers.delivery.store import ResultStore
 from events import decode, subjects
 from events.models import TERMINAL_TYPES
-from infra.runtime import ProcessRuntime, wire_lifecycle
+from infra.runtime import ProcessRuntime, durable_pull, wire_lifecycle
 from infra.settings import DeliverySettings
 
 log = logging.getLogger("arena.delivery")
@@ -45,18 +45,9 @@ def build_app(settings: DeliverySettings | None = None) -> FastStream:
     runtime = ProcessRuntime("delivery", settings)
     store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
 
-    @broker.subscriber(
-        subjects.DELIVERY_SUBJECT,
-        stream=JStream(subjects.STREAM, declare=False),
-        durable=subjects.DELIVERY_CONSUMER,
-        # One message per fetch: nats-py's fetch of a larger batch, once a message has
-        # arrived on an idle long-poll, waits out its timeout for the rest, which would
-        # sit on every token's path to the client. Workers handle fetched messages
-        # concurrently; gateways put chunks back in sequence order.
-        pull_sub=PullSub(batch_size=1, timeout=5.0),
-        max_workers=settings.workers,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
+    # Gateways put chunks back in sequence order, so workers may deliver concurrently.
+    @durable_pull(broker, subjects.DELIVERY_SUBJECT, subjects.DELIVERY_CONSUMER, AckPolicy.NACK_ON_ERROR,
+                  settings.workers)
     async def on_output(body: dict, message: NatsMessage) -> None:
         await deliver(message.body, store, runtime)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 
 from faststream import AckPolicy, FastStream
-from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats import NatsBroker
 
 from consumers.filter.config import FilterConfig
 from consumers.filter.policy import inspect_messages
 from events import subjects
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
-from infra.runtime import ProcessRuntime, wire_lifecycle
+from infra.runtime import ProcessRuntime, durable_pull, wire_lifecycle
 from infra.settings import FilterSettings
 
 log = logging.getLogger("arena.filter")
@@ -47,16 +47,8 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime("filter", settings)
 
-    @broker.subscriber(
-        subjects.FILTER_SUBJECT,
-        stream=JStream(subjects.STREAM, declare=False),
-        durable=subjects.FILTER_CONSUMER,
-        # One message per fetch, so a lone request is not held while a long-poll waits
-        # for a fuller batch (see the delivery consumer).
-        pull_sub=PullSub(batch_size=1, timeout=5.0),
-        max_workers=settings.workers,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
+    @durable_pull(broker, subjects.FILTER_SUBJECT, subjects.FILTER_CONSUMER, AckPolicy.NACK_ON_ERROR,
+                  settings.workers)
     async def on_requested(event: ChatRequested) -> None:
         out = decide(event, config)
         await runtime.publish(out)

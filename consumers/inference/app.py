@@ -6,7 +6,7 @@ import logging
 import psutil
 import torch
 from faststream import AckPolicy, FastStream
-from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
 from prometheus_client import start_http_server
 
@@ -16,7 +16,7 @@ from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects
-from infra.runtime import ProcessRuntime
+from infra.runtime import ProcessRuntime, durable_pull
 from infra.servers import free_port
 from infra.settings import InferenceSettings
 
@@ -45,18 +45,9 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     service = InferenceService(settings, pool, runtime.publish)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
 
-    # Fetches long-poll one message at a time: an idle worker costs nothing, and a lone
-    # request is not held back (nats-py's fetch of a larger batch, once a message arrives
-    # on an idle long-poll, waits out its timeout for the rest). Micro-batches form in
-    # the engine: continuous mode admits newcomers at every decode step; static mode
-    # waits up to max_wait_ms for a fuller batch.
-    subscriber = broker.subscriber(
-        subjects.INFERENCE_SUBJECT,
-        stream=JStream(subjects.STREAM, declare=False),
-        durable=subjects.INFERENCE_CONSUMER,
-        pull_sub=PullSub(batch_size=1, timeout=5.0),
-        ack_policy=AckPolicy.MANUAL,
-    )
+    # Micro-batches form in the engine, not in the fetch: continuous mode admits
+    # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.
+    subscriber = durable_pull(broker, subjects.INFERENCE_SUBJECT, subjects.INFERENCE_CONSUMER, AckPolicy.MANUAL)
 
     @subscriber
     async def on_accepted(body: dict, message: NatsMessage) -> None:
