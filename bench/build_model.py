@@ -104,9 +104,7 @@ def build_tokenizer(vocab_size: int, max_chars: int | None = None):
         show_progress=False,
     )
     tok.train_from_iterator(corpus_lines(max_chars), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 2048
     return fast
@@ -139,9 +137,7 @@ def build_model(size: ModelSize, vocab_size: int, seed: int = 0):
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight[config.eos_token_id].zero_()
-    model.generation_config = GenerationConfig(
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, do_sample=False
-    )
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3, do_sample=False)
     return model
 
 

@@ -34,20 +34,37 @@ def run_batch_size(lm: hf.LoadedModel, turns: list[Turn], batch_size: int) -> di
     prompts = _prompts(lm, turns)
     records, clock = [], 0.0
     for first in range(0, len(order), batch_size):
-        chunk = order[first:first + batch_size]
+        chunk = order[first : first + batch_size]
         steps = max(turns[i].max_tokens for i in chunk)
         timer = hf.TokenTimer()
         timer.started = time.perf_counter()
         hf.generate(lm, hf.encode(lm, [prompts[i] for i in chunk]), steps, streamer=timer)
         took = time.perf_counter() - timer.started
         for i in chunk:
-            records.append({"session": i, "turn": 0, "max_tokens": turns[i].max_tokens, "start_s": clock,
-                            "status": "ok", "http_status": None, "latency_s": took,
-                            "ttft_s": timer.first_token_s, "output_tokens": turns[i].max_tokens,
-                            "tokens_from": "usage", "error": None, "timings": None})
+            records.append(
+                {
+                    "session": i,
+                    "turn": 0,
+                    "max_tokens": turns[i].max_tokens,
+                    "start_s": clock,
+                    "status": "ok",
+                    "http_status": None,
+                    "latency_s": took,
+                    "ttft_s": timer.first_token_s,
+                    "output_tokens": turns[i].max_tokens,
+                    "tokens_from": "usage",
+                    "error": None,
+                    "timings": None,
+                }
+            )
         clock += took
-    return {"load": float(batch_size), "load_label": f"batch {batch_size}", "mode": "batch",
-            "summary": summarize(records, clock), "records": records}
+    return {
+        "load": float(batch_size),
+        "load_label": f"batch {batch_size}",
+        "mode": "batch",
+        "summary": summarize(records, clock),
+        "records": records,
+    }
 
 
 def compute_times(lm: hf.LoadedModel, turns: list[Turn]) -> list[dict]:
@@ -57,8 +74,13 @@ def compute_times(lm: hf.LoadedModel, turns: list[Turn]) -> list[dict]:
         timer = hf.TokenTimer()
         timer.started = time.perf_counter()
         hf.generate(lm, hf.encode(lm, [prompt]), turn.max_tokens, streamer=timer)
-        out.append({"max_tokens": turn.max_tokens, "compute_s": time.perf_counter() - timer.started,
-                    "first_token_s": timer.first_token_s})
+        out.append(
+            {
+                "max_tokens": turn.max_tokens,
+                "compute_s": time.perf_counter() - timer.started,
+                "first_token_s": timer.first_token_s,
+            }
+        )
     return out
 
 
@@ -77,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(model=lm.name, lengths=LengthMix.parse(args.lengths), seed=args.seed)
     turns = fixed_requests(workload, max(args.requests, args.compute))
     hf.generate(lm, hf.encode(lm, _prompts(lm, turns[:2])), 4)  # warm-up
-    levels = [run_batch_size(lm, turns[:args.requests], int(b)) for b in args.batch_sizes.split(",")]
-    result = {"name": "ceiling", "status": "ok", "params": lm.params, "levels": levels,
-              "compute": compute_times(lm, turns[:args.compute])}
+    levels = [run_batch_size(lm, turns[: args.requests], int(b)) for b in args.batch_sizes.split(",")]
+    result = {
+        "name": "ceiling",
+        "status": "ok",
+        "params": lm.params,
+        "levels": levels,
+        "compute": compute_times(lm, turns[: args.compute]),
+    }
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

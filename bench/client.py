@@ -71,8 +71,7 @@ def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: boo
 def server_timings(body: dict) -> dict | None:
     """Timings a server reports about itself (arenaflow: `x_arena.timings`), if any."""
     usage = body.get("usage") or {}
-    return ((body.get("x_arena") or {}).get("timings") or body.get("x_arena_timings")
-            or usage.get("x_arena_timings"))
+    return (body.get("x_arena") or {}).get("timings") or body.get("x_arena_timings") or usage.get("x_arena_timings")
 
 
 async def complete_chat(

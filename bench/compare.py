@@ -29,16 +29,39 @@ from bench.report import write_report
 from bench.workload import Workload, fixed_requests
 
 ALL_TARGETS = ("naive", "transformers-serve", "transformers-serve-cb", "arenaflow-static", "arenaflow-continuous")
-QUICK = {"loads": "1,4", "duration": 3.0, "max_requests": 8, "lengths": "16:0.8,64:0.2",
-         "ceiling_requests": 8, "batch_sizes": "1,8", "overhead_requests": 3,
-         "targets": "naive,transformers-serve,arenaflow-static,arenaflow-continuous"}
+QUICK = {
+    "loads": "1,4",
+    "duration": 3.0,
+    "max_requests": 8,
+    "lengths": "16:0.8,64:0.2",
+    "ceiling_requests": 8,
+    "batch_sizes": "1,8",
+    "overhead_requests": 3,
+    "targets": "naive,transformers-serve,arenaflow-static,arenaflow-continuous",
+}
 
 
 def run_ceiling(args, out: Path, workload: Workload) -> dict:
     path = out / "ceiling.json"
-    cmd = [sys.executable, "-m", "bench.ceiling", "--model", str(args.model), "--requests",
-           str(args.ceiling_requests), "--batch-sizes", args.batch_sizes, "--lengths", str(workload.lengths),
-           "--seed", str(workload.seed), "--compute", str(args.overhead_requests), "--out", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.ceiling",
+        "--model",
+        str(args.model),
+        "--requests",
+        str(args.ceiling_requests),
+        "--batch-sizes",
+        args.batch_sizes,
+        "--lengths",
+        str(workload.lengths),
+        "--seed",
+        str(workload.seed),
+        "--compute",
+        str(args.overhead_requests),
+        "--out",
+        str(path),
+    ]
     env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
     with open(out / "logs" / "ceiling.log", "wb") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout)
@@ -87,8 +110,10 @@ def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
         "commit": commit or "unknown",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.torch_threads or 'default'}",
         "model": f"{args.model} ({ceiling.get('params', 0) / 1e6:.1f}M params, float32, CPU)",
-        "workload": (f"{workload.mode} loop, loads {','.join(f'{x:g}' for x in loads)}, lengths "
-                     f"{workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level"),
+        "workload": (
+            f"{workload.mode} loop, loads {','.join(f'{x:g}' for x in loads)}, lengths "
+            f"{workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level"
+        ),
     }
 
 
@@ -133,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ceiling["loadavg_at_start"] = load_before
     print(f"[compare] ceiling: {ceiling['status']} in {time.perf_counter() - t0:.0f}s", flush=True)
     turns = fixed_requests(workload, args.overhead_requests)
-    rows = [measure(t, setup, args, workload, loads, turns, ceiling.get("compute", []))
-            for t in args.targets.split(",")]
+    rows = [
+        measure(t, setup, args, workload, loads, turns, ceiling.get("compute", [])) for t in args.targets.split(",")
+    ]
     results = {
         "meta": _meta(args, ceiling, workload, loads),
         "targets": [{k: v for k, v in ceiling.items() if k != "compute"}, *rows],

@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     parser.add_argument(
-        "--threads", type=int, help="torch CPU threads; tiny models run fastest with 1, "
-        "and on a busy machine extra OpenMP threads mostly spin"
+        "--threads",
+        type=int,
+        help="torch CPU threads; tiny models run fastest with 1, "
+        "and on a busy machine extra OpenMP threads mostly spin",
     )
     args = parser.parse_args(argv)
     if args.threads:

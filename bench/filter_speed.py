@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     chars = statistics.median(len(p) for p in prompts)
     print(f"prompt filter speed, one core, {what} (median {chars:.0f} chars)")
     print(f"  {rate:,.0f} prompts/s wall clock, {cpu_rate:,.0f} prompts/s of CPU time, over {done:,} prompts")
-    print(f"  latency p50 {1e6 * lat[len(lat) // 2]:.0f} us, p99 {1e6 * lat[int(len(lat) * 0.99)]:.0f} us, "
-          f"max {1e3 * lat[-1]:.1f} ms")
+    print(
+        f"  latency p50 {1e6 * lat[len(lat) // 2]:.0f} us, p99 {1e6 * lat[int(len(lat) * 0.99)]:.0f} us, "
+        f"max {1e3 * lat[-1]:.1f} ms"
+    )
     return 0
 
 

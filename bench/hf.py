@@ -90,18 +90,23 @@ class _StopWhenSet(StoppingCriteria):
         return self.event.is_set()
 
 
-def generate(lm: LoadedModel, batch: dict, max_tokens: int, ignore_eos: bool = True,
-             streamer: BaseStreamer | None = None, stop: threading.Event | None = None) -> torch.Tensor:
+def generate(
+    lm: LoadedModel,
+    batch: dict,
+    max_tokens: int,
+    ignore_eos: bool = True,
+    streamer: BaseStreamer | None = None,
+    stop: threading.Event | None = None,
+) -> torch.Tensor:
     """Greedy generation; returns only the new tokens, shape (batch, steps).
 
     `ignore_eos` keeps generating to `max_tokens`; setting `stop` ends it at the next step.
     """
-    kwargs = {"max_new_tokens": max_tokens, "do_sample": False,
-              "pad_token_id": lm.tokenizer.pad_token_id}
+    kwargs = {"max_new_tokens": max_tokens, "do_sample": False, "pad_token_id": lm.tokenizer.pad_token_id}
     if ignore_eos:
         kwargs["min_new_tokens"] = max_tokens
     if stop is not None:
         kwargs["stopping_criteria"] = StoppingCriteriaList([_StopWhenSet(stop)])
     with torch.inference_mode():
         out = lm.model.generate(**batch, streamer=streamer, **kwargs)
-    return out[:, batch["input_ids"].shape[1]:]
+    return out[:, batch["input_ids"].shape[1] :]

@@ -108,8 +108,15 @@ async def run_level(base_url: str, workload: Workload) -> dict:
 
 async def warm_up(base_url: str, workload: Workload, requests: int = 2, max_tokens: int = 4) -> dict:
     """A few short requests, so first-call costs stay out of the figures; returns the level."""
-    level = replace(workload, mode="closed", concurrency=1, max_requests=requests, duration_s=120.0,
-                    lengths=LengthMix(((max_tokens, 1.0),)), turns=1)
+    level = replace(
+        workload,
+        mode="closed",
+        concurrency=1,
+        max_requests=requests,
+        duration_s=120.0,
+        lengths=LengthMix(((max_tokens, 1.0),)),
+        turns=1,
+    )
     return await run_level(base_url, level)
 
 
@@ -128,8 +135,9 @@ async def sweep(base_url: str, workload: Workload, loads: list[float]) -> list[d
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Workload options shared with `bench.compare`."""
     parser.add_argument("--mode", choices=("closed", "open"), default="closed")
-    parser.add_argument("--loads", default="1,4,8",
-                        help="concurrent users (closed) or requests/s (open), comma-separated")
+    parser.add_argument(
+        "--loads", default="1,4,8", help="concurrent users (closed) or requests/s (open), comma-separated"
+    )
     parser.add_argument("--lengths", default="16:0.8,128:0.2", help="max_tokens[:weight],...")
     parser.add_argument("--turns", type=int, default=1)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per load level")
@@ -140,8 +148,13 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def workload_from_args(args: argparse.Namespace, model: str) -> tuple[Workload, list[float]]:
     workload = Workload(
-        model=model, mode=args.mode, duration_s=args.duration, max_requests=args.max_requests,
-        lengths=LengthMix.parse(args.lengths), turns=args.turns, seed=args.seed,
+        model=model,
+        mode=args.mode,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+        lengths=LengthMix.parse(args.lengths),
+        turns=args.turns,
+        seed=args.seed,
         timeout_s=args.timeout,
     )
     return workload, [float(x) for x in args.loads.split(",")]

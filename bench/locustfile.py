@@ -26,8 +26,12 @@ MAX_TOKENS = int(os.environ.get("ARENA_MAX_TOKENS", "32"))
 
 
 def _body(stream: bool) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": MAX_TOKENS, "stream": stream}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
 
 
 def _check(resp) -> bool:
@@ -46,16 +50,16 @@ class ChatUser(HttpUser):
 
     @task
     def chat(self) -> None:
-        with self.client.post("/v1/chat/completions", json=_body(False), name="chat",
-                              catch_response=True) as resp:
+        with self.client.post("/v1/chat/completions", json=_body(False), name="chat", catch_response=True) as resp:
             if _check(resp) and not resp.json()["choices"][0]["message"]["content"]:
                 resp.failure("empty answer")
 
     @task
     def chat_stream(self) -> None:
         started = time.perf_counter()
-        with self.client.post("/v1/chat/completions", json=_body(True), name="chat (stream) headers",
-                              stream=True, catch_response=True) as resp:
+        with self.client.post(
+            "/v1/chat/completions", json=_body(True), name="chat (stream) headers", stream=True, catch_response=True
+        ) as resp:
             if not _check(resp):
                 return
             first = None
@@ -71,5 +75,10 @@ class ChatUser(HttpUser):
             total = time.perf_counter() - started
             for name, seconds in (("TTFT", first), ("stream total", total)):
                 self.environment.events.request.fire(
-                    request_type="SSE", name=name, response_time=seconds * 1000, response_length=0,
-                    exception=None, context={})
+                    request_type="SSE",
+                    name=name,
+                    response_time=seconds * 1000,
+                    response_length=0,
+                    exception=None,
+                    context={},
+                )

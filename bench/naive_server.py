@@ -42,8 +42,13 @@ class ChatCompletionRequest(BaseModel):
 
 
 def _chunk(rid: str, model: str, delta: dict | None, finish: str | None = None, usage=None) -> str:
-    body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     if usage is not None:
         body["usage"] = usage
     return f"data: {json.dumps(body)}\n\n"
@@ -84,11 +89,20 @@ def create_app(model_path: str, name: str | None = None) -> FastAPI:
         ids = new[0].tolist()
         text = lm.tokenizer.decode(ids, skip_special_tokens=True)
         n_prompt = batch["input_ids"].shape[1]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": lm.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": "length" if len(ids) >= req.max_tokens else "stop"}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                          "total_tokens": n_prompt + len(ids)}}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": lm.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length" if len(ids) >= req.max_tokens else "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)},
+        }
 
     return app
 
@@ -100,8 +114,9 @@ async def _stream(lm: hf.LoadedModel, lock: asyncio.Lock, req: ChatCompletionReq
     timer = hf.TokenTimer(on_tokens=lambda ids: loop.call_soon_threadsafe(queue.put_nowait, ids))
     async with lock:
         timer.started = time.perf_counter()
-        work = asyncio.create_task(asyncio.to_thread(
-            hf.generate, lm, batch, req.max_tokens, req.ignore_eos, timer, cancel))
+        work = asyncio.create_task(
+            asyncio.to_thread(hf.generate, lm, batch, req.max_tokens, req.ignore_eos, timer, cancel)
+        )
         try:
             yield _chunk(rid, lm.name, {"role": "assistant", "content": ""})
             ids: list[int] = []
@@ -109,15 +124,14 @@ async def _stream(lm: hf.LoadedModel, lock: asyncio.Lock, req: ChatCompletionReq
             while (step := await queue.get()) is not None:
                 ids.extend(step)
                 text = lm.tokenizer.decode(ids, skip_special_tokens=True)
-                delta, sent = text[len(sent):], text
+                delta, sent = text[len(sent) :], text
                 yield _chunk(rid, lm.name, {"content": delta})
             await work
             n_prompt = batch["input_ids"].shape[1]
             finish = "length" if len(ids) >= req.max_tokens else "stop"
             yield _chunk(rid, lm.name, {}, finish)
             if (req.stream_options or {}).get("include_usage"):
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids),
-                         "total_tokens": n_prompt + len(ids)}
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)}
                 yield _chunk(rid, lm.name, None, usage=usage)
             yield "data: [DONE]\n\n"
         finally:

@@ -19,8 +19,9 @@ from bench.stats import percentile
 from bench.workload import Turn
 
 
-async def measure(base_url: str, model: str, turns: list[Turn], ignore_eos: bool = True,
-                  timeout_s: float = 120.0) -> list[RequestRecord]:
+async def measure(
+    base_url: str, model: str, turns: list[Turn], ignore_eos: bool = True, timeout_s: float = 120.0
+) -> list[RequestRecord]:
     """The requests, sequentially, over one connection pool."""
     base = check_local(base_url)
     records = []
@@ -42,8 +43,9 @@ def overhead_row(records: list[RequestRecord], compute: list[dict]) -> dict:
     latency = [r.latency_s for r, _ in pairs]
     comp = [c["compute_s"] for _, c in pairs]
     over = [lat - c for lat, c in zip(latency, comp, strict=True)]
-    server = [(r.latency_s, r.timings["compute_s"]) for r, _ in pairs
-              if r.timings and r.timings.get("compute_s") is not None]
+    server = [
+        (r.latency_s, r.timings["compute_s"]) for r, _ in pairs if r.timings and r.timings.get("compute_s") is not None
+    ]
     row = {"status": "ok", "requests": len(pairs), "failed": len(records) - len(pairs)}
     for label, values in (("latency", latency), ("compute", comp), ("overhead", over)):
         row[f"{label}_p50"] = percentile(values, 50)

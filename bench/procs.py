@@ -36,8 +36,15 @@ class ServerFailed(RuntimeError):
 class ServerProcess:
     """One server command, its log file, and the URL that answers 200 once it is ready."""
 
-    def __init__(self, name: str, cmd: list[str], ready_url: str, log_path: Path,
-                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        ready_url: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.name, self.cmd, self.ready_url, self.log_path = name, cmd, ready_url, log_path
         self.env = {**os.environ, **(env or {})}
         self.cwd = cwd
@@ -46,8 +53,15 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         cwd=self.cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
         _RUNNING.add(self)
         return self
 

@@ -22,8 +22,9 @@ def _pct(value: float | None) -> str:
 
 
 def level_rows(results: dict) -> list[str]:
-    head = ("| target | load | req/s | tok/s | latency P50 / P95 / P99 (ms) "
-            "| TTFT P50 / P95 / P99 (ms) | errors | 429s |")
+    head = (
+        "| target | load | req/s | tok/s | latency P50 / P95 / P99 (ms) | TTFT P50 / P95 / P99 (ms) | errors | 429s |"
+    )
     lines = [head, "|" + "---|" * 8]
     for target in results["targets"]:
         if target["status"] != "ok":
@@ -66,23 +67,27 @@ def ratios(results: dict) -> dict[str, dict[str, float | None]]:
 
 def ratio_rows(results: dict) -> list[str]:
     table = ratios(results)
-    lines = ["| target | peak tok/s (at) | " + " | ".join(f"× {r}" for r in REFERENCES) + " |",
-             "|" + "---|" * (2 + len(REFERENCES))]
+    lines = [
+        "| target | peak tok/s (at) | " + " | ".join(f"× {r}" for r in REFERENCES) + " |",
+        "|" + "---|" * (2 + len(REFERENCES)),
+    ]
     for target in results["targets"]:
         level = peak(target)
         if level is None:
             continue
-        cells = " | ".join("–" if table[target["name"]][r] is None else f"{table[target['name']][r]:.2f}"
-                           for r in REFERENCES)
-        lines.append(f"| {target['name']} | {level['summary']['tokens_per_s']:.0f} "
-                     f"({level['load_label']}) | {cells} |")
+        cells = " | ".join(
+            "–" if table[target["name"]][r] is None else f"{table[target['name']][r]:.2f}" for r in REFERENCES
+        )
+        lines.append(f"| {target['name']} | {level['summary']['tokens_per_s']:.0f} ({level['load_label']}) | {cells} |")
     return lines
 
 
 def overhead_rows(overhead: dict) -> list[str]:
-    lines = ["| target | requests | end-to-end P50 / P99 (ms) | compute P50 / P99 (ms) "
-             "| overhead P50 / P99 (ms) | overhead vs server-reported compute P50 / P99 (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| target | requests | end-to-end P50 / P99 (ms) | compute P50 / P99 (ms) "
+        "| overhead P50 / P99 (ms) | overhead vs server-reported compute P50 / P99 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in overhead.items():
         if row.get("status") != "ok":
             lines.append(f"| {name} | {row.get('status')}: {row.get('reason', '')[:120]} | | | | |")
@@ -117,8 +122,9 @@ def condition_rows(results: dict) -> list[str]:
         load = target.get("loadavg_at_start")
         load_text = " / ".join(f"{x:.1f}" for x in load) if load else "–"
         startup = target.get("startup_s")
-        lines.append(f"| {target['name']} | {target['status']} | "
-                     f"{'–' if startup is None else f'{startup:.1f}'} | {load_text} |")
+        lines.append(
+            f"| {target['name']} | {target['status']} | {'–' if startup is None else f'{startup:.1f}'} | {load_text} |"
+        )
     return lines
 
 

@@ -56,10 +56,20 @@ class Target:
 
 def naive(setup: Setup) -> Target:
     port = free_port()
-    cmd = [sys.executable, "-m", "bench.naive_server", "--model", str(setup.model_path),
-           "--name", setup.model_name, "--port", str(port)]
-    proc = ServerProcess("naive", cmd, f"http://127.0.0.1:{port}/readyz",
-                         setup.out / "logs" / "naive.log", env=setup.env())
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.naive_server",
+        "--model",
+        str(setup.model_path),
+        "--name",
+        setup.model_name,
+        "--port",
+        str(port),
+    ]
+    proc = ServerProcess(
+        "naive", cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / "naive.log", env=setup.env()
+    )
     return Target("naive", proc, setup.model_name, f"http://127.0.0.1:{port}")
 
 
@@ -71,16 +81,28 @@ def transformers_serve(setup: Setup, continuous: bool = False) -> Target:
     env = setup.env()
     if importlib.util.find_spec("accelerate") is None:
         if not (SERVE_DEPS / "accelerate").is_dir():
-            raise NotRunnable("needs `accelerate` (device_map loading), not installed; run "
-                              f"`pip install --no-deps --target {SERVE_DEPS} accelerate`")
+            raise NotRunnable(
+                "needs `accelerate` (device_map loading), not installed; run "
+                f"`pip install --no-deps --target {SERVE_DEPS} accelerate`"
+            )
         env["PYTHONPATH"] = str(SERVE_DEPS)
     port = free_port()
     model = str(setup.model_path.resolve())
-    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--log-level", "warning", "--continuous-batching" if continuous else "--no-continuous-batching",
-           model]
-    proc = ServerProcess(name, cmd, f"http://127.0.0.1:{port}/health",
-                         setup.out / "logs" / f"{name}.log", env=env)
+    cmd = [
+        exe,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        "--continuous-batching" if continuous else "--no-continuous-batching",
+        model,
+    ]
+    proc = ServerProcess(name, cmd, f"http://127.0.0.1:{port}/health", setup.out / "logs" / f"{name}.log", env=env)
     # It refuses unknown request fields (ignore_eos) with 422, and a model name other
     # than the path it was started with.
     return Target(name, proc, model, f"http://127.0.0.1:{port}", send_ignore_eos=False)
@@ -106,16 +128,32 @@ def arena(setup: Setup, engine: str) -> Target:
             raise NotRunnable(f"`arena up` has no {flag} option yet")
     config = setup.out / f"{name}-models.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(f"models:\n  - name: {setup.model_name}\n    path: {setup.model_path.resolve()}\n"
-                      f"    dtype: float32\n    device: cpu\n")
+    config.write_text(
+        f"models:\n  - name: {setup.model_name}\n    path: {setup.model_path.resolve()}\n"
+        f"    dtype: float32\n    device: cpu\n"
+    )
     port = free_port()
     state = (setup.out / "state" / name).resolve()
     # Readiness waits for the default model to be resident, so make ours the default.
-    cmd = [*cmd, "up", "--port", str(port), "--models-config", str(config.resolve()),
-           "--default-model", setup.model_name, "--engine", engine,
-           "--max-batch-size", str(setup.max_batch_size), "--state-dir", str(state)]
-    proc = ServerProcess(name, cmd, f"http://127.0.0.1:{port}/readyz",
-                         setup.out / "logs" / f"{name}.log", env=setup.env())
+    cmd = [
+        *cmd,
+        "up",
+        "--port",
+        str(port),
+        "--models-config",
+        str(config.resolve()),
+        "--default-model",
+        setup.model_name,
+        "--engine",
+        engine,
+        "--max-batch-size",
+        str(setup.max_batch_size),
+        "--state-dir",
+        str(state),
+    ]
+    proc = ServerProcess(
+        name, cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / f"{name}.log", env=setup.env()
+    )
     return Target(name, proc, setup.model_name, f"http://127.0.0.1:{port}")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Annotated, Literal, Union
+from datetime import UTC, datetime
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +20,7 @@ def new_id() -> str:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Frozen(BaseModel):
@@ -152,15 +152,7 @@ class ChatCancelled(EventBase):
 
 
 Event = Annotated[
-    Union[
-        ChatRequested,
-        PromptAccepted,
-        PromptRejected,
-        TokensGenerated,
-        ChatCompleted,
-        ChatFailed,
-        ChatCancelled,
-    ],
+    ChatRequested | PromptAccepted | PromptRejected | TokensGenerated | ChatCompleted | ChatFailed | ChatCancelled,
     Field(discriminator="type"),
 ]
 

@@ -80,12 +80,14 @@ def dedupe_key(event) -> str:
         return f"{event.request_id}:tok:{event.seq}"
     return f"{event.request_id}:{event.type}"
 
+
 # Core-NATS subject on which every consumer process announces itself (not stored).
 HEARTBEAT_PREFIX = "arena.hb"
 
 
 def heartbeat_subject(role: str, instance: str) -> str:
     return f"{HEARTBEAT_PREFIX}.{role}.{instance}"
+
 
 # Core-NATS request subject for hot swap: every inference process answers.
 ADMIN_MODELS = "arena.admin.models"

@@ -8,18 +8,17 @@ import time
 from contextlib import asynccontextmanager
 
 import anyio
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import errors, routes_async, ws
+from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
 from gateway.serving_chat import ChatService, Ticket, extra_of, failure, usage_of, wait_terminal
-from gateway.assembler import Assembler
 from infra.settings import GatewaySettings
 
 log = logging.getLogger("arena.gateway")
@@ -49,8 +48,9 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
                 auth = request.headers.get("authorization", "")
                 if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
                     METRICS.rejections.labels(reason="unauthorized").inc()
-                    return APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                    "invalid_api_key").response()
+                    return APIError(
+                        401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key"
+                    ).response()
             length = request.headers.get("content-length")
             if length and length.isdigit() and int(length) > settings.max_body_bytes:
                 METRICS.rejections.labels(reason="body_too_large").inc()
@@ -64,8 +64,9 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz():
         ok, fleet = pipeline.ready(settings.default_model)
-        return JSONResponse({"ready": ok, "default_model": settings.default_model, **fleet},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"ready": ok, "default_model": settings.default_model, **fleet}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics():
@@ -74,18 +75,24 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         fleet = pipeline.fleet()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
-            for name, insts in sorted(fleet["models"].items())]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
+                for name, insts in sorted(fleet["models"].items())
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         ticket, event = await chat.admit(req, request.headers.get("idempotency-key"))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_chat(request, ticket, event, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"x-request-id": ticket.request_id})
+            return StreamingResponse(
+                stream_chat(request, ticket, event, include_usage),
+                media_type="text/event-stream",
+                headers={"x-request-id": ticket.request_id},
+            )
         return await answer_chat(request, ticket, event)
 
     async def answer_chat(request: Request, ticket: Ticket, event) -> JSONResponse:
@@ -109,8 +116,14 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
             raise err
         METRICS.requests.labels(ticket.model, "200").inc()
         METRICS.latency.labels(ticket.model).observe(time.perf_counter() - started)
-        body = completion_body(ticket.request_id, ticket.model, terminal.text, terminal.finish_reason,
-                               usage_of(terminal), extra_of(ticket, terminal))
+        body = completion_body(
+            ticket.request_id,
+            ticket.model,
+            terminal.text,
+            terminal.finish_reason,
+            usage_of(terminal),
+            extra_of(ticket, terminal),
+        )
         return JSONResponse(body, headers={"x-request-id": ticket.request_id})
 
     async def stream_chat(request: Request, ticket: Ticket, event, include_usage: bool):
@@ -156,8 +169,9 @@ def build_app(settings: GatewaySettings | None = None) -> FastAPI:
                         yield sse(chunk_body(ticket.request_id, ticket.model, {"content": rest}))
                     yield sse(chunk_body(ticket.request_id, ticket.model, {}, terminal.finish_reason))
                     if include_usage:
-                        yield sse(chunk_body(ticket.request_id, ticket.model, {}, usage=usage_of(terminal),
-                                             with_choice=False))
+                        yield sse(
+                            chunk_body(ticket.request_id, ticket.model, {}, usage=usage_of(terminal), with_choice=False)
+                        )
                     METRICS.requests.labels(ticket.model, "200").inc()
                     METRICS.latency.labels(ticket.model).observe(time.perf_counter() - started)
                 finished = True

@@ -43,4 +43,4 @@ class Assembler:
         full = getattr(self.terminal, "text", None)
         if full is None or not full.startswith(self.text):
             return ""
-        return full[len(self.text):]
+        return full[len(self.text) :]

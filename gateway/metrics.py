@@ -6,10 +6,18 @@ from prometheus_client import Counter, Gauge, Histogram
 class GatewayMetrics:
     def __init__(self) -> None:
         self.requests = Counter("arena_req_total", "Chat requests answered", ["model", "status"])
-        self.latency = Histogram("arena_req_latency_seconds", "End-to-end request latency", ["model"],
-                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60))
-        self.ttft = Histogram("arena_time_to_first_token_seconds", "Time to first streamed token", ["model"],
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 15))
+        self.latency = Histogram(
+            "arena_req_latency_seconds",
+            "End-to-end request latency",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60),
+        )
+        self.ttft = Histogram(
+            "arena_time_to_first_token_seconds",
+            "Time to first streamed token",
+            ["model"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 15),
+        )
         self.in_flight = Gauge("arena_requests_in_flight", "Requests waiting for an answer", ["model"])
         self.idempotent_hits = Counter("arena_idempotent_hits_total", "Retries answered from an earlier request")
         self.rejections = Counter("arena_rejections_total", "Requests refused", ["reason"])

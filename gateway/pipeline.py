@@ -3,12 +3,11 @@ and knowing which consumers are alive (from their heartbeats)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from typing import AsyncIterator
 
 from consumers.delivery.store import ResultStore
 from events import decode, subjects
@@ -80,7 +79,7 @@ class Pipeline:
             await self.publish(ChatCancelled(request_id=request_id, conv_id=conv_id, turn_id=turn_id))
 
     @asynccontextmanager
-    async def follow(self, request_id: str) -> AsyncIterator["Follower"]:
+    async def follow(self, request_id: str) -> AsyncIterator[Follower]:
         """Subscribe to a request's live output; subscribe BEFORE publishing the request."""
         sub = await self.nc.subscribe(subjects.live_subject(request_id))
         try:
@@ -109,7 +108,7 @@ class Follower:
             try:
                 msg = await self.sub.next_msg(timeout=min(self.POLL_S, left))
                 yield decode(msg.data)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 stored = await self.pipeline.store.get_result(self.request_id)
                 if stored is not None:
                     yield decode(stored)

@@ -67,33 +67,43 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens or default
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict,
-                    extra: dict | None = None) -> dict:
+def completion_body(
+    request_id: str, model: str, text: str, finish_reason: str, usage: dict, extra: dict | None = None
+) -> dict:
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason,
-            "logprobs": None,
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
         "usage": usage,
         **({"x_arena": extra} if extra else {}),
     }
 
 
-def chunk_body(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
-               usage: dict | None = None, with_choice: bool = True) -> dict:
+def chunk_body(
+    request_id: str,
+    model: str,
+    delta: dict,
+    finish_reason: str | None = None,
+    usage: dict | None = None,
+    with_choice: bool = True,
+) -> dict:
     body = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-        if with_choice else [],
+        if with_choice
+        else [],
     }
     if usage is not None:
         body["usage"] = usage

@@ -61,13 +61,19 @@ def result_url(request_id: str) -> str:
 
 def pending(request_id: str) -> JSONResponse:
     body = {"request_id": request_id, "status": "pending", "result_url": result_url(request_id)}
-    return JSONResponse(body, status_code=202, headers={"x-request-id": request_id, "Retry-After": "1",
-                                                        "Location": result_url(request_id)})
+    return JSONResponse(
+        body,
+        status_code=202,
+        headers={"x-request-id": request_id, "Retry-After": "1", "Location": result_url(request_id)},
+    )
 
 
 def failed(request_id: str, err: APIError) -> JSONResponse:
-    return JSONResponse({"request_id": request_id, "status": "failed", **err.body()}, status_code=err.status,
-                        headers={"x-request-id": request_id})
+    return JSONResponse(
+        {"request_id": request_id, "status": "failed", **err.body()},
+        status_code=err.status,
+        headers={"x-request-id": request_id},
+    )
 
 
 def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
@@ -83,8 +89,9 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
                 terminal = await wait_terminal(follower, ticket)
         finally:
             chat.leave(ticket.model)
-        status = "504" if terminal is None else "200" if terminal.type == "chat.completed" \
-            else str(failure(terminal).status)
+        status = (
+            "504" if terminal is None else "200" if terminal.type == "chat.completed" else str(failure(terminal).status)
+        )
         METRICS.requests.labels(ticket.model, status).inc()
         if status == "200":
             METRICS.latency.labels(ticket.model).observe(time.perf_counter() - started)
@@ -111,14 +118,25 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
             terminal = decode(stored)
             if terminal.type != "chat.completed":
                 return failed(request_id, failure(terminal))
-            body = {"request_id": request_id, "status": "completed", "text": terminal.text,
-                    "finish_reason": terminal.finish_reason, "usage": usage_of(terminal), "model": terminal.model,
-                    "conv_id": terminal.conv_id, "turn_id": terminal.turn_id}
+            body = {
+                "request_id": request_id,
+                "status": "completed",
+                "text": terminal.text,
+                "finish_reason": terminal.finish_reason,
+                "usage": usage_of(terminal),
+                "model": terminal.model,
+                "conv_id": terminal.conv_id,
+                "turn_id": terminal.turn_id,
+            }
             return JSONResponse(body, headers={"x-request-id": request_id})
         record = await index.lookup(request_id) if known else None
         if record is None:
-            raise APIError(404, f"no request '{request_id}' is known here (results are kept "
-                           f"{settings.result_ttl_s} s)", "request_not_found", "request_id")
+            raise APIError(
+                404,
+                f"no request '{request_id}' is known here (results are kept {settings.result_ttl_s} s)",
+                "request_not_found",
+                "request_id",
+            )
         if time.time() > record["deadline_at"] + LOST_AFTER_S:
             return failed(request_id, APIError(504, "no answer before the request's deadline", "deadline_exceeded"))
         return pending(request_id)

@@ -19,8 +19,14 @@ from gateway.protocol import ChatCompletionRequest
 log = logging.getLogger("arena.gateway")
 
 DEFAULT_MAX_TOKENS = 64
-FAILURE_STATUS = {"deadline_exceeded": 504, "unknown_model": 404, "prompt_too_long": 400,
-                  "cancelled": 499, "overloaded": 429, "internal_error": 500}
+FAILURE_STATUS = {
+    "deadline_exceeded": 504,
+    "unknown_model": 404,
+    "prompt_too_long": 400,
+    "cancelled": 499,
+    "overloaded": 429,
+    "internal_error": 500,
+}
 
 
 @dataclass
@@ -66,16 +72,26 @@ class ChatService:
         if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
             raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
         if not any(m.role == "user" and m.text().strip() for m in req.messages):
-            raise APIError(400, "messages: at least one non-empty user message is required",
-                           "invalid_value", "messages")
+            raise APIError(
+                400, "messages: at least one non-empty user message is required", "invalid_value", "messages"
+            )
         chars = sum(len(m.text()) for m in req.messages)
         if chars > self.settings.max_prompt_chars:
-            raise APIError(400, f"messages: prompt is {chars} characters, over the limit of "
-                           f"{self.settings.max_prompt_chars}", "prompt_too_long", "messages")
+            raise APIError(
+                400,
+                f"messages: prompt is {chars} characters, over the limit of {self.settings.max_prompt_chars}",
+                "prompt_too_long",
+                "messages",
+            )
         if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:
             METRICS.rejections.labels(reason="overloaded").inc()
-            raise APIError(429, f"model '{model}' has {self.in_flight[model]} requests queued; retry later",
-                           "overloaded", None, headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"model '{model}' has {self.in_flight[model]} requests queued; retry later",
+                "overloaded",
+                None,
+                headers={"Retry-After": "1"},
+            )
         return model
 
     async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
@@ -92,8 +108,12 @@ class ChatService:
             held = await self.pipeline.store.claim_key(key, request_id, digest)
             if held["body_hash"] != digest:
                 METRICS.rejections.labels(reason="idempotency_conflict").inc()
-                raise APIError(409, "this idempotency key was used with a different request body",
-                               "idempotency_conflict", "Idempotency-Key")
+                raise APIError(
+                    409,
+                    "this idempotency key was used with a different request body",
+                    "idempotency_conflict",
+                    "Idempotency-Key",
+                )
             if held["request_id"] != request_id:
                 METRICS.idempotent_hits.inc()
                 return Ticket(held["request_id"], conv_id, turn_id, model, deadline_at, attached=True), None
@@ -101,13 +121,23 @@ class ChatService:
         if req.conv_id and req.seed is None:
             seed = await self.pipeline.store.seed_for(conv_id, turn_id, seed)
         return Ticket(request_id, conv_id, turn_id, model, deadline_at, attached=False), ChatRequested(
-            request_id=request_id, conv_id=conv_id, turn_id=turn_id, model=model,
-            messages=tuple(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text())
-                           for m in req.messages),
-            params=SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                  max_tokens=req.token_limit(DEFAULT_MAX_TOKENS), stop=tuple(req.stop_list()),
-                                  seed=seed),
-            deadline_at=deadline_at, stream=req.stream, idempotency_key=idem_key,
+            request_id=request_id,
+            conv_id=conv_id,
+            turn_id=turn_id,
+            model=model,
+            messages=tuple(
+                ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in req.messages
+            ),
+            params=SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                max_tokens=req.token_limit(DEFAULT_MAX_TOKENS),
+                stop=tuple(req.stop_list()),
+                seed=seed,
+            ),
+            deadline_at=deadline_at,
+            stream=req.stream,
+            idempotency_key=idem_key,
         )
 
 
@@ -122,8 +152,13 @@ def usage_of(terminal) -> dict:
 
 
 def extra_of(ticket: Ticket, terminal) -> dict:
-    return {"request_id": ticket.request_id, "conv_id": ticket.conv_id, "turn_id": ticket.turn_id,
-            "timings": terminal.timings.model_dump(), "attached": ticket.attached}
+    return {
+        "request_id": ticket.request_id,
+        "conv_id": ticket.conv_id,
+        "turn_id": ticket.turn_id,
+        "timings": terminal.timings.model_dump(),
+        "attached": ticket.attached,
+    }
 
 
 async def wait_terminal(follower, ticket: Ticket):

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import Literal
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -216,9 +217,13 @@ class Session:
         messages = conv.messages or ([ChatMessage(role="system", content=frame.system)] if frame.system else [])
         messages = [*messages, ChatMessage(role="user", content=frame.content)]
         req = ChatCompletionRequest(
-            model=self.model, messages=[m.model_dump() for m in messages], conv_id=self.conv_id,
-            turn_id=conv.turn_id, stream=True,
-            **frame.model_dump(include={"max_tokens", "temperature", "seed", "deadline_s"}, exclude_none=True))
+            model=self.model,
+            messages=[m.model_dump() for m in messages],
+            conv_id=self.conv_id,
+            turn_id=conv.turn_id,
+            stream=True,
+            **frame.model_dump(include={"max_tokens", "temperature", "seed", "deadline_s"}, exclude_none=True),
+        )
         admission = asyncio.ensure_future(self._admit(req, f"ws:{self.conv_id}:{conv.turn_id}:{conv.attempt}"))
         try:
             ticket = await asyncio.shield(admission)
@@ -228,8 +233,7 @@ class Session:
             admission.add_done_callback(self._abandon)
             raise
         # Published already, so the chunks so far are read from the stream first.
-        await self.follow(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model,
-                          ticket.deadline_at + 2.0)
+        await self.follow(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at + 2.0)
 
     async def _admit(self, req: ChatCompletionRequest, key: str):
         """Admit and publish in one step that a client leaving cannot cut in half: a
@@ -250,16 +254,27 @@ class Session:
     async def resume(self, request_id: str, last_seq: int) -> None:
         record = await self.deps.index.lookup(request_id) if subjects.is_valid_token(request_id) else None
         if record is None:
-            return await self.error(APIError(404, f"no request '{request_id}' is known here", "request_not_found",
-                                             "resume_request_id"))
+            return await self.error(
+                APIError(404, f"no request '{request_id}' is known here", "request_not_found", "resume_request_id")
+            )
         if record["conv_id"] != self.conv_id:
-            return await self.error(APIError(400, f"request '{request_id}' belongs to another conversation",
-                                             "invalid_value", "resume_request_id"))
-        await self.follow(request_id, self.conv_id, record["turn_id"], record["model"], record["deadline_at"] + 2.0,
-                          after_seq=last_seq)
+            return await self.error(
+                APIError(
+                    400, f"request '{request_id}' belongs to another conversation", "invalid_value", "resume_request_id"
+                )
+            )
+        await self.follow(
+            request_id,
+            self.conv_id,
+            record["turn_id"],
+            record["model"],
+            record["deadline_at"] + 2.0,
+            after_seq=last_seq,
+        )
 
-    async def follow(self, request_id: str, conv_id: str, turn_id: int, model: str, until: float, *,
-                     after_seq: int = -1) -> None:
+    async def follow(
+        self, request_id: str, conv_id: str, turn_id: int, model: str, until: float, *, after_seq: int = -1
+    ) -> None:
         d = self.deps
         ids = {"request_id": request_id, "turn_id": turn_id}
         await d.index.hold(request_id, self.token)
@@ -277,9 +292,16 @@ class Session:
             elif terminal.type != "chat.completed":
                 await self.error(failure(terminal), **ids)
             else:
-                await self.send({"type": "done", **ids, "model": terminal.model,
-                                 "finish_reason": terminal.finish_reason, "usage": usage_of(terminal),
-                                 "text": terminal.text})
+                await self.send(
+                    {
+                        "type": "done",
+                        **ids,
+                        "model": terminal.model,
+                        "finish_reason": terminal.finish_reason,
+                        "usage": usage_of(terminal),
+                        "text": terminal.text,
+                    }
+                )
             finished = True
         finally:
             d.chat.leave(model)
@@ -314,10 +336,16 @@ def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
     except ValueError:
         return {}, APIError(400, "last_seq must be an integer and resume_grace_s a number", "invalid_value")
     if last_seq < -1 or not 0 <= grace <= MAX_RESUME_GRACE_S:
-        return {}, APIError(400, f"last_seq must be >= -1 and resume_grace_s in [0, {MAX_RESUME_GRACE_S:g}]",
-                            "invalid_value")
-    return {"conv_id": conv_id, "model": q.get("model"), "resume": q.get("resume_request_id"),
-            "last_seq": last_seq, "grace": grace}, None
+        return {}, APIError(
+            400, f"last_seq must be >= -1 and resume_grace_s in [0, {MAX_RESUME_GRACE_S:g}]", "invalid_value"
+        )
+    return {
+        "conv_id": conv_id,
+        "model": q.get("model"),
+        "resume": q.get("resume_request_id"),
+        "last_seq": last_seq,
+        "grace": grace,
+    }, None
 
 
 def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
@@ -339,8 +367,9 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
                 record = await deps.index.lookup(args["resume"])
                 conv_id = record["conv_id"] if record else None
             session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"])
-            await session.send({"type": "session", "conv_id": session.conv_id,
-                                "model": args["model"] or settings.default_model})
+            await session.send(
+                {"type": "session", "conv_id": session.conv_id, "model": args["model"] or settings.default_model}
+            )
             first = session.resume(args["resume"], args["last_seq"]) if args["resume"] else None
             await session.run(first)
         except Gone:

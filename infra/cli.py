@@ -25,8 +25,9 @@ def run_role(role: str) -> int:
 
         settings = GatewaySettings()
         logs.setup(settings.log_level, role)
-        uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_config=None,
-                    timeout_graceful_shutdown=10)
+        uvicorn.run(
+            build_app(settings), host=settings.host, port=settings.port, log_config=None, timeout_graceful_shutdown=10
+        )
         return 0
     if role == "filter":
         from consumers.filter.app import build_app  # noqa: PLC0415
@@ -85,8 +86,11 @@ async def _jetstream(args):
 
 def _line(event) -> str:
     d = event.model_dump(mode="json")
-    keep = {k: v for k, v in d.items() if k not in ("event_id", "request_id", "conv_id", "occurred_at", "type",
-                                                       "schema_version")}
+    keep = {
+        k: v
+        for k, v in d.items()
+        if k not in ("event_id", "request_id", "conv_id", "occurred_at", "type", "schema_version")
+    }
     text = json.dumps(keep, ensure_ascii=False)
     return f"{d['occurred_at']}  {event.type:<17} req={event.request_id} turn={event.turn_id}  {text[:300]}"
 
@@ -95,8 +99,11 @@ async def _replay(args) -> int:
     from infra.replay import conversation_events, request_events  # noqa: PLC0415
 
     async with _jetstream(args) as js:
-        events = (await request_events(js, args.request_id) if args.request_id
-                  else await conversation_events(js, args.conv_id))
+        events = (
+            await request_events(js, args.request_id)
+            if args.request_id
+            else await conversation_events(js, args.conv_id)
+        )
     for e in events:
         print(e.model_dump_json() if args.json else _line(e))
     if not events:
@@ -150,8 +157,12 @@ async def _models(args) -> int:
     if args.op == "add" or (args.op == "reload" and args.path):
         if not args.path:
             raise SystemExit("arena models add needs --path")
-        command["spec"] = {"name": args.name, "path": str(Path(args.path).resolve()) if Path(args.path).exists()
-                           else args.path, "dtype": args.dtype, "device": args.device}
+        command["spec"] = {
+            "name": args.name,
+            "path": str(Path(args.path).resolve()) if Path(args.path).exists() else args.path,
+            "dtype": args.dtype,
+            "device": args.device,
+        }
     url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
@@ -194,8 +205,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one process (settings from ARENA_* variables)")
     run.add_argument("role", choices=ROLES)
 
-    for name, helptext in (("replay", "print every event of a request or conversation"),
-                           ("audit", "check every request reached exactly one terminal event")):
+    for name, helptext in (
+        ("replay", "print every event of a request or conversation"),
+        ("audit", "check every request reached exactly one terminal event"),
+    ):
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("--nats-url", default=None)
         sp.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))

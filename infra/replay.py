@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -16,7 +16,7 @@ async def read_events(js, filter_subject: str, since: datetime | None = None, ti
     """Every stored event on `filter_subject` (optionally from `since` on), in stream order."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
-        opt_start_time=since.astimezone(timezone.utc).isoformat().replace("+00:00", "Z") if since else None,
+        opt_start_time=since.astimezone(UTC).isoformat().replace("+00:00", "Z") if since else None,
     )
     sub = await js.subscribe(filter_subject, ordered_consumer=True, config=config)
     try:
@@ -66,13 +66,18 @@ def audit(events: list, now: float | None = None, grace_s: float = 5.0) -> dict:
     missing = sorted(r for r in open_ if requested[r].deadline_at + grace_s <= now)
     duplicated = sorted(r for r, ts in terminals.items() if len(ts) > 1)
     orphans = sorted(r for r in terminals if r not in requested)
-    return {"requests": len(requested), "missing_terminal": missing,
-            "duplicate_terminal": duplicated, "in_flight": in_flight, "terminal_without_request": orphans,
-            "ok": not missing and not duplicated}
+    return {
+        "requests": len(requested),
+        "missing_terminal": missing,
+        "duplicate_terminal": duplicated,
+        "in_flight": in_flight,
+        "terminal_without_request": orphans,
+        "ok": not missing and not duplicated,
+    }
 
 
 async def audit_window(js, window: timedelta, settle_s: float = 0.0) -> dict:
-    since = datetime.now(timezone.utc) - window
+    since = datetime.now(UTC) - window
     events = await read_events(js, "arena.>", since=since)
     if settle_s:
         await asyncio.sleep(settle_s)

@@ -6,11 +6,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import suppress
-from typing import Callable
 
 import nats
-
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 
@@ -35,15 +34,19 @@ class ProcessRuntime:
     async def start(self) -> None:
         self.nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
         self.js = self.nc.jetstream()
-        await jetstream.ensure_topology(self.js, self.settings.retention_days,
-                                       **self.settings.topology())
+        await jetstream.ensure_topology(self.js, self.settings.retention_days, **self.settings.topology())
         self._beat = asyncio.create_task(self._heartbeats())
 
     async def _heartbeats(self) -> None:
         subject = subjects.heartbeat_subject(self.role, self.settings.instance_id.replace(".", "_"))
         while True:
-            beat = {"role": self.role, "instance": self.settings.instance_id, "ready": self.ready,
-                    "ts": time.time(), **self.status()}
+            beat = {
+                "role": self.role,
+                "instance": self.settings.instance_id,
+                "ready": self.ready,
+                "ts": time.time(),
+                **self.status(),
+            }
             with suppress(Exception):
                 await self.nc.publish(subject, json.dumps(beat).encode())
             await asyncio.sleep(self.settings.heartbeat_s)

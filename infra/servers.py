@@ -91,8 +91,19 @@ def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None =
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
-        redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-        "--appendonly", "no", "--dir", str(data_dir), "--protected-mode", "yes",
+        redis_server_binary(),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--protected-mode",
+        "yes",
     ]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -56,7 +56,8 @@ class InferenceSettings(CommonSettings):
     engine: str = Field("continuous", description="'static' (padded micro-batches) or 'continuous'.")
     max_batch_size: int = Field(32, ge=1, le=512, description="Most requests decoded together.")
     max_wait_ms: int = Field(
-        10, ge=0, le=10_000, description="Static engine: longest a micro-batch waits to fill before it starts.")
+        10, ge=0, le=10_000, description="Static engine: longest a micro-batch waits to fill before it starts."
+    )
     chunk_tokens: int = Field(4, ge=1, le=256, description="Tokens per TokensGenerated event.")
     memory_budget_mb: float | None = Field(None, gt=0, description="Model pool budget; default: 60% of RAM.")
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)

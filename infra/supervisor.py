@@ -38,9 +38,13 @@ class Stack:
     def spawn(self, role: str, name: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
         name = name or role
         log = open(self.state / "logs" / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "run", role],
-                                env={**self.env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.cli", "run", role],
+            env={**self.env, **(extra_env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         self.procs[name] = proc
         return proc
 
@@ -80,9 +84,16 @@ def start_stack(args, print_fn=print) -> Stack:
     port = args.port if args.port is not None else 8000
     if port == 0:
         port = free_port()
-    env.update({"NATS_URL": nats_url, "REDIS_URL": redis_url, "ARENA_PORT": str(port),
-                "ARENA_HOST": args.host, "ARENA_ENGINE": args.engine,
-                "ARENA_MAX_BATCH_SIZE": str(args.max_batch_size)})
+    env.update(
+        {
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            "ARENA_PORT": str(port),
+            "ARENA_HOST": args.host,
+            "ARENA_ENGINE": args.engine,
+            "ARENA_MAX_BATCH_SIZE": str(args.max_batch_size),
+        }
+    )
     if args.models_config:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
     if args.default_model:
@@ -91,8 +102,9 @@ def start_stack(args, print_fn=print) -> Stack:
         for i in range(args.inference_replicas if role == "inference" else 1):
             stack.spawn(role, f"{role}-{i}" if role == "inference" else role)
     url = f"http://{args.host}:{port}"
-    (state / "endpoints.json").write_text(json.dumps(
-        {"nats_url": nats_url, "redis_url": redis_url, "gateway_url": url, "pid": os.getpid()}))
+    (state / "endpoints.json").write_text(
+        json.dumps({"nats_url": nats_url, "redis_url": redis_url, "gateway_url": url, "pid": os.getpid()})
+    )
     return stack, url
 
 
@@ -109,8 +121,10 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
             body = r.json()
             if r.status_code == 200:
                 return True
-            line = (f"waiting: filter={body.get('filter')} inference={body.get('inference')} "
-                    f"delivery={body.get('delivery')} models={list(body.get('models', {}))}")
+            line = (
+                f"waiting: filter={body.get('filter')} inference={body.get('inference')} "
+                f"delivery={body.get('delivery')} models={list(body.get('models', {}))}"
+            )
         except (httpx.HTTPError, ValueError):
             line = "waiting: gateway starting"
         if line != last:

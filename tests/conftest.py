@@ -56,9 +56,17 @@ def redis_server(tmp_path):
 
 def stack_env(nats_url: str, redis_url: str, port: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_")}
-    env.update({"NATS_URL": nats_url, "REDIS_URL": redis_url, "ARENA_PORT": str(port),
-                "ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1",
-                "ARENA_HEARTBEAT_S": "0.5", "ARENA_LOG_LEVEL": "INFO"})
+    env.update(
+        {
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            "ARENA_PORT": str(port),
+            "ARENA_MODELS_DIR": str(SHARED / "models"),
+            "HF_HUB_OFFLINE": "1",
+            "ARENA_HEARTBEAT_S": "0.5",
+            "ARENA_LOG_LEVEL": "INFO",
+        }
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -73,7 +81,7 @@ class RunningStack:
         self.stack = Stack(tmp, stack_env(nats.url, redis.url, self.port, **extra))
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, roles=ROLES, timeout: float = 90.0) -> "RunningStack":
+    def start(self, roles=ROLES, timeout: float = 90.0) -> RunningStack:
         for role in roles:
             self.stack.spawn(role)
         self.wait_ready(timeout)

@@ -10,6 +10,7 @@ then published on the request's live subject, where whichever gateway holds the 
 from __future__ import annotations
 
 import logging
+
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
@@ -46,8 +47,9 @@ def build_app(settings: DeliverySettings | None = None) -> FastStream:
     store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
 
     # Gateways put chunks back in sequence order, so workers may deliver concurrently.
-    @durable_pull(broker, subjects.DELIVERY_SUBJECT, subjects.DELIVERY_CONSUMER, AckPolicy.NACK_ON_ERROR,
-                  settings.workers)
+    @durable_pull(
+        broker, subjects.DELIVERY_SUBJECT, subjects.DELIVERY_CONSUMER, AckPolicy.NACK_ON_ERROR, settings.workers
+    )
     async def on_output(body: dict, message: NatsMessage) -> None:
         await deliver(message.body, store, runtime)
 

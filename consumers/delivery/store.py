@@ -25,7 +25,7 @@ class ResultStore:
         self.ttl_s = ttl_s
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int = 1800) -> "ResultStore":
+    def from_url(cls, url: str, ttl_s: int = 1800) -> ResultStore:
         return cls(Redis.from_url(url), ttl_s)
 
     async def mark_chunk(self, request_id: str, seq: int) -> bool:

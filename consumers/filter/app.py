@@ -47,8 +47,7 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime("filter", settings)
 
-    @durable_pull(broker, subjects.FILTER_SUBJECT, subjects.FILTER_CONSUMER, AckPolicy.NACK_ON_ERROR,
-                  settings.workers)
+    @durable_pull(broker, subjects.FILTER_SUBJECT, subjects.FILTER_CONSUMER, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_requested(event: ChatRequested) -> None:
         out = decide(event, config)
         await runtime.publish(out)

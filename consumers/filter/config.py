@@ -64,7 +64,7 @@ class FilterConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "FilterConfig":
+    def _check(self) -> FilterConfig:
         if not self.sanitize and self.reject_threshold >= 1.0:
             raise ValueError(
                 "sanitize=False with reject_threshold=1.0 lets every injection through "

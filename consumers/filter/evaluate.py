@@ -59,7 +59,7 @@ class Rates:
     def false_positive_rate(self) -> float | None:
         return self.benign_flagged / self.benign if self.benign else None
 
-    def plus(self, other: "Rates", weight: float = 1.0) -> "Rates":
+    def plus(self, other: Rates, weight: float = 1.0) -> Rates:
         return Rates(*(a + weight * b for a, b in zip(astuple(self), astuple(other))))
 
 
@@ -116,8 +116,18 @@ def _tally(rows: list[_Row], threshold: float | None = None) -> Rates:
     for r in rows:
         rejected = r.action == "reject" if threshold is None else r.score >= threshold
         flagged = rejected or r.changed
-        out = out.plus(Rates(*(r.attack, r.attack and flagged, r.attack and rejected,
-                               not r.attack, not r.attack and flagged, not r.attack and rejected)))
+        out = out.plus(
+            Rates(
+                *(
+                    r.attack,
+                    r.attack and flagged,
+                    r.attack and rejected,
+                    not r.attack,
+                    not r.attack and flagged,
+                    not r.attack and rejected,
+                )
+            )
+        )
     return out
 
 
@@ -131,10 +141,16 @@ def _length_matched(rows: list[_Row]) -> Rates:
         weight = min(tally.attacks, tally.benign)
         if weight:
             # Scale each class in the bin to `weight` prompts.
-            total = total.plus(Rates(weight, weight * tally.attacks_caught / tally.attacks,
-                                     weight * tally.attacks_rejected / tally.attacks, weight,
-                                     weight * tally.benign_flagged / tally.benign,
-                                     weight * tally.benign_rejected / tally.benign))
+            total = total.plus(
+                Rates(
+                    weight,
+                    weight * tally.attacks_caught / tally.attacks,
+                    weight * tally.attacks_rejected / tally.attacks,
+                    weight,
+                    weight * tally.benign_flagged / tally.benign,
+                    weight * tally.benign_rejected / tally.benign,
+                )
+            )
     return total
 
 
@@ -170,12 +186,28 @@ def evaluate(path: str, config: FilterConfig | None = None, fp_cap: float = FP_C
             item = json.loads(line)
             v = inspect_prompt(item["text"], config)
             attack = item["label"] == "attack"
-            rows.append(_Row(item["source"], family(item["source"]), attack, len(item["text"]),
-                             v.score, v.text != item["text"], v.action))
+            rows.append(
+                _Row(
+                    item["source"],
+                    family(item["source"]),
+                    attack,
+                    len(item["text"]),
+                    v.score,
+                    v.text != item["text"],
+                    v.action,
+                )
+            )
             if not attack and v.action != "pass":
-                false_positives.append({"source": item["source"], "action": v.action, "score": v.score,
-                                        "reasons": list(v.reasons), "edits": list(v.edits),
-                                        "text": item["text"][:120]})
+                false_positives.append(
+                    {
+                        "source": item["source"],
+                        "action": v.action,
+                        "score": v.score,
+                        "reasons": list(v.reasons),
+                        "edits": list(v.edits),
+                        "text": item["text"][:120],
+                    }
+                )
     group = lambda key: {k: _tally([r for r in rows if key(r) == k]) for k in sorted({key(r) for r in rows})}
     families = sorted({r.family for r in rows})
     return EvalReport(
@@ -186,7 +218,8 @@ def evaluate(path: str, config: FilterConfig | None = None, fp_cap: float = FP_C
         overall=_tally(rows),
         length_matched=_length_matched(rows),
         length_matched_by_family={
-            fam: _length_matched([r for r in rows if r.family == fam or not r.attack]) for fam in families
+            fam: _length_matched([r for r in rows if r.family == fam or not r.attack])
+            for fam in families
             if any(r.attack for r in rows if r.family == fam)
         },
         holdout=_holdout(rows, fp_cap),
@@ -199,28 +232,42 @@ def _pct(x: float | None) -> str:
 
 
 def _line(name: str, r: Rates) -> str:
-    return (f"{name[:72]:<72} {r.attacks:7.0f} {_pct(r.catch_rate):>7} {_pct(r.attacks_rejected / r.attacks if r.attacks else None):>7}"
-            f" {r.benign:7.0f} {_pct(r.false_positive_rate):>7}")
+    return (
+        f"{name[:72]:<72} {r.attacks:7.0f} {_pct(r.catch_rate):>7} {_pct(r.attacks_rejected / r.attacks if r.attacks else None):>7}"
+        f" {r.benign:7.0f} {_pct(r.false_positive_rate):>7}"
+    )
 
 
 def format_report(report: EvalReport) -> str:
     """A plain-text table of the report."""
     head = f"{'slice':<72} {'attacks':>7} {'caught':>7} {'reject':>7} {'benign':>7} {'FP':>7}"
-    out = [f"filter evaluation of {report.path} (reject_threshold={report.reject_threshold})",
-           "caught = rejected or sanitized; FP = benign rejected or altered", "", head, "-- by source"]
+    out = [
+        f"filter evaluation of {report.path} (reject_threshold={report.reject_threshold})",
+        "caught = rejected or sanitized; FP = benign rejected or altered",
+        "",
+        head,
+        "-- by source",
+    ]
     out += [_line(k, v) for k, v in report.by_source.items()]
     out += ["-- by family"] + [_line(k, v) for k, v in report.by_family.items()]
     out += ["-- overall", _line("all", report.overall)]
-    out += ["-- length-matched (log2 length bins, each weighted by min(attacks, benign))",
-            _line("all", report.length_matched)]
+    out += [
+        "-- length-matched (log2 length bins, each weighted by min(attacks, benign))",
+        _line("all", report.length_matched),
+    ]
     out += [_line(f"{k} vs all benign", v) for k, v in report.length_matched_by_family.items()]
     for h in report.holdout:
-        out += [f"-- held out: threshold {h.threshold} set on {'+'.join(h.train)}",
-                _line("train: " + "+".join(h.train), h.train_rates), _line("test: " + "+".join(h.test), h.test_rates)]
+        out += [
+            f"-- held out: threshold {h.threshold} set on {'+'.join(h.train)}",
+            _line("train: " + "+".join(h.train), h.train_rates),
+            _line("test: " + "+".join(h.test), h.test_rates),
+        ]
     if report.false_positives:
         out += ["", "benign prompts rejected or altered:"]
-        out += [f"  [{fp['action']} {fp['score']}] {fp['source']}: {', '.join(fp['reasons'])} {fp['text'][:60]!r}"
-                for fp in report.false_positives]
+        out += [
+            f"  [{fp['action']} {fp['score']}] {fp['source']}: {', '.join(fp['reasons'])} {fp['text'][:60]!r}"
+            for fp in report.false_positives
+        ]
     return "\n".join(out)
 
 
@@ -236,8 +283,16 @@ def _to_json(report: EvalReport) -> dict:
         "overall": rates(report.overall),
         "length_matched": rates(report.length_matched),
         "length_matched_by_family": {k: rates(v) for k, v in report.length_matched_by_family.items()},
-        "holdout": [{"train_families": h.train, "test_families": h.test, "threshold": h.threshold,
-                     "train": rates(h.train_rates), "test": rates(h.test_rates)} for h in report.holdout],
+        "holdout": [
+            {
+                "train_families": h.train,
+                "test_families": h.test,
+                "threshold": h.threshold,
+                "train": rates(h.train_rates),
+                "test": rates(h.test_rates),
+            }
+            for h in report.holdout
+        ],
         "false_positives": report.false_positives,
     }
 

@@ -129,7 +129,9 @@ def _invisible(text: str, strip_all: bool) -> list[Finding]:
         # reader; the stray U+200B of pasted math sits next to spaces.
         splits_word = before.isascii() and before.isalnum() and after.isascii() and after.isalnum()
         if strip_all or splits_word:
-            found.append(Finding(m.start(), m.end(), "invisible:zero_width", f"{m.end() - m.start()} zero-width character(s)"))
+            found.append(
+                Finding(m.start(), m.end(), "invisible:zero_width", f"{m.end() - m.start()} zero-width character(s)")
+            )
     return found
 
 
@@ -141,7 +143,17 @@ def _words(*names: str) -> str:
 
 
 _ROLE_CLASSES = {
-    "system": ("system prompt", "system message", "system", "sys", "developer", "operator", "admin", "administrator", "root"),
+    "system": (
+        "system prompt",
+        "system message",
+        "system",
+        "sys",
+        "developer",
+        "operator",
+        "admin",
+        "administrator",
+        "root",
+    ),
     "assistant": ("assistant", "chatbot", "chatgpt", "gpt-4", "gpt", "ai", "bot", "model", "claude", "llama"),
     "tool": ("tool", "function", "ipython", "observation"),
     "user": ("user", "human"),
@@ -155,9 +167,28 @@ def _key(name: str) -> str:
 _ROLE_OF = {_key(name): cls for cls, names in _ROLE_CLASSES.items() for name in names}
 _ROLE = "(?:" + _words(*sorted((n for ns in _ROLE_CLASSES.values() for n in ns), key=len, reverse=True)) + ")"
 _PIPE_NAMES = _words(
-    "im start", "im end", "im sep", "system", "user", "assistant", "end of text", "endoftext",
-    "begin of text", "start header id", "end header id", "eot id", "eom id", "begin of sentence",
-    "end of sentence", "start", "end", "message", "channel", "return", "call", "python tag",
+    "im start",
+    "im end",
+    "im sep",
+    "system",
+    "user",
+    "assistant",
+    "end of text",
+    "endoftext",
+    "begin of text",
+    "start header id",
+    "end header id",
+    "eot id",
+    "eom id",
+    "begin of sentence",
+    "end of sentence",
+    "start",
+    "end",
+    "message",
+    "channel",
+    "return",
+    "call",
+    "python tag",
 )
 _STRONG_TOKEN = (
     r"<\|[a-z0-9_▁.\-]{1,40}\|>"  # any <|name|>: ChatML, Llama 3, Phi, Command R, DeepSeek
@@ -213,7 +244,9 @@ _PRIMING = re.compile(
     r"(?:sure|certainly|of course|absolutely|okay|ok|yes|alright|understood|here (?:is|are)|here's"
     r"|i (?:will|can|am|understand)|i'll|i'm|as (?:an? )?(?:unfiltered|uncensored|dan|aim|jailbroken)|step 1)\b"
 )
-_PERSONA = re.compile(r"\b(?:unfiltered|uncensored|unrestricted|jailbr\w*|developer mode|dan|no (?:restrictions|limits|rules|filters))\b")
+_PERSONA = re.compile(
+    r"\b(?:unfiltered|uncensored|unrestricted|jailbr\w*|developer mode|dan|no (?:restrictions|limits|rules|filters))\b"
+)
 _FENCE = re.compile(r"^[ \t]*```", re.M)
 
 

@@ -72,7 +72,16 @@ _JAILBREAK = {
 _NEEDS = {
     "jailbreak:ignore_previous": ("ignor", "disregard", "forget", "override", "bypass"),
     "jailbreak:ignore_ethics": ("moral", "ethical", "legal"),
-    "jailbreak:persona": ("anything now", "developer mode", "jailbr", "amoral", "dan mode", "ethical", "moral", "character"),
+    "jailbreak:persona": (
+        "anything now",
+        "developer mode",
+        "jailbr",
+        "amoral",
+        "dan mode",
+        "ethical",
+        "moral",
+        "character",
+    ),
     "jailbreak:no_refusal": ("never", "not ", "n't", "without"),
     "jailbreak:prefill": ("start", "begin", "respond"),
     "jailbreak:hypothetical": ("educational", "hypothetical", "fictional"),

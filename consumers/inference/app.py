@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+
 import psutil
 import torch
 from faststream import AckPolicy, FastStream
@@ -38,8 +39,13 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     metrics_port = settings.metrics_port or free_port()
 
     def status() -> dict:
-        return {"models": [s.name for s in pool.specs()], "resident": pool.resident(), "jobs": len(service.jobs),
-                "metrics_port": metrics_port, "engine": settings.engine}
+        return {
+            "models": [s.name for s in pool.specs()],
+            "resident": pool.resident(),
+            "jobs": len(service.jobs),
+            "metrics_port": metrics_port,
+            "engine": settings.engine,
+        }
 
     runtime = ProcessRuntime("inference", settings, status)
     service = InferenceService(settings, pool, runtime.publish)

@@ -19,8 +19,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -202,8 +203,10 @@ class BatchEngine:
         with self._lock:
             keep: deque[GenRequest] = deque()
             for req in self._waiting:
-                reason = "cancelled" if req.request_id in self._cancelled else (
-                    "deadline" if self._expired(req, now) else None
+                reason = (
+                    "cancelled"
+                    if req.request_id in self._cancelled
+                    else ("deadline" if self._expired(req, now) else None)
                 )
                 if reason is None:
                     keep.append(req)

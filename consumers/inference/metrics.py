@@ -8,13 +8,22 @@ _TIME = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 
 class InferenceMetrics:
     def __init__(self) -> None:
-        self.batch_size = Histogram("arena_batch_size", "Requests in a decode step", ["model"],
-                                    buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128))
-        self.queue_wait = Histogram("arena_queue_wait_seconds", "Gateway receipt to start of compute",
-                                    ["model"], buckets=_TIME)
+        self.batch_size = Histogram(
+            "arena_batch_size",
+            "Requests in a decode step",
+            ["model"],
+            buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128),
+        )
+        self.queue_wait = Histogram(
+            "arena_queue_wait_seconds", "Gateway receipt to start of compute", ["model"], buckets=_TIME
+        )
         self.ttft = Histogram("arena_ttft_seconds", "Gateway receipt to first token", ["model"], buckets=_TIME)
-        self.tpot = Histogram("arena_time_per_output_token_seconds", "Decode time per output token", ["model"],
-                              buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))
+        self.tpot = Histogram(
+            "arena_time_per_output_token_seconds",
+            "Decode time per output token",
+            ["model"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+        )
         self.tokens = Counter("arena_tokens_generated_total", "Tokens generated", ["model"])
         self.requests = Counter("arena_inference_requests_total", "Requests ended", ["model", "outcome"])
         self.running = Gauge("arena_requests_running", "Requests in the running batch", ["model"])
@@ -40,8 +49,7 @@ class PoolCollector:
         yield CounterMetricFamily("arena_pool_evictions", "Models evicted to make room", value=st.evictions)
         yield CounterMetricFamily("arena_model_loads", "Model loads (reloads included)", value=st.loads)
         yield CounterMetricFamily("arena_model_load_seconds", "Seconds spent loading models", value=st.load_seconds)
-        yield GaugeMetricFamily("arena_pool_resident_bytes", "Bytes of resident model weights",
-                                value=st.resident_bytes)
+        yield GaugeMetricFamily("arena_pool_resident_bytes", "Bytes of resident model weights", value=st.resident_bytes)
         resident = GaugeMetricFamily("arena_pool_resident", "1 for each resident model", labels=["model"])
         for name in self.pool.resident():
             resident.add_metric([name], 1)

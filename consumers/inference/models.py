@@ -29,10 +29,7 @@ log = logging.getLogger(__name__)
 #: separator is a Jinja expression because HF renders templates with trim_blocks,
 #: which would eat a newline written right after a block tag.)
 FALLBACK_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
-    "{{ m['content'] }}"
-    "{% endfor %}"
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ m['content'] }}{% endfor %}"
 )
 
 # transformers' from_pretrained is not thread-safe: two concurrent loads in one process
@@ -63,8 +60,7 @@ class ModelSpec(BaseModel):
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
     chat_template: str | None = Field(
         None,
-        description="Jinja chat template overriding the tokenizer's; when both are "
-        "missing FALLBACK_TEMPLATE is used.",
+        description="Jinja chat template overriding the tokenizer's; when both are missing FALLBACK_TEMPLATE is used.",
     )
 
     @field_validator("name")
@@ -226,7 +222,11 @@ def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
     )
     log.info(
         "loaded model %s v%d: %.1f MB, context %d, in %.2fs",
-        spec.name, version, loaded.nbytes / 1e6, loaded.context_len, time.perf_counter() - t0,
+        spec.name,
+        version,
+        loaded.nbytes / 1e6,
+        loaded.context_len,
+        time.perf_counter() - t0,
     )
     return loaded
 
@@ -247,9 +247,7 @@ def render_chat(
     else:
         tokenizer = loaded_or_tokenizer
     template = chat_template or getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
-    text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True
-    )
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     return text
 
 

@@ -22,10 +22,10 @@ import gc
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 import torch
 
@@ -297,7 +297,7 @@ class ModelPool:
             self._released.append(fut)
             try:
                 await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _evict_over_budget(self, keep: str) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS
@@ -17,8 +17,13 @@ log = logging.getLogger("arena.inference")
 class EngineRunner:
     """Steps one engine (one model version) in a thread; outputs go back to the loop."""
 
-    def __init__(self, engine: BatchEngine, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[StepOutput]], None], max_wait_s: float = 0.0):
+    def __init__(
+        self,
+        engine: BatchEngine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[StepOutput]], None],
+        max_wait_s: float = 0.0,
+    ):
         self.engine = engine
         self.max_wait_s = max_wait_s
         self._first_wait: float | None = None

@@ -23,7 +23,12 @@ from consumers.inference.models import encode_prompt
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events.models import (
-    ChatCompleted, ChatFailed, PromptAccepted, Timings, TokensGenerated, Usage,
+    ChatCompleted,
+    ChatFailed,
+    PromptAccepted,
+    Timings,
+    TokensGenerated,
+    Usage,
 )
 
 log = logging.getLogger("arena.inference")
@@ -115,11 +120,20 @@ class InferenceService:
             job = Job(event, msg, runner, pin)
             self.jobs[rid] = job
             p = event.params
-            runner.add(GenRequest(
-                request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at,
-                params=EngineParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
-                                    stop=tuple(p.stop), seed=p.seed),
-            ))
+            runner.add(
+                GenRequest(
+                    request_id=rid,
+                    prompt_ids=prompt_ids,
+                    deadline=event.deadline_at,
+                    params=EngineParams(
+                        temperature=p.temperature,
+                        top_p=p.top_p,
+                        max_tokens=p.max_tokens,
+                        stop=tuple(p.stop),
+                        seed=p.seed,
+                    ),
+                )
+            )
         except UnknownModel as exc:
             await self._drop(rid, pin)
             await self._fail(event, msg, "unknown_model", str(exc))
@@ -173,8 +187,9 @@ class InferenceService:
                 self._finish(job, out, now)
 
     def _emit_chunk(self, job: Job) -> None:
-        event = TokensGenerated(**job.ids, seq=job.seq, text=job.pending_text,
-                                token_ids=tuple(job.pending_ids), model=job.event.model)
+        event = TokensGenerated(
+            **job.ids, seq=job.seq, text=job.pending_text, token_ids=tuple(job.pending_ids), model=job.event.model
+        )
         job.text += job.pending_text
         job.seq += 1
         job.pending_ids, job.pending_text = [], ""
@@ -187,24 +202,36 @@ class InferenceService:
         METRICS.tokens.labels(model).inc(out.completion_tokens)
         if out.finish_reason in ("stop", "length"):
             first = job.first_token_at or now
-            timings = Timings(queue_wait_s=max(0.0, job.started_at - e.received_at),
-                              ttft_s=max(0.0, first - e.received_at), decode_s=max(0.0, now - first),
-                              compute_s=max(0.0, now - job.started_at))
+            timings = Timings(
+                queue_wait_s=max(0.0, job.started_at - e.received_at),
+                ttft_s=max(0.0, first - e.received_at),
+                decode_s=max(0.0, now - first),
+                compute_s=max(0.0, now - job.started_at),
+            )
             METRICS.queue_wait.labels(model).observe(timings.queue_wait_s)
             METRICS.ttft.labels(model).observe(timings.ttft_s)
             if out.completion_tokens > 1:
                 METRICS.tpot.labels(model).observe(timings.decode_s / (out.completion_tokens - 1))
             terminal = ChatCompleted(
-                **job.ids, model=model, text=job.text, finish_reason=out.finish_reason,
-                usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                            total_tokens=out.prompt_tokens + out.completion_tokens),
-                timings=timings, chunks=job.seq)
+                **job.ids,
+                model=model,
+                text=job.text,
+                finish_reason=out.finish_reason,
+                usage=Usage(
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                    total_tokens=out.prompt_tokens + out.completion_tokens,
+                ),
+                timings=timings,
+                chunks=job.seq,
+            )
         else:
             code = {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(out.finish_reason, "internal_error")
             if code == "deadline_exceeded":
                 METRICS.deadline_misses.labels(model).inc()
-            terminal = ChatFailed(**job.ids, code=code, message=f"generation ended: {out.finish_reason}",
-                                  chunks=job.seq)
+            terminal = ChatFailed(
+                **job.ids, code=code, message=f"generation ended: {out.finish_reason}", chunks=job.seq
+            )
         self.outbox.put_nowait(("event", terminal))
         self.outbox.put_nowait(("done", job))
 

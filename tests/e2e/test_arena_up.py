@@ -19,16 +19,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def arena(*args, env, timeout=60):
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
     env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
     state = tmp_path / "state"
-    up = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)],
-                          env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         end = time.monotonic() + 150
@@ -42,9 +49,16 @@ def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 6  # nats, redis, filter, delivery, inference, gateway
 
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
-            "model": "stories-260k", "max_tokens": 12, "temperature": 0,
-            "messages": [{"role": "user", "content": "Once upon a time"}]})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": "stories-260k",
+                "max_tokens": 12,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Once upon a time"}],
+            },
+        )
         assert r.status_code == 200, r.text
         rid = r.json()["x_arena"]["request_id"]
 

@@ -32,13 +32,16 @@ def reference_completion(messages, max_tokens: int) -> str:
     full = tok.decode(out[0], skip_special_tokens=True)
     prefix = tok.decode(ids["input_ids"][0], skip_special_tokens=True)
     assert full.startswith(prefix)
-    return full[len(prefix):]
+    return full[len(prefix) :]
 
 
 def test_chat_completion_is_the_models_own_greedy_output(stack):
     messages = [{"role": "user", "content": PROMPT}]
-    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
-                   json={"model": "stories-260k", "messages": messages, "temperature": 0, "max_tokens": 40})
+    r = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": "stories-260k", "messages": messages, "temperature": 0, "max_tokens": 40},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     text = body["choices"][0]["message"]["content"]

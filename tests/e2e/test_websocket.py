@@ -12,8 +12,7 @@ import nats
 import pytest
 import websockets
 
-from events.models import (ChatCompleted, ChatFailed, ChatMessage, ChatRequested, SamplingParams, Timings, Usage,
-                           new_id)
+from events.models import ChatCompleted, ChatFailed, ChatMessage, ChatRequested, SamplingParams, Timings, Usage, new_id
 from gateway.ws import Conversation, conversation_state
 from infra.replay import conversation_events, request_events
 
@@ -81,8 +80,11 @@ async def test_reconnect_mid_turn_resumes_after_last_seq(stack):
     conv_id = new_id()
     async with websockets.connect(ws_url(stack, conv_id=conv_id, resume_grace_s=1)) as sock:
         await recv(sock)
-        await sock.send(json.dumps({"type": "turn", "content": "A little girl", "temperature": 0,
-                                    "max_tokens": 200, "deadline_s": 60}))
+        await sock.send(
+            json.dumps(
+                {"type": "turn", "content": "A little girl", "temperature": 0, "max_tokens": 200, "deadline_s": 60}
+            )
+        )
         first = [await recv(sock) for _ in range(3)]
     assert [f["seq"] for f in first] == [0, 1, 2]
     rid = first[0]["request_id"]
@@ -105,8 +107,9 @@ async def test_reconnect_mid_turn_resumes_after_last_seq(stack):
 async def test_leaving_mid_turn_cancels_the_request(stack):
     async with websockets.connect(ws_url(stack, resume_grace_s=0)) as sock:
         await recv(sock)
-        await sock.send(json.dumps({"type": "turn", "content": "A boy", "temperature": 0, "max_tokens": 450,
-                                    "deadline_s": 60}))
+        await sock.send(
+            json.dumps({"type": "turn", "content": "A boy", "temperature": 0, "max_tokens": 450, "deadline_s": 60})
+        )
         rid = (await recv(sock))["request_id"]
     end = time.monotonic() + 60
     while time.monotonic() < end:
@@ -157,14 +160,37 @@ async def test_a_turn_after_a_rejected_one_is_a_fresh_attempt(stack):
 
 def test_conversation_state_counts_completed_turns_and_failed_attempts():
     ids = {"conv_id": "c"}
-    asked = [ChatRequested(request_id=f"r{i}", turn_id=t, model="m", deadline_at=0.0, params=SamplingParams(),
-                           messages=(ChatMessage(role="user", content=f"q{i}"),), **ids)
-             for i, t in enumerate((0, 1, 1))]
+    asked = [
+        ChatRequested(
+            request_id=f"r{i}",
+            turn_id=t,
+            model="m",
+            deadline_at=0.0,
+            params=SamplingParams(),
+            messages=(ChatMessage(role="user", content=f"q{i}"),),
+            **ids,
+        )
+        for i, t in enumerate((0, 1, 1))
+    ]
     usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
     timings = Timings(queue_wait_s=0, ttft_s=0, decode_s=0, compute_s=0)
-    events = [asked[0], ChatCompleted(request_id="r0", turn_id=0, model="m", text="a0", finish_reason="stop",
-                                      usage=usage, timings=timings, chunks=0, **ids),
-              asked[1], ChatFailed(request_id="r1", turn_id=1, code="cancelled", message="gone", **ids), asked[2]]
+    events = [
+        asked[0],
+        ChatCompleted(
+            request_id="r0",
+            turn_id=0,
+            model="m",
+            text="a0",
+            finish_reason="stop",
+            usage=usage,
+            timings=timings,
+            chunks=0,
+            **ids,
+        ),
+        asked[1],
+        ChatFailed(request_id="r1", turn_id=1, code="cancelled", message="gone", **ids),
+        asked[2],
+    ]
     conv = conversation_state(events)
     assert (conv.turn_id, conv.attempt) == (1, 1)
     assert [(m.role, m.content) for m in conv.messages] == [("user", "q0"), ("assistant", "a0")]

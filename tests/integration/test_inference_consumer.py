@@ -29,20 +29,31 @@ def ask(url, content, **kw):
 
 async def ask_many(url, prompts, **kw):
     async with httpx.AsyncClient(timeout=60) as client:
+
         async def one(p):
             body = {"model": "stories-260k", "messages": [{"role": "user", "content": p}], **kw}
             return await client.post(url + CHAT, json=body)
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def metric(port, name):
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#")
+    )
 
 
-PROMPTS = ["Once upon a time", "The little cat", "Tom had a red ball", "One day, a bird",
-           "Lily went to the park", "The sun was hot", "A big dog ran", "Mom said"]
+PROMPTS = [
+    "Once upon a time",
+    "The little cat",
+    "Tom had a red ball",
+    "One day, a bird",
+    "Lily went to the park",
+    "The sun was hot",
+    "A big dog ran",
+    "Mom said",
+]
 
 
 @pytest.mark.parametrize("engine", ["continuous", "static"])
@@ -79,6 +90,7 @@ def test_expired_request_fails_without_compute(stack_factory):
 
 def _wait_for_chunks(nats_url, timeout=30.0):
     """Block until the stream holds some token events; returns their request ids."""
+
     async def go():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
@@ -95,6 +107,7 @@ def _wait_for_chunks(nats_url, timeout=30.0):
             return False
         finally:
             await nc.close()
+
     return asyncio.run(go())
 
 
@@ -123,8 +136,14 @@ def test_kill_9_mid_generation_loses_and_duplicates_nothing(stack_factory):
     victim = s.stack.procs["inference"]
     prompts = PROMPTS[:4]
     out: dict = {}
-    threads = [threading.Thread(target=_stream_request, args=(s.url, p, out),
-                                kwargs=dict(max_tokens=400, temperature=0.8, seed=7, deadline_s=90)) for p in prompts]
+    threads = [
+        threading.Thread(
+            target=_stream_request,
+            args=(s.url, p, out),
+            kwargs=dict(max_tokens=400, temperature=0.8, seed=7, deadline_s=90),
+        )
+        for p in prompts
+    ]
     for t in threads:
         t.start()
     assert _wait_for_chunks(s.nats.url), "no tokens were generated"
@@ -152,8 +171,12 @@ def test_sigterm_drains_and_gives_back_unfinished_work(stack_factory):
     s.start(roles=("filter", "delivery", "gateway", "inference"))
     first = s.stack.procs["inference"]
     out: dict = {}
-    threads = [threading.Thread(target=_stream_request, args=(s.url, p, out),
-                                kwargs=dict(max_tokens=400, temperature=0, deadline_s=90)) for p in PROMPTS[:3]]
+    threads = [
+        threading.Thread(
+            target=_stream_request, args=(s.url, p, out), kwargs=dict(max_tokens=400, temperature=0, deadline_s=90)
+        )
+        for p in PROMPTS[:3]
+    ]
     for t in threads:
         t.start()
     assert _wait_for_chunks(s.nats.url)
@@ -175,8 +198,13 @@ def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
     env = {**os.environ, "NATS_URL": s.nats.url}
 
     def models(*args):
-        r = subprocess.run([sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
-                           env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return r.returncode, [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
     rc, answers = models("add", "--name", "stories-b", "--path", str(STORIES))

@@ -1,4 +1,4 @@
-from events.models import ChatCompleted, ChatRequested, ChatMessage, SamplingParams, Timings, TokensGenerated, Usage
+from events.models import ChatCompleted, ChatMessage, ChatRequested, SamplingParams, Timings, TokensGenerated, Usage
 from gateway.assembler import Assembler
 from infra.replay import audit, parse_window
 
@@ -8,9 +8,16 @@ def chunk(seq, text):
 
 
 def done(text, chunks, rid="r"):
-    return ChatCompleted(request_id=rid, conv_id="c", model="m", text=text, finish_reason="stop",
-                         usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
-                         timings=Timings(queue_wait_s=0, ttft_s=0, decode_s=0, compute_s=0), chunks=chunks)
+    return ChatCompleted(
+        request_id=rid,
+        conv_id="c",
+        model="m",
+        text=text,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        timings=Timings(queue_wait_s=0, ttft_s=0, decode_s=0, compute_s=0),
+        chunks=chunks,
+    )
 
 
 def test_chunks_come_out_once_and_in_order():
@@ -32,13 +39,26 @@ def test_remainder_fills_chunks_that_never_came():
 
 
 def requested(rid, deadline):
-    return ChatRequested(request_id=rid, conv_id="c", model="m", messages=[ChatMessage(role="user", content="x")],
-                         params=SamplingParams(), deadline_at=deadline)
+    return ChatRequested(
+        request_id=rid,
+        conv_id="c",
+        model="m",
+        messages=[ChatMessage(role="user", content="x")],
+        params=SamplingParams(),
+        deadline_at=deadline,
+    )
 
 
 def test_audit_finds_missing_duplicate_and_in_flight():
-    events = [requested("a", 0), done("x", 0, "a"), requested("b", 0), requested("c", 0), done("x", 0, "c"),
-              done("x", 0, "c"), requested("d", 1e12)]
+    events = [
+        requested("a", 0),
+        done("x", 0, "a"),
+        requested("b", 0),
+        requested("c", 0),
+        done("x", 0, "c"),
+        done("x", 0, "c"),
+        requested("d", 1e12),
+    ]
     report = audit(events, now=100.0)
     assert report["missing_terminal"] == ["b"]
     assert report["duplicate_terminal"] == ["c"]

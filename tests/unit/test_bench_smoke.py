@@ -21,19 +21,42 @@ from bench.stats import percentile
 from bench.workload import LengthMix, Workload, fixed_requests
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
-SUMMARY_FIELDS = {"requests", "completed", "errors", "rejected", "error_rate", "rejection_rate",
-                  "requests_per_s", "tokens_per_s", "latency_p50", "latency_p95", "latency_p99",
-                  "ttft_p50", "ttft_p95", "ttft_p99"}
+SUMMARY_FIELDS = {
+    "requests",
+    "completed",
+    "errors",
+    "rejected",
+    "error_rate",
+    "rejection_rate",
+    "requests_per_s",
+    "tokens_per_s",
+    "latency_p50",
+    "latency_p95",
+    "latency_p99",
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+}
 
 
 @pytest.fixture(scope="module")
 def naive_server(tmp_path_factory):
     port = free_port()
-    cmd = [sys.executable, "-m", "bench.naive_server", "--model", str(STORIES),
-           "--name", "stories-260k", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.naive_server",
+        "--model",
+        str(STORIES),
+        "--name",
+        "stories-260k",
+        "--port",
+        str(port),
+    ]
     log = tmp_path_factory.mktemp("naive") / "naive.log"
-    server = ServerProcess("naive", cmd, f"http://127.0.0.1:{port}/readyz", log,
-                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    server = ServerProcess(
+        "naive", cmd, f"http://127.0.0.1:{port}/readyz", log, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    )
     with server:
         server.wait_ready(timeout_s=45)
         yield f"http://127.0.0.1:{port}"
@@ -42,11 +65,18 @@ def naive_server(tmp_path_factory):
 
 @pytest.mark.timeout(60)
 def test_loadgen_against_naive_server(naive_server):
-    workload = Workload(model="stories-260k", concurrency=2, max_requests=4, duration_s=30,
-                        lengths=LengthMix.parse("8:0.5,12:0.5"), turns=2, timeout_s=20)
+    workload = Workload(
+        model="stories-260k",
+        concurrency=2,
+        max_requests=4,
+        duration_s=30,
+        lengths=LengthMix.parse("8:0.5,12:0.5"),
+        turns=2,
+        timeout_s=20,
+    )
     level = asyncio.run(run_level(naive_server, workload))
 
-    assert SUMMARY_FIELDS <= set(level["summary"])
+    assert set(level["summary"]) >= SUMMARY_FIELDS
     assert level["summary"]["completed"] == 4
     assert level["summary"]["output_tokens"] > 0
     assert all(r["ttft_s"] is not None and r["tokens_from"] == "usage" for r in level["records"])
@@ -79,8 +109,12 @@ def test_ceiling_on_two_requests():
 def test_report_writes_table_json_and_plot(tmp_path):
     summary = {f: 0.1 for f in SUMMARY_FIELDS} | {"tokens_per_s": 50.0}
     level = {"load": 1.0, "load_label": "1 users", "summary": summary}
-    results = {"targets": [{"name": "naive", "status": "ok", "levels": [level]},
-                           {"name": "transformers-serve", "status": "not runnable", "reason": "why"}]}
+    results = {
+        "targets": [
+            {"name": "naive", "status": "ok", "levels": [level]},
+            {"name": "transformers-serve", "status": "not runnable", "reason": "why"},
+        ]
+    }
     paths = write_report(results, tmp_path)
 
     assert [p.exists() for p in paths] == [True, True, True]

@@ -89,8 +89,10 @@ def test_greedy_alone_matches_model_generate(loaded, prompt):
 def _requests(loaded, sampled: bool) -> list[GenRequest]:
     reqs = []
     for i, text in enumerate(PROMPTS):
-        params = SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=20 + 5 * i) if sampled else (
-            SamplingParams(temperature=0, max_tokens=20 + 5 * i)
+        params = (
+            SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=20 + 5 * i)
+            if sampled
+            else (SamplingParams(temperature=0, max_tokens=20 + 5 * i))
         )
         reqs.append(GenRequest(f"r{i}", ids(loaded, text), params))
     return reqs

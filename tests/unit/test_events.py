@@ -2,13 +2,27 @@ import pytest
 from pydantic import ValidationError
 
 from events import decode, encode, subjects
-from events.models import (ChatCompleted, ChatFailed, ChatMessage, ChatRequested, SamplingParams, Timings,
-                           TokensGenerated, Usage)
+from events.models import (
+    ChatCompleted,
+    ChatFailed,
+    ChatMessage,
+    ChatRequested,
+    SamplingParams,
+    Timings,
+    TokensGenerated,
+    Usage,
+)
 
 
 def requested(**kw):
-    base = dict(request_id="r1", conv_id="c1", model="m", messages=[ChatMessage(role="user", content="hi")],
-                params=SamplingParams(seed=3), deadline_at=10.0)
+    base = dict(
+        request_id="r1",
+        conv_id="c1",
+        model="m",
+        messages=[ChatMessage(role="user", content="hi")],
+        params=SamplingParams(seed=3),
+        deadline_at=10.0,
+    )
     return ChatRequested(**{**base, **kw})
 
 
@@ -30,17 +44,25 @@ def test_subjects_select_a_request_and_a_conversation():
 
 
 def test_one_dedupe_key_for_every_terminal_event_of_a_request():
-    done = ChatCompleted(request_id="r1", conv_id="c1", model="m", text="x", finish_reason="stop",
-                         usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
-                         timings=Timings(queue_wait_s=0, ttft_s=0, decode_s=0, compute_s=0), chunks=1)
+    done = ChatCompleted(
+        request_id="r1",
+        conv_id="c1",
+        model="m",
+        text="x",
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        timings=Timings(queue_wait_s=0, ttft_s=0, decode_s=0, compute_s=0),
+        chunks=1,
+    )
     failed = ChatFailed(request_id="r1", conv_id="c1", code="cancelled", message="x")
     assert subjects.dedupe_key(done) == subjects.dedupe_key(failed) == "r1:terminal"
     chunk = TokensGenerated(request_id="r1", conv_id="c1", seq=2, text="a", token_ids=(1,), model="m")
     assert subjects.dedupe_key(chunk) == "r1:tok:2"
 
 
-@pytest.mark.parametrize("value,ok", [("abc-DEF_1", True), ("a.b", False), ("a b", False), ("*", False),
-                                      ("", False), ("x" * 129, False)])
+@pytest.mark.parametrize(
+    "value,ok", [("abc-DEF_1", True), ("a.b", False), ("a b", False), ("*", False), ("", False), ("x" * 129, False)]
+)
 def test_ids_must_be_subject_tokens(value, ok):
     assert subjects.is_valid_token(value) is ok
 
@@ -52,7 +74,9 @@ def test_upcaster_runs_before_validation(monkeypatch):
     old = current.model_dump(mode="json")
     old["schema_version"] = 0
     old["prompt"] = old.pop("messages")  # a made-up v0 field name
-    monkeypatch.setitem(codec.UPCASTERS, ("chat.requested", 0),
-                        lambda d: {**{k: v for k, v in d.items() if k != "prompt"}, "messages": d["prompt"],
-                                   "schema_version": 1})
+    monkeypatch.setitem(
+        codec.UPCASTERS,
+        ("chat.requested", 0),
+        lambda d: {**{k: v for k, v in d.items() if k != "prompt"}, "messages": d["prompt"], "schema_version": 1},
+    )
     assert decode(old) == current
