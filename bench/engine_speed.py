@@ -15,6 +15,7 @@ import time
 import torch
 
 from consumers.inference.engine import BatchEngine, GenRequest
+from runtime.settings import InferenceSettings
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, load_model
 from consumers.inference.sampling import SamplingParams
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {args.device}")
 
-    paths = args.model or [default_specs()[0].path]
+    paths = args.model or [default_specs(InferenceSettings().models_dir)[0].path]
     print(f"{'model':<24} {'mode':<11} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>9}")
     for path in paths:
         spec = ModelSpec(name=path.rstrip("/").rsplit("/", 1)[-1], path=path, dtype=args.dtype, device=args.device)

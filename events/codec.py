@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
-from pydantic import TypeAdapter
-
-from events.models import Event
-
-_adapter: TypeAdapter = TypeAdapter(Event)
+from events.models import EVENT_TYPES, EventBase
 
 # (type, from_version) -> function turning that version's dict into the next version's.
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
@@ -21,10 +18,25 @@ def upcast(data: dict) -> dict:
     return data
 
 
-def decode(raw: bytes | str | dict):
+def register(cls: type[EventBase]) -> type[EventBase]:
+    """Add an event model to the decodable types (a class decorator)."""
+    EVENT_TYPES[cls.type_name()] = cls
+    return cls
+
+
+def decode(raw: bytes | str | dict) -> Any:
+    """The event model named by the data's `type`, upcast to the current schema version.
+
+    Raises ValueError for data that is no known event."""
     data = raw if isinstance(raw, dict) else json.loads(raw)
-    return _adapter.validate_python(upcast(data))
+    if not isinstance(data, dict):
+        raise ValueError("an event is a JSON object")
+    data = upcast(data)
+    cls = EVENT_TYPES.get(data.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event type {data.get('type')!r}")
+    return cls.model_validate(data)
 
 
-def encode(event) -> bytes:
+def encode(event: EventBase) -> bytes:
     return event.model_dump_json().encode()

@@ -1,7 +1,8 @@
 """The event contract: one frozen pydantic model per event, past tense.
 
-Every event carries the identity of the request it belongs to (request_id, conv_id,
-turn_id), when it happened and its schema version. Events are immutable facts: a
+Every event carries its id, when it happened and its schema version; request events
+(`RequestEvent`) also the request, conversation and turn they belong to, battle events
+(`BattleEvent`) the battle. Events are immutable facts: a
 breaking change gets a new schema version and an upcaster (see `events.codec`).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,12 +33,19 @@ class ChatMessage(Frozen):
     content: str
 
 
+#: The sampling defaults, once for every transport and the engine (OpenAI's temperature).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MAX_TOKENS = 64
+MAX_TOKENS_LIMIT = 4096
+
+
 class SamplingParams(Frozen):
     """Per-request sampling parameters; they hold inside any batch."""
 
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    max_tokens: int = Field(64, ge=1, le=4096, description="Most tokens to generate.")
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0, description="0 means greedy decoding.")
+    top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT, description="Most tokens to generate.")
     stop: tuple[str, ...] = Field((), description="Strings that end generation; not included in the text.")
     seed: int | None = Field(None, description="Seed of the request's own RNG; set by the gateway when absent.")
 
@@ -67,15 +75,48 @@ class FilterReport(Frozen):
 
 
 class EventBase(Frozen):
+    """What every event has, whatever it is about. Subclasses set `type` (a Literal)."""
+
+    type: str = Field(description="The event's kind, e.g. 'chat.requested'; selects its model when decoding.")
     event_id: str = Field(default_factory=new_id, description="Unique id of this event.")
-    request_id: str = Field(description="The request this event belongs to.")
-    conv_id: str = Field(description="The conversation; equals request_id for one-shot requests.")
-    turn_id: int = Field(0, ge=0, description="Index of the turn inside the conversation.")
     occurred_at: datetime = Field(default_factory=utcnow)
     schema_version: int = 1
 
+    #: True for the event that ends its subject's life (one per request).
+    terminal: ClassVar[bool] = False
 
-class ChatRequested(EventBase):
+    @classmethod
+    def type_name(cls) -> str:
+        return str(cls.model_fields["type"].default)
+
+    def dedupe_key(self) -> str:
+        """Nats-Msg-Id: the server drops a second publish of the same fact."""
+        raise NotImplementedError
+
+
+class RequestEvent(EventBase):
+    """An event in the life of one chat request."""
+
+    request_id: str = Field(description="The request this event belongs to.")
+    conv_id: str = Field(description="The conversation; equals request_id for one-shot requests.")
+    turn_id: int = Field(0, ge=0, description="Index of the turn inside the conversation.")
+
+    def dedupe_key(self) -> str:
+        # A request has one terminal event whatever its kind, so a worker that
+        # regenerates a request after a crash cannot publish a second one.
+        return f"{self.request_id}:terminal" if self.terminal else f"{self.request_id}:{self.type_name()}"
+
+
+class BattleEvent(EventBase):
+    """An event in the life of one arena battle: no chat request stands behind it."""
+
+    battle_id: str = Field(description="The battle this event belongs to.")
+
+    def dedupe_key(self) -> str:
+        return f"battle:{self.battle_id}:{self.type_name()}"
+
+
+class ChatRequested(RequestEvent):
     """The gateway accepted a client request."""
 
     type: Literal["chat.requested"] = "chat.requested"
@@ -88,7 +129,7 @@ class ChatRequested(EventBase):
     idempotency_key: str | None = None
 
 
-class PromptAccepted(EventBase):
+class PromptAccepted(RequestEvent):
     """The filter let the prompt through (possibly sanitized)."""
 
     type: Literal["prompt.accepted"] = "prompt.accepted"
@@ -100,15 +141,16 @@ class PromptAccepted(EventBase):
     filter: FilterReport
 
 
-class PromptRejected(EventBase):
+class PromptRejected(RequestEvent):
     """The filter refused the prompt; no model time is spent on it. Terminal."""
 
     type: Literal["prompt.rejected"] = "prompt.rejected"
+    terminal: ClassVar[bool] = True
     reason: str
     filter: FilterReport
 
 
-class TokensGenerated(EventBase):
+class TokensGenerated(RequestEvent):
     """A chunk of generated text. `seq` counts chunks of one request from 0, without gaps."""
 
     type: Literal["tokens.generated"] = "tokens.generated"
@@ -117,11 +159,15 @@ class TokensGenerated(EventBase):
     token_ids: tuple[int, ...]
     model: str
 
+    def dedupe_key(self) -> str:
+        return f"{self.request_id}:tok:{self.seq}"
 
-class ChatCompleted(EventBase):
+
+class ChatCompleted(RequestEvent):
     """The model finished the answer. Terminal."""
 
     type: Literal["chat.completed"] = "chat.completed"
+    terminal: ClassVar[bool] = True
     model: str
     text: str
     finish_reason: Literal["stop", "length"]
@@ -135,25 +181,36 @@ FailureCode = Literal[
 ]
 
 
-class ChatFailed(EventBase):
+class ChatFailed(RequestEvent):
     """The request ended without an answer. Terminal."""
 
     type: Literal["chat.failed"] = "chat.failed"
+    terminal: ClassVar[bool] = True
     code: FailureCode
     message: str
     chunks: int = 0
 
 
-class ChatCancelled(EventBase):
+class ChatCancelled(RequestEvent):
     """The client went away; inference stops generating the request."""
 
     type: Literal["chat.cancelled"] = "chat.cancelled"
     reason: str = "client_disconnected"
 
 
-Event = Annotated[
-    ChatRequested | PromptAccepted | PromptRejected | TokensGenerated | ChatCompleted | ChatFailed | ChatCancelled,
-    Field(discriminator="type"),
-]
+#: Every event type the codec decodes, by its `type`. Battle events join this table.
+EVENT_TYPES: dict[str, type[EventBase]] = {
+    cls.type_name(): cls
+    for cls in (
+        ChatRequested,
+        PromptAccepted,
+        PromptRejected,
+        TokensGenerated,
+        ChatCompleted,
+        ChatFailed,
+        ChatCancelled,
+    )
+}
 
-TERMINAL_TYPES = frozenset({"chat.completed", "chat.failed", "prompt.rejected"})
+TERMINAL_TYPES = frozenset(name for name, cls in EVENT_TYPES.items() if cls.terminal)
+FAILURE_TYPES = TERMINAL_TYPES - {ChatCompleted.type_name()}

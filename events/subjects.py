@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+from events.models import BattleEvent, EventBase, RequestEvent
+
 STREAM = "ARENA"
-STREAM_SUBJECTS = ("arena.req.>", "arena.res.>", "arena.ctl.>")
+STREAM_SUBJECTS = ("arena.req.>", "arena.res.>", "arena.ctl.>", "arena.battle.>")
 
 # kind -> subject stem
 REQUESTED = "arena.req.requested"
@@ -32,14 +34,13 @@ STEM_BY_TYPE = {
     "chat.cancelled": CANCELLED,
 }
 
-# Durable pull consumers and what each one reads.
-FILTER_CONSUMER = "filter"
+# What each durable consumer reads (the consumers themselves are declared in events.topology).
 FILTER_SUBJECT = f"{REQUESTED}.>"
-INFERENCE_CONSUMER = "inference"
 INFERENCE_SUBJECT = f"{ACCEPTED}.>"
-DELIVERY_CONSUMER = "delivery"
 DELIVERY_SUBJECT = "arena.res.>"
 CANCEL_SUBJECT = f"{CANCELLED}.>"
+# Battle events: arena.battle.<kind>.<battle_id>.
+BATTLE_PREFIX = "arena.battle"
 
 LIVE_PREFIX = "arena.live"
 
@@ -51,12 +52,21 @@ def is_valid_token(value: str) -> bool:
     return bool(_TOKEN.match(value))
 
 
-def subject_for(event) -> str:
-    return f"{STEM_BY_TYPE[event.type]}.{event.conv_id}.{event.request_id}"
+def subject_for(event: EventBase) -> str:
+    stem = STEM_BY_TYPE[event.type]
+    if isinstance(event, BattleEvent):
+        return f"{stem}.{event.battle_id}"
+    assert isinstance(event, RequestEvent), f"{type(event).__name__} is neither a request nor a battle event"
+    return f"{stem}.{event.conv_id}.{event.request_id}"
 
 
 def request_filter(request_id: str) -> str:
     return f"arena.*.*.*.{request_id}"
+
+
+def output_filter(request_id: str) -> str:
+    """Every output event of a request: chunks and the terminal event."""
+    return f"arena.res.*.*.{request_id}"
 
 
 def conversation_filter(conv_id: str) -> str:
@@ -68,17 +78,9 @@ def live_subject(request_id: str) -> str:
     return f"{LIVE_PREFIX}.{request_id}"
 
 
-def dedupe_key(event) -> str:
-    """Nats-Msg-Id for an event: the server drops a second publish of the same fact.
-
-    A request has one terminal event whatever its kind, and one chunk per sequence
-    number, so a worker that regenerates a request after a crash cannot duplicate them.
-    """
-    if event.type in ("chat.completed", "chat.failed", "prompt.rejected"):
-        return f"{event.request_id}:terminal"
-    if event.type == "tokens.generated":
-        return f"{event.request_id}:tok:{event.seq}"
-    return f"{event.request_id}:{event.type}"
+def dedupe_key(event: EventBase) -> str:
+    """Nats-Msg-Id for an event (see `EventBase.dedupe_key`)."""
+    return event.dedupe_key()
 
 
 # Core-NATS subject on which every consumer process announces itself (not stored).

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -62,6 +66,12 @@ def install(app: FastAPI) -> None:
             return APIError(400, "request body is not valid JSON", "invalid_json", None).response()
         msg = f"{param}: {first.get('msg')}"
         return APIError(400, msg, "invalid_value", param).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # Never a bare text/plain 500: the API's error shape, and the cause in the log.
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, f"internal error ({type(exc).__name__})", "internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

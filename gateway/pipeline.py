@@ -1,35 +1,62 @@
 """The gateway's side of the event pipeline: publishing requests, following their output,
-and knowing which consumers are alive (from their heartbeats)."""
+and knowing which processes are alive (from their heartbeats).
+
+This is the boundary the HTTP and WebSocket layers talk to; tests of those layers pass
+a fake with the same methods (`tests/unit/fake_pipeline.py`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
+from typing import Any
 
-from consumers.delivery.store import ResultStore
-from events import decode, subjects
-from events.models import ChatCancelled
-from infra import jetstream
-from infra.replay import read_events
+import nats
+from nats.errors import Error as NatsError
 
-log = logging.getLogger("arena.gateway")
+from events import decode, subjects, topology
+from events.models import ChatCancelled, RequestEvent
+from events.readmodel import ReadModel
+from gateway.assembler import Assembler
+from gateway.errors import APIError
+from gateway.keys import GatewayKeys
+from runtime import jetstream
+from runtime.redis import redis_client
+from runtime.settings import GatewaySettings
+from runtime.stream import conversation_events, read_events
 
-ROLES = ("filter", "inference", "delivery")
+log = logging.getLogger(__name__)
+
+#: Live silence after which the stream is read for output that did not come live
+#: (doubling up to QUIET_MAX_S while the request stays silent).
+QUIET_S = 2.0
+QUIET_MAX_S = 8.0
+#: How long a publish is retried while NATS is unreachable, at most.
+PUBLISH_RETRY_S = 5.0
+NATS_DOWN = (NatsError, asyncio.TimeoutError, OSError)
+
+
+def stream_unavailable() -> APIError:
+    return APIError(
+        503, "the event stream is unavailable; retry shortly", "stream_unavailable", headers={"Retry-After": "2"}
+    )
 
 
 class Pipeline:
-    def __init__(self, settings):
+    def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        self.nc = None
-        self.js = None
-        self.store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
+        self.nc: nats.NATS | None = None
+        self.js: Any = None
+        redis = redis_client(settings.redis_url)
+        self.results = ReadModel(redis, settings.result_ttl_s)
+        self.keys = GatewayKeys(redis, settings.result_ttl_s)
         self.beats: dict[tuple[str, str], dict] = {}
 
     async def start(self) -> None:
-        await self.store.redis.ping()
         self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway")
         self.js = self.nc.jetstream()
         await jetstream.ensure_topology(self.js, self.settings.retention_days, **self.settings.topology())
@@ -38,7 +65,9 @@ class Pipeline:
     async def stop(self) -> None:
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
-        await self.store.close()
+        await self.results.redis.aclose()
+
+    # ---- the fleet, from heartbeats --------------------------------------------------
 
     async def _on_beat(self, msg) -> None:
         with suppress(ValueError, KeyError):
@@ -50,11 +79,13 @@ class Pipeline:
         return [b for b in self.beats.values() if b["ts"] >= horizon]
 
     def fleet(self) -> dict:
+        """Ready processes per role, and which inference instances hold each model."""
         beats = self.live_beats()
-        out = {role: sum(1 for b in beats if b["role"] == role and b.get("ready")) for role in ROLES}
+        roles = [r.name for r in topology.ROLES if r.name != topology.GATEWAY.name]
+        out: dict[str, Any] = {role: sum(1 for b in beats if b["role"] == role and b.get("ready")) for role in roles}
         served: dict[str, set] = {}
         for b in beats:
-            if b["role"] == "inference":
+            if b["role"] == topology.INFERENCE.name:
                 for name in b.get("models", []):
                     served.setdefault(name, set())
                 for name in b.get("resident", []):
@@ -64,51 +95,118 @@ class Pipeline:
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()
-        ok = all(fleet[r] > 0 for r in ROLES) and bool(fleet["models"].get(default_model))
+        ok = all(fleet.get(r, 0) > 0 for r in topology.required()) and bool(fleet["models"].get(default_model))
         return ok, fleet
 
-    async def publish(self, event) -> None:
-        await jetstream.publish(self.js, event)
+    # ---- the stream ------------------------------------------------------------------
+
+    async def publish(self, event: RequestEvent, until: float | None = None) -> None:
+        """Publish an event, retrying while NATS is unreachable; 503 when it stays so.
+
+        The dedupe key makes a retried publish safe: the server keeps one copy."""
+        end = min(until or float("inf"), time.time() + PUBLISH_RETRY_S)
+        delay = 0.1
+        while True:
+            try:
+                await jetstream.publish(self.js, event)
+                return
+            except NATS_DOWN as exc:
+                if time.time() + delay >= end:
+                    log.warning("publish failed: %s", exc, extra={"request_id": event.request_id})
+                    raise stream_unavailable() from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def history(self, request_id: str) -> list:
-        """The request's output events already in the stream (for a retry that attaches late)."""
-        return await read_events(self.js, f"{subjects.TOKENS}.*.{request_id}")
+        """The request's output events already in the stream (chunks and terminal), in order."""
+        return await read_events(self.js, subjects.output_filter(request_id))
+
+    async def conversation(self, conv_id: str) -> list:
+        return await conversation_events(self.js, conv_id)
 
     async def cancel(self, request_id: str, conv_id: str, turn_id: int) -> None:
-        with suppress(Exception):
-            await self.publish(ChatCancelled(request_id=request_id, conv_id=conv_id, turn_id=turn_id))
-
-    @asynccontextmanager
-    async def follow(self, request_id: str) -> AsyncIterator[Follower]:
-        """Subscribe to a request's live output; subscribe BEFORE publishing the request."""
-        sub = await self.nc.subscribe(subjects.live_subject(request_id))
+        """Tell inference to stop a request whose client went away (best effort, logged)."""
         try:
-            yield Follower(self, request_id, sub)
-        finally:
+            await self.publish(ChatCancelled(request_id=request_id, conv_id=conv_id, turn_id=turn_id))
+        except APIError:
+            log.warning("could not publish the cancellation", extra={"request_id": request_id})
+
+    async def subscribe(self, request_id: str) -> Any:
+        """Subscribe to a request's live output; do it BEFORE publishing the request."""
+        assert self.nc is not None
+        return await self.nc.subscribe(subjects.live_subject(request_id))
+
+    def output(self, request_id: str, until: float, *, after_seq: int = -1, replay: bool = False) -> Output:
+        return Output(self, request_id, until, after_seq=after_seq, replay=replay)
+
+
+class Output:
+    """One request's output in order: iterate its chunks (each once, in sequence), then
+    read `terminal` (None when the deadline passed first).
+
+    Live messages come from delivery's fan-out; anything that did not come live (a retry
+    or a resume attaching late, chunks still inside delivery when the terminal overtook
+    them, a message lost in a reconnect) is read from the stream, which holds it all.
+    `open()` subscribes, so it must run before the request is published."""
+
+    def __init__(self, pipeline: Pipeline, request_id: str, until: float, *, after_seq: int = -1, replay: bool = False):
+        self.pipeline, self.request_id, self.until = pipeline, request_id, until
+        self.after_seq, self.replay = after_seq, replay
+        self.assembler = Assembler()
+        self.sub: Any = None
+
+    @property
+    def terminal(self) -> Any:
+        return self.assembler.terminal
+
+    def remainder(self) -> str:
+        """Completed text no chunk carried (only if the stream lost chunks)."""
+        return self.assembler.remainder()
+
+    async def open(self) -> Output:
+        self.sub = await self.pipeline.subscribe(self.request_id)
+        return self
+
+    async def close(self) -> None:
+        if self.sub is not None:
             with suppress(Exception):
-                await sub.unsubscribe()
+                await self.sub.unsubscribe()
+            self.sub = None
 
+    async def __aenter__(self) -> Output:
+        return await self.open() if self.sub is None else self
 
-class Follower:
-    """Yields a request's output events as they arrive, checking Redis now and then so a
-    result whose live message was missed (the gateway attached late) is still found."""
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
-    POLL_S = 0.5
+    async def _stored(self) -> list:
+        try:
+            return await self.pipeline.history(self.request_id)
+        except NATS_DOWN as exc:
+            log.warning("cannot read the stream: %s", exc, extra={"request_id": self.request_id})
+            return []
 
-    def __init__(self, pipeline: Pipeline, request_id: str, sub):
-        self.pipeline, self.request_id, self.sub = pipeline, request_id, sub
-
-    async def events(self, until: float, backlog: list = ()) -> AsyncIterator:
-        for event in backlog:
-            yield event
+    async def __aiter__(self) -> AsyncIterator:
+        asm = self.assembler
+        incoming = await self._stored() if self.replay else []
+        quiet = QUIET_S
         while True:
-            left = until - time.time()
+            for event in incoming:
+                for chunk in asm.add(event):
+                    if chunk.seq > self.after_seq:
+                        yield chunk
+            if asm.terminal is not None:
+                if not asm.done:  # the terminal overtook chunks: the stream has them all
+                    for event in await self._stored():
+                        for chunk in asm.add(event):
+                            if chunk.seq > self.after_seq:
+                                yield chunk
+                return
+            left = self.until - time.time()
             if left <= 0:
                 return
             try:
-                msg = await self.sub.next_msg(timeout=min(self.POLL_S, left))
-                yield decode(msg.data)
-            except TimeoutError:
-                stored = await self.pipeline.store.get_result(self.request_id)
-                if stored is not None:
-                    yield decode(stored)
+                msg = await self.sub.next_msg(timeout=min(quiet, left))
+                incoming, quiet = [decode(msg.data)], QUIET_S
+            except asyncio.TimeoutError:
+                incoming, quiet = await self._stored(), min(quiet * 2, QUIET_MAX_S)

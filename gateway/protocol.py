@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -36,10 +38,10 @@ class ChatCompletionRequest(BaseModel):
 
     model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
     messages: list[Message] = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
+    top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description=f"Default {DEFAULT_MAX_TOKENS}.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is served.")
@@ -63,8 +65,8 @@ class ChatCompletionRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
-    def token_limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def token_limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
 
 def completion_body(

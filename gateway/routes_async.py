@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
+from events.models import MAX_TOKENS_LIMIT
 from gateway.errors import APIError
-from gateway.metrics import METRICS
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest
-from gateway.requests_index import RequestsIndex
-from gateway.serving_chat import ChatService, Ticket, failure, usage_of, wait_terminal
+from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
+from runtime.redis import REDIS_DOWN
 
 # A request with no terminal event this long after its deadline never will have one.
 LOST_AFTER_S = 5.0
@@ -44,7 +44,7 @@ class ChatTask(BaseModel):
     conv_id: str | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
     turn_id: int | None = Field(None, ge=0, description="Turn index; with conv_id, a retry is idempotent.")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
 
@@ -76,35 +76,45 @@ def failed(request_id: str, err: APIError) -> JSONResponse:
     )
 
 
-def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
+def completed(request_id: str, terminal) -> JSONResponse:
+    body = {
+        "request_id": request_id,
+        "status": "completed",
+        "text": terminal.text,
+        "finish_reason": terminal.finish_reason,
+        "usage": usage_of(terminal),
+        "model": terminal.model,
+        "conv_id": terminal.conv_id,
+        "turn_id": terminal.turn_id,
+    }
+    return JSONResponse(body, headers={"x-request-id": request_id})
+
+
+def router(chat: ChatService) -> APIRouter:
     r = APIRouter(tags=["async"])
-    index = RequestsIndex(pipeline.store.redis, settings.result_ttl_s)
+    results = chat.pipeline.results
     watchers: set[asyncio.Task] = set()
 
-    async def watch(ticket: Ticket, started: float) -> None:
-        """Count the request as in flight until it ends, so admission control (429) sees it."""
-        chat.enter(ticket.model)
-        try:
-            async with pipeline.follow(ticket.request_id) as follower:
-                terminal = await wait_terminal(follower, ticket)
-        finally:
-            chat.leave(ticket.model)
-        status = (
-            "504" if terminal is None else "200" if terminal.type == "chat.completed" else str(failure(terminal).status)
-        )
-        METRICS.requests.labels(ticket.model, status).inc()
-        if status == "200":
-            METRICS.latency.labels(ticket.model).observe(time.perf_counter() - started)
+    async def watch(ticket: Ticket, output: Output, started: float) -> None:
+        """Count the request as in flight until it ends (admission control sees it), and
+        record its outcome like every other transport."""
+        terminal = await chat.finish(ticket, output)
+        chat.record(ticket.model, outcome(terminal), started)
 
     @r.post("/chat", status_code=202)
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
         started = time.perf_counter()
         ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"))
-        await index.record(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at)
+        try:
+            await results.record_pending(
+                ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
+            )
+        except REDIS_DOWN as exc:
+            raise store_unavailable() from exc
         if event is not None:
-            await pipeline.publish(event)
-            task_ = asyncio.create_task(watch(ticket, started))
+            output = await chat.start(ticket, event)  # published (or 503) before the 202
+            task_ = asyncio.create_task(watch(ticket, output, started))
             watchers.add(task_)
             task_.add_done_callback(watchers.discard)
         return pending(ticket.request_id)
@@ -113,32 +123,25 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
     async def result(request_id: str) -> JSONResponse:
         """The request's answer, `pending` while it runs, or its failure."""
         known = subjects.is_valid_token(request_id)
-        stored = await pipeline.store.get_result(request_id) if known else None
+        try:
+            stored = await results.get_result(request_id) if known else None
+            record = await results.pending(request_id) if known and stored is None else None
+        except REDIS_DOWN as exc:
+            raise store_unavailable() from exc
         if stored is not None:
             terminal = decode(stored)
             if terminal.type != "chat.completed":
                 return failed(request_id, failure(terminal))
-            body = {
-                "request_id": request_id,
-                "status": "completed",
-                "text": terminal.text,
-                "finish_reason": terminal.finish_reason,
-                "usage": usage_of(terminal),
-                "model": terminal.model,
-                "conv_id": terminal.conv_id,
-                "turn_id": terminal.turn_id,
-            }
-            return JSONResponse(body, headers={"x-request-id": request_id})
-        record = await index.lookup(request_id) if known else None
+            return completed(request_id, terminal)
         if record is None:
             raise APIError(
                 404,
-                f"no request '{request_id}' is known here (results are kept {settings.result_ttl_s} s)",
+                f"no request '{request_id}' is known here (results are kept {chat.settings.result_ttl_s} s)",
                 "request_not_found",
                 "request_id",
             )
         if time.time() > record["deadline_at"] + LOST_AFTER_S:
-            return failed(request_id, APIError(504, "no answer before the request's deadline", "deadline_exceeded"))
+            return failed(request_id, deadline_error())
         return pending(request_id)
 
     return r

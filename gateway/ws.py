@@ -10,7 +10,7 @@ TokensGenerated event) and `done`, or `error` (OpenAI's error object; the socket
 open). Client to server: `turn` (and `ping`, answered with `pong`).
 
 The conversation lives in the stream, not in the socket: each turn reads the
-conversation's events (`infra.replay.conversation_events`) and sends the model the last
+conversation's events (`Pipeline.conversation`) and sends the model the last
 completed turn's messages, that turn's answer and the new user message. Any socket, on
 any gateway, can therefore carry on a conversation, and `arena replay --conv-id` shows
 exactly what the model saw. turn_id is the number of completed turns; a turn is sent
@@ -23,29 +23,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from events import decode, subjects
-from events.models import ChatMessage, new_id
-from gateway.assembler import Assembler
+from events import subjects
+from events.models import FAILURE_TYPES, MAX_TOKENS_LIMIT, ChatMessage, new_id
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest
-from gateway.requests_index import RequestsIndex
-from gateway.serving_chat import ChatService, failure, usage_of
-from infra.replay import conversation_events
+from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
+from runtime.redis import REDIS_DOWN
+from runtime.settings import GatewaySettings
 
-log = logging.getLogger("arena.gateway")
+log = logging.getLogger(__name__)
 
 RESUME_GRACE_S = 5.0
 MAX_RESUME_GRACE_S = 60.0
-FAILURES = ("chat.failed", "prompt.rejected")
 
 
 class TurnFrame(BaseModel):
@@ -56,7 +54,7 @@ class TurnFrame(BaseModel):
     type: Literal["turn"]
     content: str = Field(min_length=1)
     system: str | None = Field(None, description="System message; used only on a conversation's first turn.")
-    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
@@ -72,7 +70,7 @@ class Conversation:
 def conversation_state(events: list) -> Conversation:
     """The next turn of a conversation, from its events in stream order (pure logic)."""
     requested = {e.request_id: e for e in events if e.type == "chat.requested"}
-    failed = {e.request_id for e in events if e.type in FAILURES}
+    failed = {e.request_id for e in events if e.type in FAILURE_TYPES}
     last = None
     for e in events:
         if e.type == "chat.completed" and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
@@ -85,33 +83,6 @@ def conversation_state(events: list) -> Conversation:
     return conv
 
 
-async def outputs(pipeline: Pipeline, request_id: str, until: float, after_seq: int = -1) -> AsyncIterator:
-    """A request's chunks after `after_seq`, each once and in order, then its terminal
-    event (nothing more when the deadline passes first).
-
-    Subscribes to the live subject before reading the stream, so a chunk is in the
-    backlog, or arrives live, or both (the assembler drops the second copy)."""
-    async with pipeline.follow(request_id) as follower:
-        earlier = await pipeline.history(request_id)
-        stored = await pipeline.store.get_result(request_id)
-        if stored is not None:
-            earlier.append(decode(stored))
-        asm = Assembler()
-        async for ev in follower.events(until=until, backlog=earlier):
-            ready = asm.add(ev)
-            if asm.terminal is not None and not asm.done:
-                # The terminal event overtook chunks still inside delivery; inference
-                # published them all to the stream before it, so they are there.
-                for old in await pipeline.history(request_id):
-                    ready += asm.add(old)
-            for chunk in ready:
-                if chunk.seq > after_seq:
-                    yield chunk
-            if asm.terminal is not None:
-                yield asm.terminal
-                return
-
-
 class Gone(Exception):
     """The client closed the socket."""
 
@@ -119,8 +90,6 @@ class Gone(Exception):
 @dataclass
 class Deps:
     chat: ChatService
-    pipeline: Pipeline
-    index: RequestsIndex
     background: set = field(default_factory=set)
 
     def spawn(self, coro) -> None:
@@ -212,8 +181,8 @@ class Session:
         await self.turn(frame)
 
     async def turn(self, frame: TurnFrame) -> None:
-        d = self.deps
-        conv = conversation_state(await conversation_events(d.pipeline.js, self.conv_id))
+        started = time.perf_counter()
+        conv = conversation_state(await self.deps.chat.pipeline.conversation(self.conv_id))
         messages = conv.messages or ([ChatMessage(role="system", content=frame.system)] if frame.system else [])
         messages = [*messages, ChatMessage(role="user", content=frame.content)]
         req = ChatCompletionRequest(
@@ -226,33 +195,37 @@ class Session:
         )
         admission = asyncio.ensure_future(self._admit(req, f"ws:{self.conv_id}:{conv.turn_id}:{conv.attempt}"))
         try:
-            ticket = await asyncio.shield(admission)
+            ticket, output = await asyncio.shield(admission)
         except APIError as err:
             return await self.error(err, turn_id=conv.turn_id)
         except asyncio.CancelledError:
             admission.add_done_callback(self._abandon)
             raise
-        # Published already, so the chunks so far are read from the stream first.
-        await self.follow(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at + 2.0)
+        await self.follow(ticket, output, started)
 
-    async def _admit(self, req: ChatCompletionRequest, key: str):
+    async def _admit(self, req: ChatCompletionRequest, key: str) -> tuple[Ticket, Output]:
         """Admit and publish in one step that a client leaving cannot cut in half: a
         claimed idempotency key with no request behind it would hang the turn's retry."""
-        d = self.deps
-        ticket, event = await d.chat.admit(req, key)
-        await d.index.record(ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at)
-        await d.index.hold(ticket.request_id, self.token)
-        if event is not None:
-            await d.pipeline.publish(event)
-        return ticket
+        chat = self.deps.chat
+        ticket, event = await chat.admit(req, key)
+        try:
+            await chat.pipeline.results.record_pending(
+                ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
+            )
+            await chat.pipeline.keys.hold(ticket.request_id, self.token)
+        except REDIS_DOWN as exc:
+            raise store_unavailable() from exc
+        return ticket, await chat.start(ticket, event)
 
-    def _abandon(self, admission: asyncio.Task) -> None:
+    def _abandon(self, admission: asyncio.Future) -> None:
         if not admission.cancelled() and admission.exception() is None:
-            ticket = admission.result()
-            self.deps.spawn(self._cancel_later(ticket.request_id, ticket.conv_id, ticket.turn_id))
+            ticket, output = admission.result()
+            self.deps.spawn(output.close())
+            self.deps.spawn(self._cancel_later(ticket))
 
     async def resume(self, request_id: str, last_seq: int) -> None:
-        record = await self.deps.index.lookup(request_id) if subjects.is_valid_token(request_id) else None
+        pipeline = self.deps.chat.pipeline
+        record = await pipeline.results.pending(request_id) if subjects.is_valid_token(request_id) else None
         if record is None:
             return await self.error(
                 APIError(404, f"no request '{request_id}' is known here", "request_not_found", "resume_request_id")
@@ -260,37 +233,33 @@ class Session:
         if record["conv_id"] != self.conv_id:
             return await self.error(
                 APIError(
-                    400, f"request '{request_id}' belongs to another conversation", "invalid_value", "resume_request_id"
+                    400,
+                    f"request '{request_id}' belongs to another conversation",
+                    "invalid_value",
+                    "resume_request_id",
                 )
             )
-        await self.follow(
-            request_id,
-            self.conv_id,
-            record["turn_id"],
-            record["model"],
-            record["deadline_at"] + 2.0,
-            after_seq=last_seq,
+        ticket = Ticket(
+            request_id, self.conv_id, record["turn_id"], record["model"], record["deadline_at"], attached=True
         )
+        await pipeline.keys.hold(request_id, self.token)
+        output = await pipeline.output(request_id, ticket.until, after_seq=last_seq, replay=True).open()
+        await self.follow(ticket, output, time.perf_counter())
 
-    async def follow(
-        self, request_id: str, conv_id: str, turn_id: int, model: str, until: float, *, after_seq: int = -1
-    ) -> None:
-        d = self.deps
-        ids = {"request_id": request_id, "turn_id": turn_id}
-        await d.index.hold(request_id, self.token)
-        d.chat.enter(model)
+    async def follow(self, ticket: Ticket, output: Output, started: float) -> None:
+        """Send the request's chunks, then `done` or `error`; a client gone midway leaves
+        the request running for the resume grace."""
+        chat = self.deps.chat
+        ids = {"request_id": ticket.request_id, "turn_id": ticket.turn_id}
         finished = False
         try:
-            terminal = None
-            async for ev in outputs(d.pipeline, request_id, until, after_seq):
-                if ev.type == "tokens.generated":
-                    await self.send({"type": "chunk", **ids, "seq": ev.seq, "text": ev.text})
-                else:
-                    terminal = ev
-            if terminal is None:
-                await self.error(APIError(504, "no answer before the request's deadline", "deadline_exceeded"), **ids)
-            elif terminal.type != "chat.completed":
-                await self.error(failure(terminal), **ids)
+            with chat.tracking(ticket.model):
+                async for chunk in output:
+                    await self.send({"type": "chunk", **ids, "seq": chunk.seq, "text": chunk.text})
+            terminal, err = output.terminal, outcome(output.terminal)
+            chat.record(ticket.model, err, started)
+            if err is not None:
+                await self.error(err, **ids)
             else:
                 await self.send(
                     {
@@ -304,21 +273,22 @@ class Session:
                 )
             finished = True
         finally:
-            d.chat.leave(model)
+            await output.close()
             if not finished:
-                d.spawn(self._cancel_later(request_id, conv_id, turn_id))
+                self.deps.spawn(self._cancel_later(ticket))
 
-    async def _cancel_later(self, request_id: str, conv_id: str, turn_id: int) -> None:
+    async def _cancel_later(self, ticket: Ticket) -> None:
         """Cancel a request whose client went away, unless a socket resumed it meanwhile."""
         await asyncio.sleep(self.grace_s)
-        d = self.deps
+        pipeline = self.deps.chat.pipeline
         try:
-            if await d.index.holder(request_id) != self.token or await d.pipeline.store.get_result(request_id):
+            resumed = await pipeline.keys.holder(ticket.request_id) != self.token
+            if resumed or await pipeline.results.get_result(ticket.request_id):
                 return
-        except Exception:  # Redis unreachable: cancelling is the safe default
-            log.warning("cannot check whether the request was resumed", extra={"request_id": request_id})
-        log.info("client gone; cancelling", extra={"request_id": request_id})
-        await d.pipeline.cancel(request_id, conv_id, turn_id)
+        except REDIS_DOWN:  # cannot tell whether it was resumed: cancelling is the safe default
+            log.warning("cannot check whether the request was resumed", extra={"request_id": ticket.request_id})
+        log.info("client gone; cancelling", extra={"request_id": ticket.request_id})
+        await pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
 
 
 def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
@@ -348,9 +318,9 @@ def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
     }, None
 
 
-def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
+def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     r = APIRouter(tags=["websocket"])
-    deps = Deps(chat, pipeline, RequestsIndex(pipeline.store.redis, settings.result_ttl_s))
+    deps = Deps(chat)
 
     @r.websocket("/v1/ws")
     async def chat_ws(ws: WebSocket) -> None:
@@ -364,7 +334,7 @@ def router(chat: ChatService, pipeline: Pipeline, settings) -> APIRouter:
                 return
             conv_id = args["conv_id"]
             if conv_id is None and args["resume"] and subjects.is_valid_token(args["resume"]):
-                record = await deps.index.lookup(args["resume"])
+                record = await chat.pipeline.results.pending(args["resume"])
                 conv_id = record["conv_id"] if record else None
             session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"])
             await session.send(

@@ -9,42 +9,33 @@ from __future__ import annotations
 from faststream.nats import NatsBroker
 from faststream.specification import AsyncAPI
 
-from events import models as m
-from events import subjects as s
-
-# (stage, the event it consumes and its subject, [(event it publishes, subject)])
-STAGES = [
-    ("gateway", None, None, [(m.ChatRequested, s.REQUESTED), (m.ChatCancelled, s.CANCELLED)]),
-    ("filter", m.ChatRequested, s.FILTER_SUBJECT, [(m.PromptAccepted, s.ACCEPTED), (m.PromptRejected, s.REJECTED)]),
-    (
-        "inference",
-        m.PromptAccepted,
-        s.INFERENCE_SUBJECT,
-        [(m.TokensGenerated, s.TOKENS), (m.ChatCompleted, s.COMPLETED), (m.ChatFailed, s.FAILED)],
-    ),
-    ("delivery", None, s.DELIVERY_SUBJECT, []),
-]
+from events import topology
 
 
 def contract_broker() -> NatsBroker:
+    """A broker holding one publisher per (role, event it publishes) and one subscriber
+    per role that reads a durable consumer, from `events.topology`."""
     broker = NatsBroker()
-    for stage, consumed, subject, produced in STAGES:
-        for event, stem in produced:
+    for role in topology.ROLES:
+        for event, stem in role.publishes:
             broker.publisher(
                 f"{stem}.{{conv_id}}.{{request_id}}",
-                title=f"{stage}:{event.__name__}",
+                title=f"{role.name}:{event.__name__}",
                 schema=event,
                 description=(event.__doc__ or "").strip(),
             )
-        if consumed is not None:
+        if role.reads is None:
+            continue
+        consumed = role.consumes[0] if len(role.consumes) == 1 else None
 
-            def handler(body):  # documentation only; the running handlers live in consumers/
-                return None
+        def handler(body):  # documentation only; the running handlers live in consumers/
+            return None
 
-            handler.__annotations__ = {"body": consumed, "return": None}
-            broker.subscriber(
-                subject, title=f"{stage}:{consumed.__name__}", description=f"The {stage} consumer's input."
-            )(handler)
+        handler.__annotations__ = {"body": consumed or dict, "return": None}
+        name = consumed.__name__ if consumed else "output events"
+        broker.subscriber(role.reads, title=f"{role.name}:{name}", description=f"The {role.name} consumer's input.")(
+            handler
+        )
     return broker
 
 

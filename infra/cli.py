@@ -4,45 +4,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
+import socket
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
-ROLES = ("filter", "inference", "delivery", "gateway")
+import nats
+
+from consumers.filter.evaluate import main as filter_eval
+from events import subjects, topology
+from infra.asyncapi import schema_json
+from infra.replay import audit_window, parse_window
+from infra.servers import start_nats
+from infra.supervisor import up
+from runtime import logs
+from runtime.settings import CommonSettings, OperatorSettings
+from runtime.stream import conversation_events, request_events
 
 
 def run_role(role: str) -> int:
+    """Run one process of the topology (blocking), with JSON logs."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from infra import logs  # noqa: PLC0415
-
-    if role == "gateway":
-        import uvicorn  # noqa: PLC0415
-
-        from gateway.app import build_app  # noqa: PLC0415
-        from infra.settings import GatewaySettings  # noqa: PLC0415
-
-        settings = GatewaySettings()
-        logs.setup(settings.log_level, role)
-        uvicorn.run(
-            build_app(settings), host=settings.host, port=settings.port, log_config=None, timeout_graceful_shutdown=10
-        )
-        return 0
-    if role == "filter":
-        from consumers.filter.app import build_app  # noqa: PLC0415
-    elif role == "inference":
-        from consumers.inference.app import build_app  # noqa: PLC0415
-    else:
-        from consumers.delivery.app import build_app  # noqa: PLC0415
-    logs.setup(os.environ.get("ARENA_LOG_LEVEL", "INFO"), role)
-    asyncio.run(build_app().run())
+    module, func = topology.role(role).entry.split(":")
+    logs.setup(CommonSettings().log_level, role)
+    getattr(importlib.import_module(module), func)()
     return 0
 
 
 def _reachable(url: str) -> bool:
-    import socket  # noqa: PLC0415
-    from urllib.parse import urlparse  # noqa: PLC0415
 
     parsed = urlparse(url)
     try:
@@ -61,11 +54,8 @@ def _endpoints(state_dir: str) -> dict:
 async def _jetstream(args):
     """The stream to read: --nats-url, NATS_URL, a running `arena up`, or (when it is
     stopped) a temporary nats-server on the store `arena up` left behind."""
-    import nats  # noqa: PLC0415
 
-    from infra.servers import start_nats  # noqa: PLC0415
-
-    url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
+    url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     server = None
     nc = None
     if url and _reachable(url):
@@ -96,7 +86,6 @@ def _line(event) -> str:
 
 
 async def _replay(args) -> int:
-    from infra.replay import conversation_events, request_events  # noqa: PLC0415
 
     async with _jetstream(args) as js:
         events = (
@@ -113,7 +102,6 @@ async def _replay(args) -> int:
 
 
 async def _audit(args) -> int:
-    from infra.replay import audit_window, parse_window  # noqa: PLC0415
 
     async with _jetstream(args) as js:
         report = await audit_window(js, parse_window(args.since))
@@ -132,7 +120,6 @@ async def _audit(args) -> int:
 
 
 def _asyncapi(args) -> int:
-    from infra.asyncapi import schema_json  # noqa: PLC0415
 
     text = schema_json()
     if args.out:
@@ -145,9 +132,6 @@ def _asyncapi(args) -> int:
 
 async def _models(args) -> int:
     """Send a hot-swap command to every inference process and print their answers."""
-    import nats  # noqa: PLC0415
-
-    from events import subjects  # noqa: PLC0415
 
     command: dict = {"op": args.op}
     if args.op in ("add", "reload", "remove"):
@@ -163,7 +147,7 @@ async def _models(args) -> int:
             "dtype": args.dtype,
             "device": args.device,
         }
-    url = args.nats_url or os.environ.get("NATS_URL") or _endpoints(args.state_dir).get("nats_url")
+    url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
     nc = await nats.connect(url, allow_reconnect=False)
@@ -199,11 +183,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     up.add_argument("--max-batch-size", type=int, default=32)
     up.add_argument("--inference-replicas", type=int, default=1)
-    up.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+    up.add_argument("--state-dir", default=OperatorSettings().state_dir)
     up.add_argument("--ready-timeout", type=float, default=180.0)
 
     run = sub.add_parser("run", help="run one process (settings from ARENA_* variables)")
-    run.add_argument("role", choices=ROLES)
+    run.add_argument("role", choices=topology.role_names())
 
     for name, helptext in (
         ("replay", "print every event of a request or conversation"),
@@ -211,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("--nats-url", default=None)
-        sp.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+        sp.add_argument("--state-dir", default=OperatorSettings().state_dir)
         sp.add_argument("--json", action="store_true")
         if name == "replay":
             g = sp.add_mutually_exclusive_group(required=True)
@@ -232,7 +216,7 @@ def parser() -> argparse.ArgumentParser:
     mo.add_argument("--device", default="cpu")
     mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     mo.add_argument("--nats-url", default=None)
-    mo.add_argument("--state-dir", default=os.environ.get("ARENA_STATE_DIR", ".arena"))
+    mo.add_argument("--state-dir", default=OperatorSettings().state_dir)
 
     aa = sub.add_parser("asyncapi", help="write the AsyncAPI document of the event contract")
     aa.add_argument("--out", default=None)
@@ -242,8 +226,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "up":
-        from infra.supervisor import up  # noqa: PLC0415
-
         return up(args)
     if args.cmd == "run":
         return run_role(args.role)
@@ -252,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "audit":
         return asyncio.run(_audit(args))
     if args.cmd == "filter-eval":
-        from consumers.filter.evaluate import main as filter_eval  # noqa: PLC0415
-
         return filter_eval([args.file] + (["--json"] if args.json else []))
     if args.cmd == "models":
         return asyncio.run(_models(args))

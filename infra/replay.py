@@ -1,4 +1,4 @@
-"""Reading events back from the stream: replay of a request or a conversation, and audit."""
+"""Audit: did every request reach exactly one terminal event?"""
 
 from __future__ import annotations
 
@@ -6,38 +6,8 @@ import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
-from events import decode, subjects
 from events.models import TERMINAL_TYPES
-
-
-async def read_events(js, filter_subject: str, since: datetime | None = None, timeout: float = 5.0) -> list:
-    """Every stored event on `filter_subject` (optionally from `since` on), in stream order."""
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
-        opt_start_time=since.astimezone(UTC).isoformat().replace("+00:00", "Z") if since else None,
-    )
-    sub = await js.subscribe(filter_subject, ordered_consumer=True, config=config)
-    try:
-        info = await sub.consumer_info()
-        # Messages may already be on their way to us: count those as well as the rest.
-        total = info.num_pending + info.delivered.consumer_seq
-        out = []
-        while len(out) < total:
-            msg = await sub.next_msg(timeout=timeout)
-            out.append(decode(msg.data))
-        return out
-    finally:
-        await sub.unsubscribe()
-
-
-async def request_events(js, request_id: str) -> list:
-    return await read_events(js, subjects.request_filter(request_id))
-
-
-async def conversation_events(js, conv_id: str) -> list:
-    return await read_events(js, subjects.conversation_filter(conv_id))
+from runtime.stream import read_events
 
 
 def parse_window(text: str) -> timedelta:

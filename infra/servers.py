@@ -14,11 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from runtime.net import free_port
 
 
 def _venv_bin(name: str) -> str | None:
@@ -98,8 +94,11 @@ def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None =
         str(port),
         "--save",
         "",
+        # An append-only file, so idempotency keys and seeds survive a restart.
         "--appendonly",
-        "no",
+        "yes",
+        "--appendfsync",
+        "everysec",
         "--dir",
         str(data_dir),
         "--protected-mode",

@@ -1,4 +1,11 @@
-"""`arena up`: every part of arenaflow on one machine, started and stopped together."""
+"""`arena up`: every part of arenaflow on one machine, kept running and stopped in order.
+
+A child that dies is restarted with backoff (logged, and counted in
+`arena_process_restarts_total` on the supervisor's metrics port); the others keep
+serving. On stop, the roles go down one at a time in the reverse of their start order
+(`events.topology.ROLES`): the gateway stops taking requests, inference drains and gives
+back what it could not finish while delivery still delivers, and the servers go last.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client import Counter, start_http_server
 
-from infra.servers import LocalServer, free_port, start_nats, start_redis
+from events import topology
+from infra.servers import LocalServer, start_nats, start_redis
+from runtime.net import free_port
+from runtime.settings import InferenceSettings, OperatorSettings
 
-ROLES = ("filter", "delivery", "inference", "gateway")
 PR_SET_PDEATHSIG = 1
+RESTARTS = Counter("arena_process_restarts_total", "Children of `arena up` restarted after they died", ["process"])
+#: Backoff between restarts of one child: doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S,
+#: and starts over once the child has stayed up STABLE_S.
+BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 
 
 def _die_with_parent() -> None:
@@ -28,49 +42,112 @@ def _die_with_parent() -> None:
         pass
 
 
+def torch_threads(env: dict, replicas: int) -> dict:
+    """Each inference replica gets its share of the cores (torch's default takes them all,
+    and replicas then fight for them), unless ARENA_TORCH_THREADS says otherwise."""
+    if env.get("ARENA_TORCH_THREADS") or replicas < 1:
+        return {}
+    return {"ARENA_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
+
+
+@dataclass
+class Child:
+    role: str
+    name: str
+    env: dict
+    proc: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    due: float | None = None  # when a restart is due, while it waits out its backoff
+
+
 @dataclass
 class Stack:
     state: Path
     env: dict
     servers: list[LocalServer] = field(default_factory=list)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    children: dict[str, Child] = field(default_factory=dict)
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {name: c.proc for name, c in self.children.items()}
+
+    def _popen(self, role: str, name: str, env: dict) -> subprocess.Popen:
+        with open(self.state / "logs" / f"{name}.log", "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "infra.cli", "run", role],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG; no threads run yet
+            )
 
     def spawn(self, role: str, name: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
         name = name or role
-        log = open(self.state / "logs" / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", "run", role],
-            env={**self.env, **(extra_env or {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-        )
-        self.procs[name] = proc
-        return proc
+        env = {**self.env, **(extra_env or {})}
+        self.children[name] = Child(role, name, env, self._popen(role, name, env))
+        return self.children[name].proc
+
+    def supervise(self, say=print) -> None:
+        """Restart children that died, with backoff; call it periodically."""
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.due is not None:
+                if now >= child.due:
+                    child.proc, child.started, child.due = self._popen(child.role, child.name, child.env), now, None
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if now - child.started >= STABLE_S:
+                child.restarts = 0
+            delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2**child.restarts)
+            child.restarts += 1
+            child.due = now + delay
+            RESTARTS.labels(child.name).inc()
+            say(
+                json.dumps(
+                    {
+                        "event": "process_exited",
+                        "process": child.name,
+                        "code": code,
+                        "restart_in_s": delay,
+                        "restarts": child.restarts,
+                    }
+                ),
+                flush=True,
+            )
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for server in self.servers:
+        """Stop the roles one at a time, in the reverse of their start order, then the servers."""
+        for role in reversed(topology.role_names()):
+            _terminate([c.proc for c in self.children.values() if c.role == role], grace_s)
+        for server in reversed(self.servers):
             server.stop()
 
 
-def start_stack(args, print_fn=print) -> Stack:
+def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     state = Path(args.state_dir).resolve()
     (state / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     stack = Stack(state, env)
-    nats_url = args.nats_url or os.environ.get("NATS_URL")
-    redis_url = args.redis_url or os.environ.get("REDIS_URL")
+    operator = OperatorSettings()
+    nats_url = args.nats_url or operator.nats_url
+    redis_url = args.redis_url or operator.redis_url
     if not nats_url:
         server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log")
         stack.servers.append(server)
@@ -80,7 +157,7 @@ def start_stack(args, print_fn=print) -> Stack:
         server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")
         stack.servers.append(server)
         redis_url = server.url
-        print_fn(f"redis-server on {redis_url}")
+        print_fn(f"redis-server on {redis_url} (append-only file in {state / 'redis'})")
     port = args.port if args.port is not None else 8000
     if port == 0:
         port = free_port()
@@ -98,17 +175,30 @@ def start_stack(args, print_fn=print) -> Stack:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
-    for role in ROLES:
-        for i in range(args.inference_replicas if role == "inference" else 1):
-            stack.spawn(role, f"{role}-{i}" if role == "inference" else role)
+    for role in topology.ROLES:
+        replicas = args.inference_replicas if role.replicated else 1
+        extra = torch_threads(env, replicas) if role.replicated else {}
+        for i in range(replicas):
+            stack.spawn(role.name, f"{role.name}-{i}" if role.replicated else role.name, extra)
     url = f"http://{args.host}:{port}"
+    metrics_port = free_port()
+    start_http_server(metrics_port, addr="127.0.0.1")
     (state / "endpoints.json").write_text(
-        json.dumps({"nats_url": nats_url, "redis_url": redis_url, "gateway_url": url, "pid": os.getpid()})
+        json.dumps(
+            {
+                "nats_url": nats_url,
+                "redis_url": redis_url,
+                "gateway_url": url,
+                "pid": os.getpid(),
+                "supervisor_metrics_port": metrics_port,
+            }
+        )
     )
     return stack, url
 
 
 def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
+    """Wait for /readyz; a child that exits before the stack is ready fails the start."""
     end = time.monotonic() + timeout
     last = ""
     while time.monotonic() < end:
@@ -121,10 +211,8 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
             body = r.json()
             if r.status_code == 200:
                 return True
-            line = (
-                f"waiting: filter={body.get('filter')} inference={body.get('inference')} "
-                f"delivery={body.get('delivery')} models={list(body.get('models', {}))}"
-            )
+            counts = " ".join(f"{role}={body.get(role)}" for role in topology.required())
+            line = f"waiting: {counts} models={list(body.get('models', {}))}"
         except (httpx.HTTPError, ValueError):
             line = "waiting: gateway starting"
         if line != last:
@@ -143,6 +231,7 @@ def up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     stack, url = start_stack(args)
+    drain = InferenceSettings().drain_grace_s
     try:
         if not wait_ready(stack, url, args.ready_timeout):
             if not stopping["flag"]:
@@ -151,13 +240,10 @@ def up(args) -> int:
             return 0
         print(f"arenaflow ready at {url}  (OpenAI base_url {url}/v1; logs in {stack.state / 'logs'})", flush=True)
         while not stopping["flag"]:
-            for name, proc in stack.procs.items():
-                if proc.poll() is not None:
-                    print(f"{name} exited with {proc.returncode}; stopping", file=sys.stderr)
-                    return 1
+            stack.supervise()
             time.sleep(0.2)
         return 0
     finally:
         print("stopping arenaflow...", flush=True)
-        stack.stop()
+        stack.stop(grace_s=drain + 5.0)
         print("stopped", flush=True)

@@ -19,7 +19,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from infra.servers import start_nats, start_redis  # noqa: E402
-from infra.supervisor import ROLES, Stack  # noqa: E402
+from events.topology import role_names  # noqa: E402
+from infra.supervisor import Stack  # noqa: E402
+
+ROLES = tuple(role_names())
 
 
 def stored_events(nats_url: str, request_id: str) -> list:
@@ -28,7 +31,7 @@ def stored_events(nats_url: str, request_id: str) -> list:
 
     import nats
 
-    from infra.replay import request_events
+    from runtime.stream import request_events
 
     async def go():
         nc = await nats.connect(nats_url)
@@ -73,7 +76,7 @@ def stack_env(nats_url: str, redis_url: str, port: int, **extra) -> dict:
 
 class RunningStack:
     def __init__(self, tmp: Path, nats, redis, **extra):
-        from infra.servers import free_port
+        from runtime.net import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

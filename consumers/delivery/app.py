@@ -1,32 +1,35 @@
 """The delivery consumer: records results and fans a request's output out to gateways.
 
-A chunk already delivered
-(same request and sequence number, e.g. from a worker that regenerated the request
-after a crash) is dropped; the first terminal event is stored in Redis. Each event is
-then published on the request's live subject, where whichever gateway holds the client
-(one or several) is listening.
+A chunk already delivered (same request and sequence number, e.g. from a worker that
+regenerated the request after a crash) is dropped; the first terminal event is stored
+in the read model. Each event is then published on the request's live subject, where
+whichever gateway holds the client (one or several) is listening.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
 
-from consumers.delivery.store import ResultStore
-from events import decode, subjects
+from events import subjects, topology
 from events.models import TERMINAL_TYPES
-from infra.runtime import ProcessRuntime, durable_pull, wire_lifecycle
-from infra.settings import DeliverySettings
+from events.readmodel import ReadModel
+from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.redis import redis_client
+from runtime.settings import DeliverySettings
 
-log = logging.getLogger("arena.delivery")
+log = logging.getLogger(__name__)
+
+Fanout = Callable[[str, bytes], Awaitable[None]]
 
 
-async def deliver(raw: bytes, store: ResultStore, runtime: ProcessRuntime) -> bool:
-    """Record and fan out one output event; False when it was a duplicate and dropped."""
-    event = decode(raw)
+async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
+    """Record and fan out one output event; False when it was a duplicate (or no output) and dropped."""
     if event.type == "tokens.generated":
         fresh = await store.mark_chunk(event.request_id, event.seq)
     elif event.type in TERMINAL_TYPES:
@@ -34,7 +37,7 @@ async def deliver(raw: bytes, store: ResultStore, runtime: ProcessRuntime) -> bo
     else:
         return False
     if fresh:
-        await runtime.nc.publish(subjects.live_subject(event.request_id), raw)
+        await fanout(subjects.live_subject(event.request_id), raw)
         if event.type in TERMINAL_TYPES:
             log.info("delivered %s", event.type, extra={"request_id": event.request_id, "event": event.type})
     return fresh
@@ -43,16 +46,23 @@ async def deliver(raw: bytes, store: ResultStore, runtime: ProcessRuntime) -> bo
 def build_app(settings: DeliverySettings | None = None) -> FastStream:
     settings = settings or DeliverySettings()
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
-    runtime = ProcessRuntime("delivery", settings)
-    store = ResultStore.from_url(settings.redis_url, settings.result_ttl_s)
+    runtime = ProcessRuntime(topology.DELIVERY.name, settings)
+    store = ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
+
+    async def fanout(subject: str, raw: bytes) -> None:
+        await runtime.nc.publish(subject, raw)
 
     # Gateways put chunks back in sequence order, so workers may deliver concurrently.
-    @durable_pull(
-        broker, subjects.DELIVERY_SUBJECT, subjects.DELIVERY_CONSUMER, AckPolicy.NACK_ON_ERROR, settings.workers
-    )
-    async def on_output(body: dict, message: NatsMessage) -> None:
-        await deliver(message.body, store, runtime)
+    @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)
+    async def on_output(message: NatsMessage) -> None:
+        event = await decode_or_term(topology.DELIVERY.name, message)
+        if event is not None:
+            await deliver(event, message.raw_message.data, store, fanout)
 
     app = FastStream(broker)
-    wire_lifecycle(app, runtime, before=store.redis.ping, after_stop=store.close)
+    wire_lifecycle(app, runtime, before=store.redis.ping, after_stop=store.redis.aclose)
     return app
+
+
+def main() -> None:
+    asyncio.run(build_app().run())

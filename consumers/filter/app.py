@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
+from faststream.nats.annotations import NatsMessage
 
 from consumers.filter.config import FilterConfig
 from consumers.filter.policy import inspect_messages
-from events import subjects
+from events import topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
-from infra.runtime import ProcessRuntime, durable_pull, wire_lifecycle
-from infra.settings import FilterSettings
+from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.settings import FilterSettings
 
-log = logging.getLogger("arena.filter")
+log = logging.getLogger(__name__)
 
 
-def decide(event: ChatRequested, config: FilterConfig) -> PromptAccepted | PromptRejected:
+def filter_request(event: ChatRequested, config: FilterConfig) -> PromptAccepted | PromptRejected:
     """Pure: the filter's verdict on one request, as the event to publish."""
     cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config)
     report = FilterReport(
@@ -41,18 +43,30 @@ def decide(event: ChatRequested, config: FilterConfig) -> PromptAccepted | Promp
     )
 
 
+def filter_config(settings: FilterSettings) -> FilterConfig:
+    """The filter's config from its settings (ARENA_FILTER__*), with the shared prompt limit."""
+    return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
+
+
 def build_app(settings: FilterSettings | None = None, config: FilterConfig | None = None) -> FastStream:
     settings = settings or FilterSettings()
-    config = config or FilterConfig()
+    config = config or filter_config(settings)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
-    runtime = ProcessRuntime("filter", settings)
+    runtime = ProcessRuntime(topology.FILTER.name, settings)
 
-    @durable_pull(broker, subjects.FILTER_SUBJECT, subjects.FILTER_CONSUMER, AckPolicy.NACK_ON_ERROR, settings.workers)
-    async def on_requested(event: ChatRequested) -> None:
-        out = decide(event, config)
+    @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
+    async def on_requested(message: NatsMessage) -> None:
+        event = await decode_or_term(topology.FILTER.name, message)
+        if not isinstance(event, ChatRequested):
+            return
+        out = filter_request(event, config)
         await runtime.publish(out)
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)
     wire_lifecycle(app, runtime)
     return app
+
+
+def main() -> None:
+    asyncio.run(build_app().run())

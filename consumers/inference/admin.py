@@ -12,7 +12,7 @@ import logging
 from consumers.inference.errors import InferenceError
 from consumers.inference.models import ModelSpec
 
-log = logging.getLogger("arena.inference")
+log = logging.getLogger(__name__)
 
 
 async def apply(pool, command: dict) -> dict:

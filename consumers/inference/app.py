@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import psutil
@@ -16,12 +17,12 @@ from consumers.inference.metrics import register_pool
 from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
-from events import decode, subjects
-from infra.runtime import ProcessRuntime, durable_pull
-from infra.servers import free_port
-from infra.settings import InferenceSettings
+from events import decode, subjects, topology
+from runtime.process import ProcessRuntime, decode_or_term, durable_pull
+from runtime.net import free_port
+from runtime.settings import InferenceSettings
 
-log = logging.getLogger("arena.inference")
+log = logging.getLogger(__name__)
 
 
 def budget_bytes(settings: InferenceSettings) -> int:
@@ -47,25 +48,21 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "engine": settings.engine,
         }
 
-    runtime = ProcessRuntime("inference", settings, status)
+    runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
     service = InferenceService(settings, pool, runtime.publish)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
 
     # Micro-batches form in the engine, not in the fetch: continuous mode admits
     # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.
-    subscriber = durable_pull(broker, subjects.INFERENCE_SUBJECT, subjects.INFERENCE_CONSUMER, AckPolicy.MANUAL)
+    subscriber = durable_pull(broker, topology.INFERENCE, AckPolicy.MANUAL)
 
     @subscriber
-    async def on_accepted(body: dict, message: NatsMessage) -> None:
-        raw = message.raw_message
-        try:
-            event = decode(raw.data)
-        except ValueError:  # a message that is no PromptAccepted can never succeed
-            log.error("undecodable message on %s terminated", raw.subject)
-            await raw.term()
+    async def on_accepted(message: NatsMessage) -> None:
+        event = await decode_or_term(topology.INFERENCE.name, message)
+        if event is None:
             return
         await service.wait_for_room()
-        await service.submit(event, raw)
+        await service.submit(event, message.raw_message)
 
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)
@@ -98,3 +95,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         await runtime.stop()
 
     return app
+
+
+def main() -> None:
+    asyncio.run(build_app().run())

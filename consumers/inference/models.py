@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,18 +77,9 @@ class ModelSpec(BaseModel):
         return v
 
 
-def default_models_dir() -> Path:
-    """``$ARENA_MODELS_DIR``, else ``<repo>/../shared/models``."""
-    env = os.environ.get("ARENA_MODELS_DIR")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "models"
-
-
-def default_specs() -> list[ModelSpec]:
-    """The model served when no config file is given: stories260K."""
-    return [ModelSpec(name="stories-260k", path=str(default_models_dir() / "stories260K-hf"))]
+def default_specs(models_dir: str | Path) -> list[ModelSpec]:
+    """The model served when no config file is given: stories260K from ``models_dir``."""
+    return [ModelSpec(name="stories-260k", path=str(Path(models_dir) / "stories260K-hf"))]
 
 
 def _resolve_path(path: str, models_dir: Path) -> str:
@@ -102,16 +92,16 @@ def _resolve_path(path: str, models_dir: Path) -> str:
     return str(candidate) if candidate.exists() else path
 
 
-def load_models_config(path: str | None, models_dir: str | None) -> list[ModelSpec]:
+def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSpec]:
     """Read ``{"models": [{name, path, dtype, device, chat_template}, ...]}`` from YAML or JSON.
 
     ``path=None`` gives :func:`default_specs`. Relative model paths are resolved against
-    ``models_dir`` (default :func:`default_models_dir`). Raises ``PermanentError`` with
+    ``models_dir`` (the settings' ``ARENA_MODELS_DIR``). Raises ``PermanentError`` with
     what to fix when the file is missing or malformed, or names are duplicated.
     """
     if path is None:
-        return default_specs()
-    base = Path(models_dir) if models_dir else default_models_dir()
+        return default_specs(models_dir)
+    base = Path(models_dir)
     file = Path(path)
     try:
         text = file.read_text()

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from infra.replay import request_events
-from infra.servers import free_port
+from runtime.stream import request_events
+from runtime.net import free_port
 from tests.conftest import stored_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

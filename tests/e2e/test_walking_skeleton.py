@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from runtime.settings import InferenceSettings
 from consumers.inference.models import default_specs, load_model, render_chat
-from infra.replay import audit, request_events
+from infra.replay import audit
+from runtime.stream import request_events
 from tests.conftest import STORIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -22,7 +24,7 @@ PROMPT = "Once upon a time, there was a little dog"
 def reference_completion(messages, max_tokens: int) -> str:
     tok = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES).eval()
-    loaded = load_model(default_specs()[0])
+    loaded = load_model(default_specs(InferenceSettings().models_dir)[0])
     text = render_chat(loaded, messages)
     ids = tok(text, return_tensors="pt")
     with torch.inference_mode():

@@ -14,7 +14,7 @@ import websockets
 
 from events.models import ChatCompleted, ChatFailed, ChatMessage, ChatRequested, SamplingParams, Timings, Usage, new_id
 from gateway.ws import Conversation, conversation_state
-from infra.replay import conversation_events, request_events
+from runtime.stream import conversation_events, request_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -14,7 +14,7 @@ import httpx
 import nats
 import pytest
 
-from infra.servers import free_port
+from runtime.net import free_port
 from tests.conftest import STORIES, stored_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.errors import PermanentError
+from runtime.settings import InferenceSettings
 from consumers.inference.models import (
     FALLBACK_TEMPLATE,
     LoadedModel,
     ModelSpec,
-    default_models_dir,
     default_specs,
     encode_prompt,
     load_model,
@@ -40,12 +40,13 @@ def test_spec_is_frozen_and_validated():
 
 def test_default_specs_point_at_stories(monkeypatch):
     monkeypatch.delenv("ARENA_MODELS_DIR", raising=False)
-    assert default_models_dir().resolve() == STORIES.parent.resolve()
-    [spec] = default_specs()
+    models_dir = InferenceSettings().models_dir
+    assert Path(models_dir).resolve() == STORIES.parent.resolve()
+    [spec] = default_specs(models_dir)
     assert spec.name == "stories-260k"
     assert Path(spec.path).resolve() == STORIES.resolve()
     monkeypatch.setenv("ARENA_MODELS_DIR", "/elsewhere")
-    assert default_models_dir() == Path("/elsewhere")
+    assert InferenceSettings().models_dir == "/elsewhere"
 
 
 def test_load_yaml_config_resolves_relative_paths(tmp_path):
@@ -65,8 +66,8 @@ def test_load_yaml_config_resolves_relative_paths(tmp_path):
 def test_load_json_config(tmp_path):
     cfg = tmp_path / "models.json"
     cfg.write_text(json.dumps({"models": [{"name": "a", "path": str(STORIES)}]}))
-    assert load_models_config(str(cfg), None) == [ModelSpec(name="a", path=str(STORIES))]
-    assert load_models_config(None, None) == default_specs()
+    assert load_models_config(str(cfg), "/unused") == [ModelSpec(name="a", path=str(STORIES))]
+    assert load_models_config(None, STORIES.parent) == default_specs(STORIES.parent)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
-from events import encode, subjects
+from events import encode, subjects, topology
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +42,18 @@ def stream_config(retention_days: float) -> StreamConfig:
 
 
 def consumer_configs(ack_wait_s: float = 30.0, max_ack_pending: int = 256) -> list[ConsumerConfig]:
-    def durable(name: str, subject: str, **kw) -> ConsumerConfig:
-        return ConsumerConfig(
-            durable_name=name,
-            filter_subject=subject,
+    """One durable pull consumer per role in `events.topology` that reads one."""
+    return [
+        ConsumerConfig(
+            durable_name=role.durable,
+            filter_subject=role.reads,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW,
-            **kw,
+            ack_wait=role.ack_wait_s or ack_wait_s,
+            max_deliver=role.max_deliver,
+            **({"max_ack_pending": max_ack_pending} if role.bounded else {}),
         )
-
-    return [
-        durable(subjects.FILTER_CONSUMER, subjects.FILTER_SUBJECT, ack_wait=30.0, max_deliver=10),
-        durable(
-            subjects.INFERENCE_CONSUMER,
-            subjects.INFERENCE_SUBJECT,
-            ack_wait=ack_wait_s,
-            max_ack_pending=max_ack_pending,
-            max_deliver=20,
-        ),
-        durable(subjects.DELIVERY_CONSUMER, subjects.DELIVERY_SUBJECT, ack_wait=30.0, max_deliver=20),
+        for role in topology.consumers()
     ]
 
 

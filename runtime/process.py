@@ -8,15 +8,24 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import nats
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.message import NatsMessage
 
-from events import subjects
-from infra import jetstream
+from prometheus_client import Counter
+
+from events import decode, subjects
+from events.topology import Role
+from runtime import jetstream
 
 log = logging.getLogger(__name__)
+
+UNDECODABLE = Counter(
+    "arena_undecodable_messages_total", "Stream messages that were no known event, terminated", ["role"]
+)
 
 
 class ProcessRuntime:
@@ -84,7 +93,22 @@ def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -
             await after_stop()
 
 
-def durable_pull(broker: NatsBroker, subject: str, durable: str, ack_policy: AckPolicy, workers: int = 1):
+async def decode_or_term(role: str, message: NatsMessage) -> Any:
+    """The message's event, or None after terminating a message that is no known event.
+
+    One policy for every consumer: such a message fails the same way on every
+    redelivery, so it is terminated at once (logged and counted), never redelivered."""
+    raw = message.raw_message
+    try:
+        return decode(raw.data)
+    except ValueError as exc:
+        UNDECODABLE.labels(role).inc()
+        log.error("undecodable message on %s terminated: %s", raw.subject, str(exc)[:200])
+        await message.reject()  # JetStream: term
+        return None
+
+
+def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1):
     """Bind a pull subscriber to a durable consumer that `ensure_topology` created.
 
     Fetches long-poll one message at a time: an idle consumer costs nothing, and a lone
@@ -92,10 +116,11 @@ def durable_pull(broker: NatsBroker, subject: str, durable: str, ack_policy: Ack
     on an idle long-poll, waits out its timeout for the rest). `workers` handle fetched
     messages concurrently.
     """
+    assert role.reads, f"role {role.name} reads no durable consumer"
     return broker.subscriber(
-        subject,
+        role.reads,
         stream=JStream(subjects.STREAM, declare=False),
-        durable=durable,
+        durable=role.durable,
         pull_sub=PullSub(batch_size=1, timeout=5.0),
         ack_policy=ack_policy,
         **({"max_workers": workers} if workers > 1 else {}),

@@ -1,17 +1,30 @@
-"""One validated settings class per process; environment variables are read only here."""
+"""One validated settings class per process; environment variables are read only here.
+
+Each field is documented; a value that cannot work is refused at start with a message
+that says which variable to change. Defaults that two processes must agree on (the
+prompt limit, the default model, how long results are kept, the consumers' AckWait)
+live once, in `CommonSettings`.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _default_models_dir() -> str:
+    return str(REPO.parent / "shared" / "models")
+
 
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore", env_nested_delimiter="__")
 
     nats_url: str = Field(
         "nats://127.0.0.1:4222",
@@ -28,11 +41,20 @@ class CommonSettings(BaseSettings):
         description="Names this process in heartbeats and logs.",
     )
     retention_days: float = Field(7.0, gt=0, description="Max age of events kept in the stream.")
-    log_level: str = "INFO"
-    heartbeat_s: float = Field(1.0, gt=0, description="How often a consumer announces itself.")
+    log_level: str = Field("INFO", description="Python log level of the process.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often a process announces itself.")
+    default_model: str = Field("stories-260k", description="Model used when a request names none.")
+    max_prompt_chars: int = Field(
+        32_000,
+        ge=1,
+        description="Longest prompt (all messages' characters); the gateway and the filter both refuse more.",
+    )
+    result_ttl_s: int = Field(1800, ge=1, description="How long results, idempotency keys and seeds are kept in Redis.")
     # Consumer definitions are created by whichever process starts first, so every
     # process must compute the same ones.
-    ack_wait_s: float = Field(30.0, gt=1, description="Inference AckWait; in-progress acks every third of it.")
+    ack_wait_s: float = Field(
+        30.0, gt=1, description="Inference AckWait; a dead worker's requests go to another after it."
+    )
     max_ack_pending: int = Field(256, ge=1, description="Most unacked requests the inference group holds.")
 
     def topology(self) -> dict:
@@ -41,17 +63,21 @@ class CommonSettings(BaseSettings):
 
 class FilterSettings(CommonSettings):
     workers: int = Field(4, ge=1, le=256, description="Messages handled concurrently.")
+    filter: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Fields of consumers.filter.config.FilterConfig, e.g. ARENA_FILTER__REJECT_THRESHOLD=0.8.",
+    )
 
 
 class DeliverySettings(CommonSettings):
     workers: int = Field(8, ge=1, le=256, description="Messages handled concurrently.")
-    result_ttl_s: int = Field(1800, ge=1, description="How long completed results are kept in Redis.")
 
 
 class InferenceSettings(CommonSettings):
     models_config: str | None = Field(None, description="YAML/JSON file listing served models.")
-    models_dir: str | None = Field(None, description="Where relative model paths are looked up.")
-    default_model: str = Field("stories-260k", description="Model used when a request names none.")
+    models_dir: str = Field(
+        default_factory=_default_models_dir, description="Where relative model paths are looked up."
+    )
     warm_models: list[str] | None = Field(None, description="Loaded at start; default: the default model.")
     engine: str = Field("continuous", description="'static' (padded micro-batches) or 'continuous'.")
     max_batch_size: int = Field(32, ge=1, le=512, description="Most requests decoded together.")
@@ -74,27 +100,35 @@ class InferenceSettings(CommonSettings):
 
 
 class GatewaySettings(CommonSettings):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535)
-    default_model: str = "stories-260k"
-    models_config: str | None = None
-    models_dir: str | None = None
     deadline_s: float = Field(15.0, gt=0, description="Default time budget of a request.")
     max_deadline_s: float = Field(120.0, gt=0, description="Longest deadline a client may ask for.")
-    max_prompt_chars: int = Field(32_000, ge=1)
-    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body.")
     max_queue_per_model: int = Field(256, ge=1, description="Requests in flight per model before 429.")
-    result_ttl_s: int = Field(1800, ge=1)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
 
     @model_validator(mode="after")
-    def _deadlines(self):
+    def _deadlines(self) -> GatewaySettings:
         if self.deadline_s > self.max_deadline_s:
-            raise ValueError("deadline_s must not exceed max_deadline_s")
+            raise ValueError("deadline_s must not exceed max_deadline_s (ARENA_DEADLINE_S, ARENA_MAX_DEADLINE_S)")
         return self
 
 
-def state_dir(path: str | None = None) -> Path:
-    p = Path(path or os.environ.get("ARENA_STATE_DIR", ".arena"))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+class OperatorSettings(BaseSettings):
+    """What the `arena` command itself reads (the processes it starts read their own)."""
+
+    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore")
+
+    state_dir: str = Field(".arena", description="NATS store, logs and endpoints of `arena up`.")
+    nats_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("NATS_URL", "ARENA_NATS_URL"),
+        description="An existing NATS server; unset: `arena up` starts one.",
+    )
+    redis_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("REDIS_URL", "ARENA_REDIS_URL"),
+        description="An existing Redis; unset: `arena up` starts one.",
+    )
+    log_level: str = Field("INFO", description="Log level of `arena up` and of the processes it starts.")

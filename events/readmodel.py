@@ -1,0 +1,49 @@
+"""The Redis read model: a contract between processes, like the subjects.
+
+Delivery writes it from the output events; the gateway reads it. Every key has a TTL
+(`result_ttl_s`); the stream stays the truth, Redis only answers fast.
+
+Key layout:
+  arena:result:{request_id}      the request's terminal event, as JSON (the first one wins)
+  arena:chunk:{request_id}:{seq} set once a chunk was fanned out (drops a regenerated copy)
+  arena:pending:{request_id}     JSON {conv_id, turn_id, model, deadline_at}: the request was
+                                 accepted, so an id without a result is pending, not unknown
+"""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+RESULT = "arena:result:{}"
+CHUNK = "arena:chunk:{}:{}"
+PENDING = "arena:pending:{}"
+
+
+class ReadModel:
+    def __init__(self, redis: Redis, ttl_s: int = 1800):
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def mark_chunk(self, request_id: str, seq: int) -> bool:
+        """True the first time a chunk is seen: only then is it delivered."""
+        return bool(await self.redis.set(CHUNK.format(request_id, seq), 1, nx=True, ex=self.ttl_s))
+
+    async def save_result(self, request_id: str, payload: bytes) -> bool:
+        """Keep the first terminal event of a request; later ones are duplicates."""
+        return bool(await self.redis.set(RESULT.format(request_id), payload, nx=True, ex=self.ttl_s))
+
+    async def get_result(self, request_id: str) -> bytes | None:
+        raw = await self.redis.get(RESULT.format(request_id))
+        return bytes(raw) if raw is not None else None
+
+    async def record_pending(self, request_id: str, conv_id: str, turn_id: int, model: str, deadline_at: float) -> None:
+        """Remember an accepted request; the first record of an id holds (a retry keeps it)."""
+        body = {"conv_id": conv_id, "turn_id": turn_id, "model": model, "deadline_at": deadline_at}
+        await self.redis.set(PENDING.format(request_id), json.dumps(body), nx=True, ex=self.ttl_s)
+
+    async def pending(self, request_id: str) -> dict | None:
+        """The record of an accepted request, or None for an id never accepted (or expired)."""
+        raw = await self.redis.get(PENDING.format(request_id))
+        return json.loads(raw) if raw else None

@@ -1,0 +1,53 @@
+"""The gateway's own Redis keys (shared by every gateway process; no consumer reads them).
+
+Key layout (all with the read model's TTL):
+  arena:idem:{key}               JSON {request_id, body_hash}: the request an idempotency key is bound to
+  arena:seed:{conv_id}:{turn_id} the sampling seed of a conversation turn
+  arena:holder:{request_id}      the WebSocket session that last followed the request; a session
+                                 that lost its client cancels the request only if no other
+                                 session resumed it since
+"""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+IDEM = "arena:idem:{}"
+SEED = "arena:seed:{}:{}"
+HOLDER = "arena:holder:{}"
+
+
+class GatewayKeys:
+    def __init__(self, redis: Redis, ttl_s: int = 1800):
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def claim_key(self, key: str, request_id: str, body_hash: str) -> dict:
+        """Bind an idempotency key to a request; returns the binding that holds (ours or an earlier one)."""
+        mine = {"request_id": request_id, "body_hash": body_hash}
+        if await self.redis.set(IDEM.format(key), json.dumps(mine), nx=True, ex=self.ttl_s):
+            return mine
+        held = await self.redis.get(IDEM.format(key))
+        return json.loads(held) if held else mine
+
+    async def release_key(self, key: str, request_id: str) -> None:
+        """Unbind a key whose request was never published, so a retry runs anew."""
+        held = await self.redis.get(IDEM.format(key))
+        if held and json.loads(held).get("request_id") == request_id:
+            await self.redis.delete(IDEM.format(key))
+
+    async def seed_for(self, conv_id: str, turn_id: int, proposed: int) -> int:
+        """The turn's seed: the first one stored wins, so a recomputed turn samples the same."""
+        key = SEED.format(conv_id, turn_id)
+        await self.redis.set(key, proposed, nx=True, ex=self.ttl_s)
+        value = await self.redis.get(key)
+        return int(value) if value is not None else proposed
+
+    async def hold(self, request_id: str, holder: str) -> None:
+        await self.redis.set(HOLDER.format(request_id), holder, ex=self.ttl_s)
+
+    async def holder(self, request_id: str) -> str | None:
+        raw = await self.redis.get(HOLDER.format(request_id))
+        return raw.decode() if raw else None

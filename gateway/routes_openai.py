@@ -1,0 +1,99 @@
+"""OpenAI's API: `POST /v1/chat/completions` (JSON and SSE streaming) and `GET /v1/models`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.metrics import METRICS
+from gateway.pipeline import Output
+from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
+from gateway.serving import ChatService, Ticket, extra_of, outcome, usage_of
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(
+    chat: ChatService, ticket: Ticket, output: Output, include_usage: bool, started: float
+) -> AsyncIterator[str]:
+    """The SSE body: a role chunk, the text chunks, the finish (or an error object), [DONE]."""
+    rid, model = ticket.request_id, ticket.model
+    finished = False
+    try:
+        with chat.tracking(model):
+            yield sse(chunk_body(rid, model, {"role": "assistant", "content": ""}))
+            first = True
+            async for chunk in output:
+                if first:
+                    METRICS.ttft.labels(model).observe(time.perf_counter() - started)
+                    first = False
+                yield sse(chunk_body(rid, model, {"content": chunk.text}))
+            terminal, err = output.terminal, outcome(output.terminal)
+            chat.record(model, err, started)
+            if err is not None:
+                yield sse(err.body())
+            else:
+                if rest := output.remainder():
+                    yield sse(chunk_body(rid, model, {"content": rest}))
+                yield sse(chunk_body(rid, model, {}, terminal.finish_reason))
+                if include_usage:
+                    yield sse(chunk_body(rid, model, {}, usage=usage_of(terminal), with_choice=False))
+            finished = True
+            yield "data: [DONE]\n\n"
+    finally:
+        await output.close()
+        if not finished and not ticket.attached:
+            # The client went away mid-stream: stop spending the model on it. The
+            # shield lets the publish finish inside the cancelled response task.
+            with anyio.CancelScope(shield=True):
+                await chat.pipeline.cancel(rid, ticket.conv_id, ticket.turn_id)
+
+
+def router(chat: ChatService) -> APIRouter:
+    r = APIRouter(tags=["openai"])
+
+    @r.get("/v1/models")
+    async def models() -> dict:
+        """The served models and how many inference processes hold each one."""
+        fleet = chat.pipeline.fleet()
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
+            for name, insts in sorted(fleet["models"].items())
+        ]
+        return {"object": "list", "data": data}
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        """A chat completion; `stream: true` answers with server-sent events."""
+        started = time.perf_counter()
+        ticket, event = await chat.admit(req, request.headers.get("idempotency-key"))
+        headers = {"x-request-id": ticket.request_id}
+        if req.stream:
+            output = await chat.start(ticket, event)  # published before the response head
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = stream_events(chat, ticket, output, include_usage, started)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        terminal = await chat.answer(ticket, event)
+        err = outcome(terminal)
+        chat.record(ticket.model, err, started)
+        if err is not None:
+            err.headers.update(headers)
+            raise err
+        body = completion_body(
+            ticket.request_id,
+            ticket.model,
+            terminal.text,
+            terminal.finish_reason,
+            usage_of(terminal),
+            extra_of(ticket, terminal),
+        )
+        return JSONResponse(body, headers=headers)
+
+    return r

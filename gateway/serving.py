@@ -1,0 +1,259 @@
+"""Serving a chat request, whatever the transport (HTTP, SSE, `/chat`, WebSocket):
+admission, idempotency, publishing, following the output, and recording the outcome.
+
+The routers only parse, call this, and shape the response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from events import subjects
+from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
+from gateway.errors import APIError
+from gateway.metrics import METRICS
+from gateway.pipeline import Output, Pipeline
+from gateway.protocol import ChatCompletionRequest
+from runtime.redis import REDIS_DOWN
+from runtime.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+FAILURE_STATUS = {
+    "deadline_exceeded": 504,
+    "unknown_model": 404,
+    "prompt_too_long": 400,
+    "cancelled": 499,
+    "overloaded": 429,
+    "internal_error": 500,
+}
+#: Output is followed this long past the deadline: a terminal event published at the
+#: deadline (inference ends a running request there) still reaches the client.
+FOLLOW_GRACE_S = 2.0
+
+
+@dataclass
+class Ticket:
+    """A request admitted into the pipeline (or attached to an earlier identical one)."""
+
+    request_id: str
+    conv_id: str
+    turn_id: int
+    model: str
+    deadline_at: float
+    attached: bool  # True when this is a retry of an earlier request
+    key: str | None = None  # the idempotency key bound to it, if any
+
+    @property
+    def until(self) -> float:
+        return self.deadline_at + FOLLOW_GRACE_S
+
+
+def body_hash(req: ChatCompletionRequest, model: str) -> str:
+    """What makes two requests 'the same' for an idempotency key (transport options excluded)."""
+    fields = req.model_dump(exclude={"stream", "stream_options", "deadline_s", "user"})
+    fields["model"] = model
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def deadline_error() -> APIError:
+    return APIError(504, "no answer before the request's deadline", "deadline_exceeded")
+
+
+def store_unavailable() -> APIError:
+    return APIError(
+        503, "the result store is unavailable; retry shortly", "store_unavailable", headers={"Retry-After": "2"}
+    )
+
+
+def failure(terminal: Any) -> APIError:
+    """The client error for a terminal event that is not an answer."""
+    if terminal.type == "prompt.rejected":
+        return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
+    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code)
+
+
+def outcome(terminal: Any) -> APIError | None:
+    """None for an answer, else the error the client gets (504 when no terminal came)."""
+    if terminal is None:
+        return deadline_error()
+    return None if terminal.type == "chat.completed" else failure(terminal)
+
+
+def usage_of(terminal: Any) -> dict:
+    return terminal.usage.model_dump()
+
+
+def extra_of(ticket: Ticket, terminal: Any) -> dict:
+    return {
+        "request_id": ticket.request_id,
+        "conv_id": ticket.conv_id,
+        "turn_id": ticket.turn_id,
+        "timings": terminal.timings.model_dump(),
+        "attached": ticket.attached,
+    }
+
+
+class ChatService:
+    def __init__(self, settings: GatewaySettings, pipeline: Pipeline):
+        self.settings = settings
+        self.pipeline = pipeline
+        self.in_flight: dict[str, int] = {}
+
+    # ---- admission -------------------------------------------------------------------
+
+    def _check(self, req: ChatCompletionRequest) -> str:
+        model = req.model or self.settings.default_model
+        fleet = self.pipeline.fleet()
+        if fleet["inference"] == 0:
+            raise APIError(503, "no inference worker is connected; retry shortly", "no_workers")
+        if model not in fleet["models"]:
+            raise APIError(404, f"model '{model}' is not served; see GET /v1/models", "model_not_found", "model")
+        if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
+            raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
+        if not any(m.role == "user" and m.text().strip() for m in req.messages):
+            raise APIError(
+                400, "messages: at least one non-empty user message is required", "invalid_value", "messages"
+            )
+        chars = sum(len(m.text()) for m in req.messages)
+        if chars > self.settings.max_prompt_chars:
+            raise APIError(
+                400,
+                f"messages: prompt is {chars} characters, over the limit of {self.settings.max_prompt_chars}",
+                "prompt_too_long",
+                "messages",
+            )
+        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:
+            METRICS.rejections.labels(reason="overloaded").inc()
+            raise APIError(
+                429,
+                f"model '{model}' has {self.in_flight[model]} requests queued; retry later",
+                "overloaded",
+                None,
+                headers={"Retry-After": "1"},
+            )
+        return model
+
+    async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
+        """Admit a request; the event to publish is None when it attaches to an earlier one."""
+        model = self._check(req)
+        request_id = new_id()
+        conv_id = req.conv_id or request_id
+        turn_id = req.turn_id if req.turn_id is not None else 0
+        budget = min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
+        key = idem_key or (f"turn:{req.conv_id}:{req.turn_id}" if req.conv_id and req.turn_id is not None else None)
+        ticket = Ticket(request_id, conv_id, turn_id, model, time.time() + budget, attached=False, key=key)
+        seed = req.seed if req.seed is not None else random.getrandbits(31)
+        try:
+            if key and (earlier := await self._claim(key, req, ticket)) is not None:
+                return earlier, None
+            if req.conv_id and req.seed is None:
+                seed = await self.pipeline.keys.seed_for(conv_id, turn_id, seed)
+        except REDIS_DOWN as exc:
+            log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
+            raise store_unavailable() from exc
+        return ticket, self._event(req, ticket, seed, idem_key)
+
+    async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:
+        """Bind the key to this request; the earlier request's ticket when it was bound before."""
+        digest = body_hash(req, ticket.model)
+        held = await self.pipeline.keys.claim_key(key, ticket.request_id, digest)
+        if held["body_hash"] != digest:
+            METRICS.rejections.labels(reason="idempotency_conflict").inc()
+            raise APIError(
+                409,
+                "this idempotency key was used with a different request body",
+                "idempotency_conflict",
+                "Idempotency-Key",
+            )
+        if held["request_id"] == ticket.request_id:
+            return None
+        METRICS.idempotent_hits.inc()
+        return Ticket(
+            held["request_id"], ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at, attached=True, key=key
+        )
+
+    @staticmethod
+    def _event(req: ChatCompletionRequest, ticket: Ticket, seed: int, idem_key: str | None) -> ChatRequested:
+        return ChatRequested(
+            request_id=ticket.request_id,
+            conv_id=ticket.conv_id,
+            turn_id=ticket.turn_id,
+            model=ticket.model,
+            messages=tuple(
+                ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in req.messages
+            ),
+            params=SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                max_tokens=req.token_limit(),
+                stop=tuple(req.stop_list()),
+                seed=seed,
+            ),
+            deadline_at=ticket.deadline_at,
+            stream=req.stream,
+            idempotency_key=idem_key,
+        )
+
+    # ---- running ---------------------------------------------------------------------
+
+    async def start(self, ticket: Ticket, event: ChatRequested | None, *, after_seq: int = -1) -> Output:
+        """Follow the request's output, then publish it (when it is new).
+
+        A publish that fails gives a 503 before any response is sent, and unbinds the
+        idempotency key, so the client's retry runs the request instead of waiting on one
+        that never started."""
+        output = await self.pipeline.output(
+            ticket.request_id, ticket.until, after_seq=after_seq, replay=ticket.attached or after_seq >= 0
+        ).open()
+        if event is None:
+            return output
+        try:
+            await self.pipeline.publish(event, until=ticket.deadline_at)
+        except APIError:
+            await output.close()
+            if ticket.key:
+                try:
+                    await self.pipeline.keys.release_key(ticket.key, ticket.request_id)
+                except REDIS_DOWN:
+                    log.warning("could not release the idempotency key", extra={"request_id": ticket.request_id})
+            raise
+        return output
+
+    async def answer(self, ticket: Ticket, event: ChatRequested | None) -> Any:
+        """Run a request to its end without streaming; its terminal event (None: deadline)."""
+        return await self.finish(ticket, await self.start(ticket, event))
+
+    async def finish(self, ticket: Ticket, output: Output) -> Any:
+        """Wait for a started request's terminal event, counted as in flight meanwhile."""
+        with self.tracking(ticket.model):
+            async with output:
+                async for _ in output:
+                    pass
+                return output.terminal
+
+    @contextmanager
+    def tracking(self, model: str) -> Iterator[None]:
+        """Count a request against its model's queue while a gateway waits on it."""
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        METRICS.in_flight.labels(model).inc()
+        try:
+            yield
+        finally:
+            self.in_flight[model] -= 1
+            METRICS.in_flight.labels(model).dec()
+
+    @staticmethod
+    def record(model: str, err: APIError | None, started: float) -> None:
+        """The request's outcome in the metrics, for every transport."""
+        METRICS.requests.labels(model, "200" if err is None else str(err.status)).inc()
+        if err is None:
+            METRICS.latency.labels(model).observe(time.perf_counter() - started)
