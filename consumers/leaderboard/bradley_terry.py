@@ -24,6 +24,8 @@ SCALE = 400.0
 BASE = 10.0
 POINTS_PER_NAT = SCALE / math.log(BASE)
 """Rating points per unit of natural-log strength."""
+STEP_TOL = 1e-8
+"""Newton step (natural-log units, ~2e-6 points) below which the next step is the last."""
 
 
 class FitDidNotConverge(RuntimeError):
@@ -66,7 +68,7 @@ class BradleyTerryFit:
     l2: float
     iterations: int
     grad_norm: float
-    """Max |gradient| of the penalized log-likelihood per vote at the solution."""
+    """Max |gradient| of the penalized log-likelihood per vote before the last Newton step."""
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -157,7 +159,8 @@ def fit_bradley_terry(
 
     `l2` (natural-log units, absolute) keeps strengths finite for a model that never lost
     or a comparison graph in pieces; on connected data its effect is of order l2 / votes.
-    Stops when the max |gradient| per vote is below `tol`. `init` warm-starts from
+    Stops when the max |gradient| per vote is below `tol` and the Newton step is below
+    `STEP_TOL`, after taking that step. `init` warm-starts from
     earlier natural-log strengths (an array in `table.models` order, or by model name).
     """
     gauge = gauge or Gauge()
@@ -166,19 +169,21 @@ def fit_bradley_terry(
     i, j, n, s = _pair_data(table)
     per_vote = max(float(n.sum()), 1.0)
     beta = _initial(table, init)
+    if size == 0:
+        return BradleyTerryFit(table, beta, gauge, l2, 0, 0.0)
     fval = _objective(beta, i, j, n, s, l2)
-    for iteration in range(max_iter + 1):
+    for iteration in range(1, max_iter + 1):
         p = _sigmoid(beta[i] - beta[j])
         resid = s - n * p
         grad = np.bincount(j, resid, size) - np.bincount(i, resid, size) + l2 * beta
         grad_norm = float(np.abs(grad).max(initial=0.0)) / per_vote
-        if grad_norm <= tol:
-            return BradleyTerryFit(table, beta, gauge, l2, iteration, grad_norm)
-        if iteration == max_iter:
-            break
         hessian = _laplacian(i, j, n * p * (1.0 - p), size) + l2 * np.eye(size)
         step = np.linalg.solve(_gauge_fixed(hessian), grad)
         step -= step.mean()
+        if grad_norm <= tol and float(np.abs(step).max(initial=0.0)) <= STEP_TOL:
+            # Newton converges quadratically: this last full step leaves an error far below
+            # the digest's rounding, so warm and cold starts round to the same figures.
+            return BradleyTerryFit(table, beta - step, gauge, l2, iteration, grad_norm)
         beta, fval = _line_search(beta, step, grad, fval, (i, j, n, s, l2))
     raise FitDidNotConverge(f"gradient per vote {grad_norm:.3g} > {tol:g} after {max_iter} Newton steps")
 

@@ -146,7 +146,13 @@ class Leaderboard:
             for r in sorted(self.rows, key=lambda r: r.model)
         ]
         wins = [[x, y, _num(v)] for x in sorted(self.win_rates) for y, v in sorted(self.win_rates[x].items())]
-        return {"version": DIGEST_VERSION, "config": cfg, "total_votes": self.total_votes, "rows": rows, "win_rates": wins}
+        return {
+            "version": DIGEST_VERSION,
+            "config": cfg,
+            "total_votes": self.total_votes,
+            "rows": rows,
+            "win_rates": wins,
+        }
 
     def digest(self) -> str:
         """sha256 of the canonical JSON: equal for the same vote set and config on any machine."""
