@@ -60,7 +60,7 @@ _ELO_SCORE = {"a": 1.0, "b": 0.0, "tie": 0.5, "both_bad": 0.5}
 
 
 class OnlineElo:
-    """FastChat's `compute_online_elo`: one K-factor update per vote, in arrival order.
+    """FastChat's online Elo (`compute_elo` in elo_analysis.py): one K-factor update per vote, in order.
 
     A trend view only: it depends on the order of votes and forgets early ones, so it is
     not part of the leaderboard's digest.
