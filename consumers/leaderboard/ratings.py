@@ -1,0 +1,240 @@
+"""The arena leaderboard: Bradley–Terry ratings, intervals, ranks, the online Elo trend.
+
+    board = compute_leaderboard(votes)                 # from scratch
+    state = LeaderboardState(); state.add(vote); state.leaderboard()   # live, warm-started
+
+The fit and intervals live in `bradley_terry`, the count table in `votes`; this module
+assembles them and re-exports what a caller needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from consumers.leaderboard.bradley_terry import (
+    BASE,
+    SCALE,
+    BradleyTerryFit,
+    FitDidNotConverge,
+    Gauge,
+    Intervals,
+    bootstrap_intervals,
+    bootstrap_ratings,
+    fit_bradley_terry,
+    sandwich_intervals,
+)
+from consumers.leaderboard.config import LeaderboardConfig
+from consumers.leaderboard.votes import OUTCOMES, CountTable, Vote, aggregate, canonical
+
+__all__ = [
+    "OUTCOMES",
+    "BradleyTerryFit",
+    "CountTable",
+    "FitDidNotConverge",
+    "Gauge",
+    "Intervals",
+    "Leaderboard",
+    "LeaderboardConfig",
+    "LeaderboardRow",
+    "LeaderboardState",
+    "OnlineElo",
+    "Vote",
+    "aggregate",
+    "bootstrap_intervals",
+    "bootstrap_ratings",
+    "build_leaderboard",
+    "compute_leaderboard",
+    "fit_bradley_terry",
+    "online_elo",
+    "sandwich_intervals",
+]
+
+DIGEST_VERSION = 1
+_ELO_SCORE = {"a": 1.0, "b": 0.0, "tie": 0.5, "both_bad": 0.5}
+
+
+class OnlineElo:
+    """FastChat's online Elo (`compute_elo` in elo_analysis.py): one K-factor update per vote, in order.
+
+    A trend view only: it depends on the order of votes and forgets early ones, so it is
+    not part of the leaderboard's digest.
+    """
+
+    def __init__(self, k: float = 4.0, scale: float = SCALE, base: float = BASE, init: float = 1000.0) -> None:
+        self.k, self.scale, self.base, self.init = k, scale, base, init
+        self.ratings: dict[str, float] = {}
+
+    def update(self, model_a: str, model_b: str, outcome: str) -> None:
+        ra = self.ratings.get(model_a, self.init)
+        rb = self.ratings.get(model_b, self.init)
+        expected_a = 1.0 / (1.0 + self.base ** ((rb - ra) / self.scale))
+        delta = self.k * (_ELO_SCORE[outcome] - expected_a)
+        self.ratings[model_a] = ra + delta
+        self.ratings[model_b] = rb - delta
+
+
+def online_elo(votes: Iterable[Vote], k: float = 4.0, init: float = 1000.0) -> dict[str, float]:
+    """Online Elo over `votes` in the order given (sort by tstamp first for a time trend)."""
+    elo = OnlineElo(k, init=init)
+    for v in votes:
+        elo.update(v.model_a, v.model_b, v.outcome)
+    return elo.ratings
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    model: str
+    rating: float
+    """Bradley–Terry rating in points on the configured gauge."""
+    ci_low: float
+    ci_high: float
+    rank: int
+    """1 + number of models whose ci_low is above this model's ci_high."""
+    votes: int
+    provisional: bool
+    """Fewer than `min_votes` votes."""
+    elo: float | None
+    """Online Elo trend; None when the leaderboard was built from counts without an order."""
+
+
+def _num(x: float) -> str:
+    text = f"{x:.6f}"
+    return "0.000000" if text == "-0.000000" else text
+
+
+@dataclass(frozen=True, eq=False)
+class Leaderboard:
+    """Rows best first (rating, then name), with what produced them."""
+
+    rows: tuple[LeaderboardRow, ...]
+    total_votes: int
+    config: LeaderboardConfig
+    win_rates: Mapping[str, Mapping[str, float]] = field(repr=False)
+    """Empirical pairwise score (ties as half) of row model against column model."""
+    fit: BradleyTerryFit = field(repr=False)
+
+    def row(self, model: str) -> LeaderboardRow:
+        for r in self.rows:
+            if r.model == model:
+                return r
+        raise KeyError(model)
+
+    def canonical(self) -> dict:
+        """The order-independent results, rounded to 1e-6, as plain JSON data (no Elo)."""
+        cfg = self.config.model_dump(exclude={"elo_k"})
+        if cfg["interval"] != "bootstrap":
+            cfg.pop("bootstrap_rounds")
+            cfg.pop("seed")
+        for key in ("rating", "level", "l2"):
+            cfg[key] = repr(float(cfg[key]))
+        rows = [
+            {
+                "model": r.model,
+                "rating": _num(r.rating),
+                "ci_low": _num(r.ci_low),
+                "ci_high": _num(r.ci_high),
+                "rank": r.rank,
+                "votes": r.votes,
+                "provisional": r.provisional,
+            }
+            for r in sorted(self.rows, key=lambda r: r.model)
+        ]
+        wins = [[x, y, _num(v)] for x in sorted(self.win_rates) for y, v in sorted(self.win_rates[x].items())]
+        return {
+            "version": DIGEST_VERSION,
+            "config": cfg,
+            "total_votes": self.total_votes,
+            "rows": rows,
+            "win_rates": wins,
+        }
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON: equal for the same vote set and config on any machine."""
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def ranks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """1 + how many models are better beyond doubt (their lower bound above this upper bound)."""
+    return 1 + (low[None, :] > high[:, None]).sum(axis=1)
+
+
+def build_leaderboard(
+    table: CountTable,
+    config: LeaderboardConfig | None = None,
+    *,
+    elo: Mapping[str, float] | None = None,
+    init: np.ndarray | Mapping[str, float] | None = None,
+) -> Leaderboard:
+    """Fit `table` and assemble the rows; `init` warm-starts the fit (natural-log strengths)."""
+    config = config or LeaderboardConfig()
+    fit = fit_bradley_terry(table, gauge=config.gauge, l2=config.l2, init=init)
+    if config.interval == "bootstrap":
+        iv = bootstrap_intervals(fit, config.bootstrap_rounds, config.seed, config.level)
+    else:
+        iv = sandwich_intervals(fit, config.level)
+    rating, rank = fit.ratings, ranks(iv.low, iv.high)
+    votes = table.votes_per_model()
+    rows = [
+        LeaderboardRow(
+            model=m,
+            rating=float(rating[k]),
+            ci_low=float(iv.low[k]),
+            ci_high=float(iv.high[k]),
+            rank=int(rank[k]),
+            votes=votes[m],
+            provisional=votes[m] < config.min_votes,
+            elo=None if elo is None else elo.get(m),
+        )
+        for k, m in enumerate(table.models)
+    ]
+    rows.sort(key=lambda r: (-r.rating, r.model))
+    return Leaderboard(tuple(rows), table.total, config, table.win_rates(), fit)
+
+
+def compute_leaderboard(votes: Iterable[Vote], config: LeaderboardConfig | None = None) -> Leaderboard:
+    """Leaderboard from scratch; the Elo trend follows the order of `votes`."""
+    config = config or LeaderboardConfig()
+    state = LeaderboardState(config)
+    state.extend(votes)
+    return state.leaderboard()
+
+
+class LeaderboardState:
+    """Counts and Elo updated one vote at a time; each `leaderboard()` refits warm-started.
+
+    The count table is the whole state the ratings depend on, so a leaderboard from here
+    equals one computed from scratch over the same votes (up to the fit's tolerance, far
+    below the digest's rounding).
+    """
+
+    def __init__(self, config: LeaderboardConfig | None = None) -> None:
+        self.config = config or LeaderboardConfig()
+        self._cells: Counter[tuple[str, str, str]] = Counter()
+        self._elo = OnlineElo(self.config.elo_k)
+        self._beta: dict[str, float] = {}
+        self.total = 0
+
+    def add(self, vote: Vote) -> None:
+        self._cells[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
+        self._elo.update(vote.model_a, vote.model_b, vote.outcome)
+        self.total += 1
+
+    def extend(self, votes: Iterable[Vote]) -> None:
+        for v in votes:
+            self.add(v)
+
+    def table(self) -> CountTable:
+        return CountTable.from_cells(self._cells)
+
+    def leaderboard(self) -> Leaderboard:
+        board = build_leaderboard(self.table(), self.config, elo=self._elo.ratings, init=self._beta)
+        fit = board.fit
+        self._beta = dict(zip(fit.models, fit.beta.tolist(), strict=True))
+        return board
