@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+from typing import Any
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -84,7 +85,7 @@ async def run_target(target: targets.Target, workload: Workload, loads: list[flo
 
 def measure(name: str, setup: targets.Setup, args, workload, loads, turns, compute) -> dict:
     """Start, measure and stop one target; never raises, the row says what went wrong."""
-    row = {"name": name, "loadavg_at_start": os.getloadavg()}
+    row: dict[str, Any] = {"name": name, "loadavg_at_start": os.getloadavg()}
     try:
         target = targets.prepare(name, setup)
     except targets.NotRunnable as exc:

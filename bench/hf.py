@@ -7,6 +7,7 @@ compute time is the compute a served request needs.
 from __future__ import annotations
 
 import threading
+from typing import Any
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,8 @@ class LoadedModel:
     """A model with its tokenizer, ready for greedy generation."""
 
     name: str
-    model: object
-    tokenizer: object
+    model: Any
+    tokenizer: Any
 
     @property
     def params(self) -> int:

@@ -21,7 +21,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLA
 import argparse
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from consumers.leaderboard.ratings import (
     fit_bradley_terry,
     sandwich_intervals,
 )
+from consumers.leaderboard.votes import Outcome
 
 T = TypeVar("T")
 
@@ -51,8 +52,9 @@ def simulate(models: int, votes: int, seed: int, tie_rate: float = 0.1) -> tuple
         tie, np.where(rng.random(votes) < 0.5, "tie", "both_bad"), np.where(rng.random(votes) < a_wins, "a", "b")
     )
     records = [
-        Vote(names[a], names[b], str(o)) for a, b, o in zip(ia.tolist(), ib.tolist(), outcomes.tolist(), strict=True)
-    ]  # type: ignore[arg-type]
+        Vote(names[a], names[b], cast(Outcome, str(o)))
+        for a, b, o in zip(ia.tolist(), ib.tolist(), outcomes.tolist(), strict=True)
+    ]
     return dict(zip(names, true.tolist(), strict=True)), records
 
 

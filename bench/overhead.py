@@ -11,6 +11,7 @@ pipeline's own share, free of any difference between its model code and `generat
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 
@@ -40,13 +41,13 @@ def overhead_row(records: list[RequestRecord], compute: list[dict]) -> dict:
     if not pairs:
         errors = {r.error for r in records if r.error}
         return {"status": "failed", "reason": f"no request succeeded: {sorted(errors)[:2]}"}
-    latency = [r.latency_s for r, _ in pairs]
+    latency: list[float] = [r.latency_s or 0.0 for r, _ in pairs]  # ok records all have one
     comp = [c["compute_s"] for _, c in pairs]
     over = [lat - c for lat, c in zip(latency, comp, strict=True)]
     server = [
         (r.latency_s, r.timings["compute_s"]) for r, _ in pairs if r.timings and r.timings.get("compute_s") is not None
     ]
-    row = {"status": "ok", "requests": len(pairs), "failed": len(records) - len(pairs)}
+    row: dict[str, Any] = {"status": "ok", "requests": len(pairs), "failed": len(records) - len(pairs)}
     for label, values in (("latency", latency), ("compute", comp), ("overhead", over)):
         row[f"{label}_p50"] = percentile(values, 50)
         row[f"{label}_p99"] = percentile(values, 99)

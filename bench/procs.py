@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,12 +20,6 @@ import httpx
 import psutil
 
 _RUNNING: set[ServerProcess] = set()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerFailed(RuntimeError):
@@ -73,6 +66,7 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
+        assert self.proc is not None, "start() the server first"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerFailed(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")

@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import ServerProcess, free_port
+from bench.procs import ServerProcess
+from runtime.net import free_port
 
 # `transformers serve` needs accelerate, which the project does not depend on; the
 # benchmark keeps it in a separate target dir so the venv stays as pinned:

@@ -13,7 +13,7 @@ UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
 
 
 def upcast(data: dict) -> dict:
-    while (step := UPCASTERS.get((data.get("type"), data.get("schema_version", 1)))) is not None:
+    while (step := UPCASTERS.get((str(data.get("type")), int(data.get("schema_version", 1))))) is not None:
         data = step(dict(data))
     return data
 

@@ -36,7 +36,7 @@ class ReadModel:
 
     async def get_result(self, request_id: str) -> bytes | None:
         raw = await self.redis.get(RESULT.format(request_id))
-        return bytes(raw) if raw is not None else None
+        return raw.encode() if isinstance(raw, str) else raw
 
     async def record_pending(self, request_id: str, conv_id: str, turn_id: int, model: str, deadline_at: float) -> None:
         """Remember an accepted request; the first record of an id holds (a retry keeps it)."""

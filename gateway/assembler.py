@@ -7,13 +7,15 @@ emits each chunk once, in sequence order, and says when the answer is complete.
 
 from __future__ import annotations
 
+from typing import Any
+
 from events.models import TERMINAL_TYPES
 
 
 class Assembler:
     def __init__(self) -> None:
         self.next_seq = 0
-        self.pending: dict[int, object] = {}
+        self.pending: dict[int, Any] = {}
         self.terminal = None
         self.text = ""
 

@@ -50,4 +50,4 @@ class GatewayKeys:
 
     async def holder(self, request_id: str) -> str | None:
         raw = await self.redis.get(HOLDER.format(request_id))
-        return raw.decode() if raw else None
+        return raw.decode() if isinstance(raw, bytes) else raw

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
 
@@ -154,6 +154,7 @@ class Output:
         self.after_seq, self.replay = after_seq, replay
         self.assembler = Assembler()
         self.sub: Any = None
+        self.on_close: Callable[[], None] = lambda: None
 
     @property
     def terminal(self) -> Any:
@@ -168,6 +169,7 @@ class Output:
         return self
 
     async def close(self) -> None:
+        self.on_close()
         if self.sub is not None:
             with suppress(Exception):
                 await self.sub.unsubscribe()

@@ -111,8 +111,11 @@ def router(chat: ChatService) -> APIRouter:
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
             )
         except REDIS_DOWN as exc:
+            ticket.release()
             raise store_unavailable() from exc
-        if event is not None:
+        if event is None:
+            ticket.release()
+        else:
             output = await chat.start(ticket, event)  # published (or 503) before the 202
             task_ = asyncio.create_task(watch(ticket, output, started))
             watchers.add(task_)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
@@ -27,26 +28,25 @@ async def stream_events(
     rid, model = ticket.request_id, ticket.model
     finished = False
     try:
-        with chat.tracking(model):
-            yield sse(chunk_body(rid, model, {"role": "assistant", "content": ""}))
-            first = True
-            async for chunk in output:
-                if first:
-                    METRICS.ttft.labels(model).observe(time.perf_counter() - started)
-                    first = False
-                yield sse(chunk_body(rid, model, {"content": chunk.text}))
-            terminal, err = output.terminal, outcome(output.terminal)
-            chat.record(model, err, started)
-            if err is not None:
-                yield sse(err.body())
-            else:
-                if rest := output.remainder():
-                    yield sse(chunk_body(rid, model, {"content": rest}))
-                yield sse(chunk_body(rid, model, {}, terminal.finish_reason))
-                if include_usage:
-                    yield sse(chunk_body(rid, model, {}, usage=usage_of(terminal), with_choice=False))
-            finished = True
-            yield "data: [DONE]\n\n"
+        yield sse(chunk_body(rid, model, {"role": "assistant", "content": ""}))
+        first = True
+        async for chunk in output:
+            if first:
+                METRICS.ttft.labels(model).observe(time.perf_counter() - started)
+                first = False
+            yield sse(chunk_body(rid, model, {"content": chunk.text}))
+        terminal, err = output.terminal, outcome(output.terminal)
+        chat.record(model, err, started)
+        if err is not None:
+            yield sse(err.body())
+        else:
+            if rest := output.remainder():
+                yield sse(chunk_body(rid, model, {"content": rest}))
+            yield sse(chunk_body(rid, model, {}, terminal.finish_reason))
+            if include_usage:
+                yield sse(chunk_body(rid, model, {}, usage=usage_of(terminal), with_choice=False))
+        finished = True
+        yield "data: [DONE]\n\n"
     finally:
         await output.close()
         if not finished and not ticket.attached:
@@ -79,14 +79,17 @@ def router(chat: ChatService) -> APIRouter:
             output = await chat.start(ticket, event)  # published before the response head
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = stream_events(chat, ticket, output, include_usage, started)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            # The background close also runs when the client left before the body started.
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=headers, background=BackgroundTask(output.close)
+            )
         terminal = await chat.answer(ticket, event)
         err = outcome(terminal)
         chat.record(ticket.model, err, started)
         if err is not None:
             err.headers.update(headers)
             raise err
-        body = completion_body(
+        answer = completion_body(
             ticket.request_id,
             ticket.model,
             terminal.text,
@@ -94,6 +97,6 @@ def router(chat: ChatService) -> APIRouter:
             usage_of(terminal),
             extra_of(ticket, terminal),
         )
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(answer, headers=headers)
 
     return r

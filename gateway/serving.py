@@ -11,9 +11,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from events import subjects
@@ -51,6 +50,8 @@ class Ticket:
     deadline_at: float
     attached: bool  # True when this is a retry of an earlier request
     key: str | None = None  # the idempotency key bound to it, if any
+    #: Gives back the request's place in its model's queue (see ChatService.reserve); idempotent.
+    release: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def until(self) -> float:
@@ -152,15 +153,20 @@ class ChatService:
         key = idem_key or (f"turn:{req.conv_id}:{req.turn_id}" if req.conv_id and req.turn_id is not None else None)
         ticket = Ticket(request_id, conv_id, turn_id, model, time.time() + budget, attached=False, key=key)
         seed = req.seed if req.seed is not None else random.getrandbits(31)
+        event: ChatRequested | None = None
         try:
             if key and (earlier := await self._claim(key, req, ticket)) is not None:
-                return earlier, None
-            if req.conv_id and req.seed is None:
-                seed = await self.pipeline.keys.seed_for(conv_id, turn_id, seed)
+                ticket = earlier
+            else:
+                if req.conv_id and req.seed is None:
+                    seed = await self.pipeline.keys.seed_for(conv_id, turn_id, seed)
+                event = self._event(req, ticket, seed, idem_key)
         except REDIS_DOWN as exc:
             log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
             raise store_unavailable() from exc
-        return ticket, self._event(req, ticket, seed, idem_key)
+        # Counted from here, with no await since the queue check, so a burst sees itself.
+        ticket.release = self.reserve(model)
+        return ticket, event
 
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:
         """Bind the key to this request; the earlier request's ticket when it was bound before."""
@@ -211,9 +217,15 @@ class ChatService:
         A publish that fails gives a 503 before any response is sent, and unbinds the
         idempotency key, so the client's retry runs the request instead of waiting on one
         that never started."""
-        output = await self.pipeline.output(
+        output = self.pipeline.output(
             ticket.request_id, ticket.until, after_seq=after_seq, replay=ticket.attached or after_seq >= 0
-        ).open()
+        )
+        output.on_close = ticket.release
+        try:
+            await output.open()
+        except BaseException:
+            await output.close()
+            raise
         if event is None:
             return output
         try:
@@ -233,23 +245,26 @@ class ChatService:
         return await self.finish(ticket, await self.start(ticket, event))
 
     async def finish(self, ticket: Ticket, output: Output) -> Any:
-        """Wait for a started request's terminal event, counted as in flight meanwhile."""
-        with self.tracking(ticket.model):
-            async with output:
-                async for _ in output:
-                    pass
-                return output.terminal
+        """Wait for a started request's terminal event (None past its deadline)."""
+        async with output:
+            async for _ in output:
+                pass
+            return output.terminal
 
-    @contextmanager
-    def tracking(self, model: str) -> Iterator[None]:
-        """Count a request against its model's queue while a gateway waits on it."""
+    def reserve(self, model: str) -> Callable[[], None]:
+        """Count a request against its model's queue until the returned function is called."""
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         METRICS.in_flight.labels(model).inc()
-        try:
-            yield
-        finally:
-            self.in_flight[model] -= 1
-            METRICS.in_flight.labels(model).dec()
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight[model] -= 1
+                METRICS.in_flight.labels(model).dec()
+
+        return release
 
     @staticmethod
     def record(model: str, err: APIError | None, started: float) -> None:

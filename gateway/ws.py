@@ -214,6 +214,7 @@ class Session:
             )
             await chat.pipeline.keys.hold(ticket.request_id, self.token)
         except REDIS_DOWN as exc:
+            ticket.release()
             raise store_unavailable() from exc
         return ticket, await chat.start(ticket, event)
 
@@ -253,9 +254,8 @@ class Session:
         ids = {"request_id": ticket.request_id, "turn_id": ticket.turn_id}
         finished = False
         try:
-            with chat.tracking(ticket.model):
-                async for chunk in output:
-                    await self.send({"type": "chunk", **ids, "seq": chunk.seq, "text": chunk.text})
+            async for chunk in output:
+                await self.send({"type": "chunk", **ids, "seq": chunk.seq, "text": chunk.text})
             terminal, err = output.terminal, outcome(output.terminal)
             chat.record(ticket.model, err, started)
             if err is not None:

@@ -154,7 +154,7 @@ async def _models(args) -> int:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subjects.ADMIN_MODELS, json.dumps(command).encode(), reply=inbox)
-    answers = []
+    answers: list[dict] = []
     try:
         while True:  # the first answer may wait for a load; the others come right after it
             msg = await sub.next_msg(timeout=args.wait if not answers else 1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
@@ -24,7 +26,7 @@ def audit(events: list, now: float | None = None, grace_s: float = 5.0) -> dict:
     A request without one whose deadline (plus a grace) has not yet passed is in flight,
     not missing."""
     now = time.time() if now is None else now
-    requested: dict[str, object] = {}
+    requested: dict[str, Any] = {}
     terminals: dict[str, list] = {}
     for e in events:
         if e.type == "chat.requested":

@@ -47,7 +47,7 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before it listened")
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode} before it listened")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return

@@ -51,7 +51,7 @@ def consumer_configs(ack_wait_s: float = 30.0, max_ack_pending: int = 256) -> li
             deliver_policy=DeliverPolicy.NEW,
             ack_wait=role.ack_wait_s or ack_wait_s,
             max_deliver=role.max_deliver,
-            **({"max_ack_pending": max_ack_pending} if role.bounded else {}),
+            max_ack_pending=max_ack_pending if role.bounded else None,
         )
         for role in topology.consumers()
     ]

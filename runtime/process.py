@@ -6,11 +6,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
 import nats
+from nats.js import JetStreamContext
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsMessage
@@ -18,10 +19,14 @@ from faststream.nats.message import NatsMessage
 from prometheus_client import Counter
 
 from events import decode, subjects
+from events.models import EventBase
 from events.topology import Role
 from runtime import jetstream
 
 log = logging.getLogger(__name__)
+
+#: Publishes an event with its dedupe key (`ProcessRuntime.publish`).
+Publish = Callable[[EventBase], Awaitable[None]]
 
 UNDECODABLE = Counter(
     "arena_undecodable_messages_total", "Stream messages that were no known event, terminated", ["role"]
@@ -36,14 +41,14 @@ class ProcessRuntime:
         self.settings = settings
         self.status = status or (lambda: {})
         self.nc: nats.NATS | None = None
-        self.js = None
+        self.js: JetStreamContext | None = None
         self._beat: asyncio.Task | None = None
         self.ready = False
 
     async def start(self) -> None:
-        self.nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
-        self.js = self.nc.jetstream()
-        await jetstream.ensure_topology(self.js, self.settings.retention_days, **self.settings.topology())
+        self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
+        self.js = js = nc.jetstream()
+        await jetstream.ensure_topology(js, self.settings.retention_days, **self.settings.topology())
         self._beat = asyncio.create_task(self._heartbeats())
 
     async def _heartbeats(self) -> None:
@@ -56,11 +61,16 @@ class ProcessRuntime:
                 "ts": time.time(),
                 **self.status(),
             }
-            with suppress(Exception):
-                await self.nc.publish(subject, json.dumps(beat).encode())
+            with suppress(Exception):  # a heartbeat lost in a reconnect is replaced by the next
+                await self.connection().publish(subject, json.dumps(beat).encode())
             await asyncio.sleep(self.settings.heartbeat_s)
 
-    async def publish(self, event) -> None:
+    def connection(self) -> nats.NATS:
+        assert self.nc is not None, "start() the runtime first"
+        return self.nc
+
+    async def publish(self, event: EventBase) -> None:
+        assert self.js is not None, "start() the runtime first"
         await jetstream.publish(self.js, event)
 
     async def stop(self) -> None:
@@ -117,11 +127,12 @@ def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers:
     messages concurrently.
     """
     assert role.reads, f"role {role.name} reads no durable consumer"
-    return broker.subscriber(
-        role.reads,
-        stream=JStream(subjects.STREAM, declare=False),
-        durable=role.durable,
-        pull_sub=PullSub(batch_size=1, timeout=5.0),
-        ack_policy=ack_policy,
-        **({"max_workers": workers} if workers > 1 else {}),
-    )
+    common: dict[str, Any] = {
+        "stream": JStream(subjects.STREAM, declare=False),
+        "durable": role.durable,
+        "pull_sub": PullSub(batch_size=1, timeout=5.0),
+        "ack_policy": ack_policy,
+    }
+    if workers > 1:
+        return broker.subscriber(role.reads, max_workers=workers, **common)
+    return broker.subscriber(role.reads, **common)

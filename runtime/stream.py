@@ -17,14 +17,15 @@ async def read_events(
     """Every stored event on `filter_subject` (optionally from `since` on), in stream order."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
-        opt_start_time=since.astimezone(UTC).isoformat().replace("+00:00", "Z") if since else None,
+        # nats-py passes this through as given; the server wants an RFC 3339 string.
+        opt_start_time=since.astimezone(UTC).isoformat().replace("+00:00", "Z") if since else None,  # type: ignore[arg-type]
     )
     sub = await js.subscribe(filter_subject, ordered_consumer=True, config=config)
     try:
         info = await sub.consumer_info()
         # Messages may already be on their way to us: count those as well as the rest.
-        total = info.num_pending + info.delivered.consumer_seq
-        out = []
+        total = (info.num_pending or 0) + (info.delivered.consumer_seq or 0 if info.delivered else 0)
+        out: list[Any] = []
         while len(out) < total:
             msg = await sub.next_msg(timeout=timeout)
             out.append(decode(msg.data))

@@ -25,6 +25,15 @@ from infra.supervisor import Stack  # noqa: E402
 ROLES = tuple(role_names())
 
 
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e and tests/integration runs real servers: the
+    `integration` tier. `pytest -m "not integration"` is the fast tier."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        if "e2e" in parts or "integration" in parts:
+            item.add_marker(pytest.mark.integration)
+
+
 def stored_events(nats_url: str, request_id: str) -> list:
     """A request's events as the stream holds them (what `arena replay` prints)."""
     import asyncio

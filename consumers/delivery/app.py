@@ -43,14 +43,19 @@ async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
     return fresh
 
 
-def build_app(settings: DeliverySettings | None = None) -> FastStream:
+def build_app(
+    settings: DeliverySettings | None = None, store: ReadModel | None = None, fanout: Fanout | None = None
+) -> FastStream:
+    """The delivery process; `store` and `fanout` (core-NATS publish) are replaceable in tests."""
     settings = settings or DeliverySettings()
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime(topology.DELIVERY.name, settings)
-    store = ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
+    store = store or ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
 
-    async def fanout(subject: str, raw: bytes) -> None:
-        await runtime.nc.publish(subject, raw)
+    async def live(subject: str, raw: bytes) -> None:
+        await runtime.connection().publish(subject, raw)
+
+    fanout = fanout or live
 
     # Gateways put chunks back in sequence order, so workers may deliver concurrently.
     @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)

@@ -13,7 +13,7 @@ from consumers.filter.config import FilterConfig
 from consumers.filter.policy import inspect_messages
 from events import topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
-from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.process import ProcessRuntime, Publish, decode_or_term, durable_pull, wire_lifecycle
 from runtime.settings import FilterSettings
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,15 @@ def filter_config(settings: FilterSettings) -> FilterConfig:
     return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
 
 
-def build_app(settings: FilterSettings | None = None, config: FilterConfig | None = None) -> FastStream:
+def build_app(
+    settings: FilterSettings | None = None, config: FilterConfig | None = None, publish: Publish | None = None
+) -> FastStream:
+    """The filter process; `publish` (default: the runtime's, with dedupe keys) is replaceable in tests."""
     settings = settings or FilterSettings()
     config = config or filter_config(settings)
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime(topology.FILTER.name, settings)
+    publish = publish or runtime.publish
 
     @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_requested(message: NatsMessage) -> None:
@@ -60,7 +64,7 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
         if not isinstance(event, ChatRequested):
             return
         out = filter_request(event, config)
-        await runtime.publish(out)
+        await publish(out)
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)

@@ -51,7 +51,8 @@ _CONFUSABLES = {
         "αa εe ιi κk νv οo ρp τt υu χx γy ΑA ΒB ΕE ΖZ ΗH ΙI ΚK ΜM ΝN ΟO ΡP ΤT ΥY ΧX",
         "ıi ɡg ɑa ϲc ϳj ‹< ›> 〈< 〉> ∣| ǀ| │| ∶: ꞉: ˸: ‘' ’' ‛' ′' “\" ”\" „\" ″\"",
     )
-    for src, dst in pairs.split()
+    for pair in pairs.split()
+    for src, dst in [(pair[0], pair[1])]
 } | dict.fromkeys("\r\u2028\u2029\x85\x0b\x0c", "\n")
 
 

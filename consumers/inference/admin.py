@@ -25,8 +25,8 @@ async def apply(pool, command: dict) -> dict:
         if command.get("load", True):
             await pool.warm([spec.name])
     elif op == "reload":
-        spec = ModelSpec(**command["spec"]) if command.get("spec") else None
-        loaded = await pool.reload(command["name"], spec)
+        new_spec = ModelSpec(**command["spec"]) if command.get("spec") else None
+        loaded = await pool.reload(command["name"], new_spec)
         log.info("reloaded %s as version %d", loaded.spec.name, loaded.version, extra={"model": loaded.spec.name})
     elif op == "remove":
         await pool.remove(command["name"])

@@ -74,8 +74,8 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         register_pool(pool)
         start_http_server(metrics_port, addr="127.0.0.1")
         await runtime.start()
-        await runtime.nc.subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
-        await runtime.nc.subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
+        await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
+        await runtime.connection().subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
         service.start()
         warm = settings.warm_models or [settings.default_model]
         await pool.warm([w for w in warm if any(s.name == w for s in specs)])

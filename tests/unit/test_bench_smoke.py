@@ -15,10 +15,13 @@ import pytest
 from bench import ceiling, hf, overhead
 from bench.client import check_local
 from bench.loadgen import run_level
-from bench.procs import ServerProcess, free_port
+from bench.procs import ServerProcess
+from runtime.net import free_port
 from bench.report import write_report
 from bench.stats import percentile
 from bench.workload import LengthMix, Workload, fixed_requests
+
+pytestmark = pytest.mark.integration  # starts a server subprocess on the real model
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 SUMMARY_FIELDS = {

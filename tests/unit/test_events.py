@@ -1,8 +1,17 @@
+import json
+from pathlib import Path
+from typing import Literal
+
 import pytest
 from pydantic import ValidationError
 
-from events import decode, encode, subjects
+from events import codec, decode, encode, subjects
 from events.models import (
+    EVENT_TYPES,
+    FAILURE_TYPES,
+    TERMINAL_TYPES,
+    BattleEvent,
+    RequestEvent,
     ChatCompleted,
     ChatFailed,
     ChatMessage,
@@ -80,3 +89,63 @@ def test_upcaster_runs_before_validation(monkeypatch):
         lambda d: {**{k: v for k, v in d.items() if k != "prompt"}, "messages": d["prompt"], "schema_version": 1},
     )
     assert decode(old) == current
+
+
+def test_events_written_by_version_1_still_decode():
+    """tests/data/events-v1.jsonl was written by the contract before the base split
+    (request fields on EventBase); every stored event must still decode, unchanged."""
+    path = Path(__file__).resolve().parents[1] / "data" / "events-v1.jsonl"
+    lines = path.read_text().splitlines()
+    events = [decode(line) for line in lines]
+    assert [e.type for e in events] == [
+        "chat.requested",
+        "prompt.accepted",
+        "prompt.rejected",
+        "tokens.generated",
+        "chat.completed",
+        "chat.failed",
+        "chat.cancelled",
+    ]
+    for line, event in zip(lines, events, strict=True):
+        assert json.loads(encode(event)) == json.loads(line)
+        assert isinstance(event, RequestEvent)
+
+
+def test_unknown_types_and_non_objects_are_value_errors():
+    with pytest.raises(ValueError):
+        decode(b'{"type": "no.such.event"}')
+    with pytest.raises(ValueError):
+        decode(b"[1, 2]")
+
+
+def _rename_pick(data: dict) -> dict:
+    out = {k: v for k, v in data.items() if k != "pick"}
+    return {**out, "choice": data["pick"], "schema_version": 2}
+
+
+def test_a_battle_event_family_needs_no_request_ids(monkeypatch):
+    class ToyVoted(BattleEvent):
+        """A made-up battle event, to show the family works without request ids."""
+
+        type: Literal["toy.voted"] = "toy.voted"
+        choice: str
+        schema_version: int = 2
+
+    monkeypatch.setitem(subjects.STEM_BY_TYPE, "toy.voted", f"{subjects.BATTLE_PREFIX}.toyvoted")
+    monkeypatch.setitem(codec.UPCASTERS, ("toy.voted", 1), _rename_pick)
+    codec.register(ToyVoted)
+    try:
+        vote = ToyVoted(battle_id="b1", choice="a")
+        assert subjects.subject_for(vote) == "arena.battle.toyvoted.b1"
+        assert subjects.dedupe_key(vote) == "battle:b1:toy.voted"  # one per battle
+        assert decode(encode(vote)) == vote
+        old = {**vote.model_dump(mode="json", exclude={"choice"}), "pick": "a", "schema_version": 1}
+        assert decode(old) == vote  # the upcast machinery serves both families
+        assert "request_id" not in vote.model_dump()
+    finally:
+        EVENT_TYPES.pop("toy.voted")
+
+
+def test_terminal_types_come_from_the_models():
+    assert {"chat.completed", "chat.failed", "prompt.rejected"} == TERMINAL_TYPES
+    assert {"chat.failed", "prompt.rejected"} == FAILURE_TYPES

@@ -1,0 +1,198 @@
+"""The gateway's routes against a fake pipeline (no servers): the fast tier.
+
+The real-server versions of these behaviours are in tests/e2e/."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import build_app
+from tests.unit.fake_pipeline import FakePipeline, settings
+
+
+def client_for(**overrides) -> tuple[TestClient, FakePipeline]:
+    s = settings(**overrides)
+    pipeline = FakePipeline(s)
+    return TestClient(build_app(s, pipeline)), pipeline
+
+
+def chat(content: str = "Once upon a time", **fields) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def metric(client: TestClient, line_start: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_non_streaming_answer_and_request_id():
+    client, pipeline = client_for()
+    with client:
+        r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == "Once upon a time"
+    assert r.headers["x-request-id"] == body["x_arena"]["request_id"]
+    [event] = pipeline.requests()
+    assert event.params.max_tokens == 64 and event.params.temperature == 1.0  # the one set of defaults
+
+
+def test_streaming_sends_chunks_in_order_then_done():
+    client, _ = client_for()
+    with (
+        client,
+        client.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, stream_options={"include_usage": True})
+        ) as r,
+    ):
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    bodies = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies if b["choices"])
+    assert text == "Once upon a time"
+    assert bodies[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_failure_maps_to_status_and_error_shape():
+    client, _ = client_for()
+    with client:
+        r = client.post("/v1/chat/completions", json=chat("fail me"))
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert r.headers["content-type"].startswith("application/json")
+
+
+def test_deadline_gives_504_and_is_counted():
+    client, pipeline = client_for()
+    pipeline.silent = True
+    with client:
+        before = metric(client, 'arena_req_total{model="stories-260k",status="504"}')
+        r = client.post("/v1/chat/completions", json=chat(deadline_s=0.1))
+        after = metric(client, 'arena_req_total{model="stories-260k",status="504"}')
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert after == before + 1
+
+
+def test_publish_failure_is_json_503_and_releases_the_key():
+    client, pipeline = client_for()
+    with client:
+        pipeline.fail_publish = True
+        r = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "k1"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "stream_unavailable"
+        pipeline.fail_publish = False
+        r = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "k1"})
+    assert r.status_code == 200 and r.json()["x_arena"]["attached"] is False  # the retry ran
+
+
+def test_streaming_publish_failure_comes_before_the_response_head():
+    client, pipeline = client_for()
+    pipeline.fail_publish = True
+    with client:
+        r = client.post("/v1/chat/completions", json=chat(stream=True))
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json")
+
+
+def test_idempotency_key_attaches_and_conflicts():
+    client, pipeline = client_for()
+    with client:
+        first = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "same"})
+        again = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "same"})
+        other = client.post("/v1/chat/completions", json=chat("other"), headers={"Idempotency-Key": "same"})
+    assert again.json()["x_arena"]["request_id"] == first.json()["x_arena"]["request_id"]
+    assert again.json()["x_arena"]["attached"] is True
+    assert len(pipeline.requests()) == 1
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        (chat(temperature=3), "temperature"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(conv_id="a.b", turn_id=0), "conv_id"),
+        (chat(model="nope"), "model"),
+        (chat("x" * 40_000), "messages"),
+    ],
+)
+def test_bad_input_names_the_field(body, param):
+    client, _ = client_for()
+    with client:
+        r = client.post("/v1/chat/completions", json=body)
+    assert 400 <= r.status_code < 500
+    assert r.json()["error"]["param"] == param
+
+
+def test_async_api_result_and_unknown_id():
+    client, _ = client_for()
+    with client:
+        r = client.post("/chat", json={"prompt": "Hello there", "max_tokens": 8})
+        assert r.status_code == 202
+        rid = r.json()["request_id"]
+        result = client.get(f"/chat/result/{rid}")
+        missing = client.get("/chat/result/nope")
+    assert result.status_code == 200 and result.json()["text"] == "Hello there"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+def test_websocket_turn_is_counted_in_request_metrics():
+    client, _ = client_for()
+    with client:
+        before = metric(client, 'arena_req_total{model="stories-260k",status="200"}')
+        latency_before = metric(client, 'arena_req_latency_seconds_count{model="stories-260k"}')
+        with client.websocket_connect("/v1/ws") as ws:
+            assert ws.receive_json()["type"] == "session"
+            ws.send_json({"type": "turn", "content": "Once upon a time"})
+            frames = [ws.receive_json()]
+            while frames[-1]["type"] == "chunk":
+                frames.append(ws.receive_json())
+        after = metric(client, 'arena_req_total{model="stories-260k",status="200"}')
+        latency_after = metric(client, 'arena_req_latency_seconds_count{model="stories-260k"}')
+    assert frames[-1]["type"] == "done" and frames[-1]["text"] == "Once upon a time"
+    assert [f["seq"] for f in frames[:-1]] == [0, 1, 2, 3]
+    assert after == before + 1 and latency_after == latency_before + 1
+
+
+def test_api_keys_guard_the_api_but_not_health():
+    client, _ = client_for(api_keys=["secret"])
+    with client:
+        assert client.get("/healthz").status_code == 200
+        assert client.post("/v1/chat/completions", json=chat()).status_code == 401
+        ok = client.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer secret"})
+    assert ok.status_code == 200
+
+
+def test_unexpected_error_is_json_500():
+    client, pipeline = client_for()
+
+    def boom():
+        raise RuntimeError("broken fleet")
+
+    pipeline.fleet = boom  # type: ignore[method-assign]
+    with TestClient(client.app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 500
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "internal_error"
+
+
+async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
+    s = settings(max_queue_per_model=2)
+    pipeline = FakePipeline(s)
+    pipeline.silent = True
+    app = build_app(s, pipeline)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        bodies = [chat(deadline_s=0.3, stream=i % 2 == 0) for i in range(8)]
+        rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(429) == 6, codes
+    assert all(r.headers["content-type"].startswith(("application/json", "text/event-stream")) for r in rs)
+    assert app.state.chat.in_flight["stories-260k"] == 0
