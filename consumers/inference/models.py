@@ -70,8 +70,8 @@ class ModelSpec(BaseModel):
     system: str | None = Field(None, description="System prompt a variant adds when a request has none.")
 
     def defaults(self) -> dict:
-        """The request defaults this spec sets (empty for a plain model)."""
-        return self.model_dump(include={"temperature", "top_p", "max_tokens", "system"}, exclude_none=True)
+        """What a variant announces: its base and the request defaults it sets (empty for a plain model)."""
+        return self.model_dump(include={"base", "temperature", "top_p", "max_tokens", "system"}, exclude_none=True)
 
     @field_validator("name")
     @classmethod

@@ -31,7 +31,7 @@ def test_variant_takes_its_base_weights_and_keeps_its_defaults(tmp_path):
     )
     base, hot = load_models_config(cfg, tmp_path)
     assert hot.path == "/w/base" and hot.dtype == "bfloat16" and hot.base == "base"
-    assert hot.defaults() == {"temperature": 1.2, "system": "Be bold."}
+    assert hot.defaults() == {"base": "base", "temperature": 1.2, "system": "Be bold."}
     assert base.defaults() == {}
 
 
