@@ -10,11 +10,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from consumers.leaderboard.fastchat_format import dump_battles, load_battles
-from consumers.leaderboard.projection import VoteProjection
+from consumers.leaderboard.projection import VoteProjection, config_of
 from consumers.leaderboard.votes import Vote
 from events import decode
 from events.battles import BATTLES_SUBJECT, VoteCast, battle_filter
 from runtime import jetstream
+from runtime.settings import LeaderboardSettings
 from runtime.stream import read_events, request_events
 
 
@@ -38,7 +39,7 @@ async def battle_events(js, upto: int | None = None) -> list[tuple[int, object]]
 
 
 def project(events: list[tuple[int, object]]) -> VoteProjection:
-    projection = VoteProjection()
+    projection = VoteProjection(config_of(LeaderboardSettings()))
     for seq, event in events:
         projection.apply(event, seq)
     return projection

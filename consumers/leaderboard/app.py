@@ -17,8 +17,7 @@ from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
 
-from consumers.leaderboard.config import LeaderboardConfig
-from consumers.leaderboard.projection import VoteProjection
+from consumers.leaderboard.projection import VoteProjection, config_of
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
@@ -27,10 +26,6 @@ from runtime.redis import redis_client
 from runtime.settings import LeaderboardSettings
 
 log = logging.getLogger(__name__)
-
-
-def config_of(settings: LeaderboardSettings) -> LeaderboardConfig:
-    return LeaderboardConfig(min_votes=settings.min_votes, interval=settings.interval)
 
 
 async def backfill(js, projection: VoteProjection) -> None:

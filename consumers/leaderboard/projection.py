@@ -15,6 +15,12 @@ from consumers.leaderboard.ratings import LeaderboardState
 from consumers.leaderboard.votes import Vote
 
 
+def config_of(settings) -> LeaderboardConfig:
+    """The leaderboard's config from the process settings (`LeaderboardSettings`): the live
+    consumer and `arena leaderboard` must agree on it, since it is part of the digest."""
+    return LeaderboardConfig(min_votes=settings.min_votes, interval=settings.interval)
+
+
 def row_dict(r) -> dict:
     return {
         "model": r.model,

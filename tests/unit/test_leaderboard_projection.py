@@ -33,7 +33,7 @@ def test_invalidated_votes_leave_and_reinstated_ones_come_back():
 
 def test_same_events_same_digest_at_a_sequence():
     events = list(enumerate([vote(f"b{i}", choice="ab"[i % 2]) for i in range(20)], 1))
-    live = VoteProjection()
+    live = VoteProjection(project([]).config)
     for seq, e in events[:12]:
         live.apply(e, seq)
     at_12 = live.leaderboard()
