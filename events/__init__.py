@@ -1,4 +1,5 @@
 """arenaflow's event contract. Imports nothing from the consumers or the gateway."""
 
+from events import battles  # noqa: F401 - registers the battle events with the codec
 from events.codec import decode, encode
 from events.models import *  # noqa: F403

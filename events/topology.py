@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from events import battles as b
 from events import models as m
 from events import subjects as s
 
@@ -63,17 +64,32 @@ INFERENCE = Role(
     bounded=True,
     replicated=True,
 )
+LEADERBOARD = Role(
+    name="leaderboard",
+    entry="consumers.leaderboard.app:main",
+    reads=f"{s.BATTLE_PREFIX}.>",
+    consumes=(b.VoteCast, b.VoteInvalidated, b.VoteReinstated),
+    # The gateway serves the last stored leaderboard without it.
+    required=False,
+)
 GATEWAY = Role(
     name="gateway",
     entry="gateway.app:main",
-    publishes=((m.ChatRequested, s.REQUESTED), (m.ChatCancelled, s.CANCELLED)),
+    publishes=(
+        (m.ChatRequested, s.REQUESTED),
+        (m.ChatCancelled, s.CANCELLED),
+        (b.BattleStarted, b.STARTED),
+        (b.BattleTurn, b.TURN),
+        (b.VoteCast, b.VOTED),
+        (b.VoteInvalidated, b.INVALIDATED),
+    ),
     required=False,
 )
 
 #: In start order; `arena up` stops them in the reverse order, so the gateway stops
 #: taking requests first, inference drains while delivery still delivers, and the
 #: servers go last.
-ROLES: list[Role] = [FILTER, DELIVERY, INFERENCE, GATEWAY]
+ROLES: list[Role] = [FILTER, DELIVERY, INFERENCE, LEADERBOARD, GATEWAY]
 
 
 def role(name: str) -> Role:

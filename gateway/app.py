@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import errors, routes_async, routes_openai, ws
+from gateway.arena import routes as arena_routes
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
@@ -43,6 +44,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     app.include_router(routes_openai.router(chat))
     app.include_router(routes_async.router(chat))
     app.include_router(ws.router(chat, settings))
+    app.include_router(arena_routes.router(chat, settings))
     return app
 
 

@@ -21,6 +21,7 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
 from gateway.protocol import ChatCompletionRequest
+from gateway.variants import model_defaults, with_model_defaults
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -146,6 +147,7 @@ class ChatService:
     async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request; the event to publish is None when it attaches to an earlier one."""
         model = self._check(req)
+        req = with_model_defaults(req, model_defaults(self.pipeline).get(model, {}))
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0

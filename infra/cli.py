@@ -82,17 +82,22 @@ def _line(event) -> str:
         if k not in ("event_id", "request_id", "conv_id", "occurred_at", "type", "schema_version")
     }
     text = json.dumps(keep, ensure_ascii=False)
+    if "battle_id" in d:
+        return f"{d['occurred_at']}  {event.type:<17} battle={d['battle_id']}  {text[:300]}"
     return f"{d['occurred_at']}  {event.type:<17} req={event.request_id} turn={event.turn_id}  {text[:300]}"
 
 
 async def _replay(args) -> int:
 
     async with _jetstream(args) as js:
-        events = (
-            await request_events(js, args.request_id)
-            if args.request_id
-            else await conversation_events(js, args.conv_id)
-        )
+        if args.battle_id:
+            from infra import arena_cli  # noqa: PLC0415 - numpy stays out of the processes `arena run` starts
+
+            events = await arena_cli.replay_battle(js, args.battle_id)
+        elif args.request_id:
+            events = await request_events(js, args.request_id)
+        else:
+            events = await conversation_events(js, args.conv_id)
     for e in events:
         print(e.model_dump_json() if args.json else _line(e))
     if not events:
@@ -115,8 +120,27 @@ async def _audit(args) -> int:
         print(f"more than one terminal event: {len(report['duplicate_terminal'])}")
         for r in report["duplicate_terminal"]:
             print(f"  {r}")
+        print(f"battles: {report['battles']}  votes: {report['votes']}")
+        for key in ("votes_without_battle", "battles_with_several_votes"):
+            print(f"{key.replace('_', ' ')}: {len(report[key])}")
+            for b in report[key]:
+                print(f"  {b}")
         print("OK" if report["ok"] else "PROBLEMS FOUND")
     return 0 if report["ok"] else 1
+
+
+async def _arena(args) -> int:
+    from infra import arena_cli  # noqa: PLC0415 - numpy stays out of the processes `arena run` starts
+
+    if args.cmd == "battles" and args.op == "import" and not args.file:
+        raise SystemExit("arena battles import needs a FILE (FastChat clean-battle JSON)")
+    async with _jetstream(args) as js:
+        if args.cmd == "leaderboard":
+            return await arena_cli.leaderboard(js, args.at, args.json)
+        if args.op == "import":
+            await js.stream_info(subjects.STREAM)  # the stream must exist (arena up ran)
+            return await arena_cli.import_battles(js, args.file)
+        return await arena_cli.export_battles(js, args.file)
 
 
 def _asyncapi(args) -> int:
@@ -201,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
             g = sp.add_mutually_exclusive_group(required=True)
             g.add_argument("--request-id")
             g.add_argument("--conv-id")
+            g.add_argument("--battle-id", help="the battle's events and both sides' requests")
         else:
             sp.add_argument("--since", default="1h", help="window, e.g. 30m, 1h, 2d")
 
@@ -217,6 +242,16 @@ def parser() -> argparse.ArgumentParser:
     mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     mo.add_argument("--nats-url", default=None)
     mo.add_argument("--state-dir", default=OperatorSettings().state_dir)
+
+    lb = sub.add_parser("leaderboard", help="recompute the arena leaderboard from the stream")
+    lb.add_argument("--at", type=int, default=None, help="stream sequence to stop at (same digest as then)")
+    lb.add_argument("--json", action="store_true")
+    ba = sub.add_parser("battles", help="import or export arena votes (FastChat clean-battle JSON)")
+    ba.add_argument("op", choices=("import", "export"))
+    ba.add_argument("file", nargs="?", help="import: the file to read; export: the file to write (default stdout)")
+    for sp in (lb, ba):
+        sp.add_argument("--nats-url", default=None)
+        sp.add_argument("--state-dir", default=OperatorSettings().state_dir)
 
     aa = sub.add_parser("asyncapi", help="write the AsyncAPI document of the event contract")
     aa.add_argument("--out", default=None)
@@ -239,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_models(args))
     if args.cmd == "asyncapi":
         return _asyncapi(args)
+    if args.cmd in ("leaderboard", "battles"):
+        return asyncio.run(_arena(args))
     return 2
 
 

@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from events.models import TERMINAL_TYPES
+from infra.battle_audit import audit_battles
 from runtime.stream import read_events
 
 
@@ -38,13 +39,18 @@ def audit(events: list, now: float | None = None, grace_s: float = 5.0) -> dict:
     missing = sorted(r for r in open_ if requested[r].deadline_at + grace_s <= now)
     duplicated = sorted(r for r, ts in terminals.items() if len(ts) > 1)
     orphans = sorted(r for r in terminals if r not in requested)
+    battles = audit_battles(events)
     return {
+        **battles,
         "requests": len(requested),
         "missing_terminal": missing,
         "duplicate_terminal": duplicated,
         "in_flight": in_flight,
         "terminal_without_request": orphans,
-        "ok": not missing and not duplicated,
+        "ok": not missing
+        and not duplicated
+        and not battles["votes_without_battle"]
+        and not battles["battles_with_several_votes"],
     }
 
 

@@ -25,9 +25,11 @@ from prometheus_client import Counter, start_http_server
 from events import topology
 from infra.servers import LocalServer, start_nats, start_redis
 from runtime.net import free_port
-from runtime.settings import InferenceSettings, OperatorSettings
+from runtime.settings import REPO, InferenceSettings, OperatorSettings
 
 PR_SET_PDEATHSIG = 1
+#: What `arena up` serves without --models-config: three arena models on one set of weights.
+DEFAULT_MODELS_CONFIG = REPO / "configs" / "arena-models.yaml"
 RESTARTS = Counter("arena_process_restarts_total", "Children of `arena up` restarted after they died", ["process"])
 #: Backoff between restarts of one child: doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S,
 #: and starts over once the child has stayed up STABLE_S.
@@ -173,6 +175,8 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     )
     if args.models_config:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
+    elif not env.get("ARENA_MODELS_CONFIG"):
+        env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # stories-260k and two variants
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
     for role in topology.ROLES:

@@ -107,6 +107,13 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body.")
     max_queue_per_model: int = Field(256, ge=1, description="Requests in flight per model before 429.")
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
+    arena_weights: dict[str, float] = Field(
+        default_factory=dict, description="Arena pair sampling weight per model; empty: uniform."
+    )
+    arena_boost: list[str] = Field(default_factory=list, description="Arena models drawn 5x as often (new ones).")
+    arena_targets: dict[str, list[str]] = Field(
+        default_factory=dict, description="Arena model -> rivals it should mostly meet."
+    )
 
     @model_validator(mode="after")
     def _deadlines(self) -> GatewaySettings:
@@ -132,3 +139,16 @@ class OperatorSettings(BaseSettings):
         description="An existing Redis; unset: `arena up` starts one.",
     )
     log_level: str = Field("INFO", description="Log level of `arena up` and of the processes it starts.")
+
+
+class LeaderboardSettings(CommonSettings):
+    min_votes: int = Field(30, ge=0, description="Models with fewer counted votes are flagged provisional.")
+    interval: str = Field("sandwich", description="'sandwich' or 'bootstrap' intervals.")
+    refresh_s: float = Field(0.5, gt=0, description="Longest a new vote waits before the leaderboard is refit.")
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, v: str) -> str:
+        if v not in ("sandwich", "bootstrap"):
+            raise ValueError("interval must be 'sandwich' or 'bootstrap' (set ARENA_INTERVAL)")
+        return v

@@ -43,6 +43,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         return {
             "models": [s.name for s in pool.specs()],
             "resident": pool.resident(),
+            "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
             "metrics_port": metrics_port,
             "engine": settings.engine,

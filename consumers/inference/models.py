@@ -61,6 +61,17 @@ class ModelSpec(BaseModel):
         None,
         description="Jinja chat template overriding the tokenizer's; when both are missing FALLBACK_TEMPLATE is used.",
     )
+    # A variant serves its base's weights (one copy in the pool) under its own name,
+    # with its own defaults; the gateway applies them where a request sets nothing.
+    base: str | None = Field(None, description="Variant of this model: same weights, its own defaults.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default temperature of a variant.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default top_p of a variant.")
+    max_tokens: int | None = Field(None, ge=1, description="Default max_tokens of a variant.")
+    system: str | None = Field(None, description="System prompt a variant adds when a request has none.")
+
+    def defaults(self) -> dict:
+        """What a variant announces: its base and the request defaults it sets (empty for a plain model)."""
+        return self.model_dump(include={"base", "temperature", "top_p", "max_tokens", "system"}, exclude_none=True)
 
     @field_validator("name")
     @classmethod
@@ -117,10 +128,13 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
         raise PermanentError(f"models config {file} must be a mapping with a 'models' list")
     specs: list[ModelSpec] = []
-    for i, entry in enumerate(data["models"]):
-        if not isinstance(entry, dict) or "path" not in entry:
-            raise PermanentError(f"models config {file}: entry {i} needs at least 'name' and 'path'")
-        entry = {**entry, "path": _resolve_path(str(entry["path"]), base)}
+    entries = data["models"]
+    by_name = {e.get("name"): e for e in entries if isinstance(e, dict)}
+    for i, raw in enumerate(entries):
+        given = _variant_entry(file, i, raw, by_name) if isinstance(raw, dict) and raw.get("base") else raw
+        if not isinstance(given, dict) or "path" not in given:
+            raise PermanentError(f"models config {file}: entry {i} needs at least 'name' and 'path' (or 'base')")
+        entry = {**given, "path": _resolve_path(str(given["path"]), base)}
         try:
             specs.append(ModelSpec(**entry))
         except ValueError as exc:
@@ -130,6 +144,18 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
     if dupes:
         raise PermanentError(f"models config {file}: duplicate model names {dupes}")
     return specs
+
+
+def _variant_entry(file: Path, i: int, entry: dict, by_name: dict) -> dict:
+    """A variant takes its base's weights and placement; a base must be a plain model."""
+    parent = by_name.get(entry["base"])
+    if parent is None or parent.get("base") is not None or "path" not in parent:
+        raise PermanentError(
+            f"models config {file}: entry {i} ({entry.get('name')!r}) has base {entry['base']!r}, "
+            "which must name a plain model (with a 'path') in the same file"
+        )
+    placement = {k: parent[k] for k in ("path", "dtype", "device", "chat_template") if k in parent}
+    return {**placement, **entry}
 
 
 @dataclass

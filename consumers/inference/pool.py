@@ -96,6 +96,8 @@ class ModelPool:
     async def acquire(self, name: str) -> LoadedModel:
         """Pin and return ``name``'s current version; pair with :meth:`release`."""
         counted = False
+        if name in self._specs and self._specs[name].base:
+            name = self._specs[name].base  # a variant borrows its base's weights
         while True:
             if name not in self._specs:
                 raise UnknownModel(name, sorted(self._specs))
@@ -147,8 +149,12 @@ class ModelPool:
     # ---- inspection ----------------------------------------------------------------
 
     def resident(self) -> list[str]:
-        """Names of resident models, least recently used first."""
-        return list(self._resident)
+        """Names of resident models, least recently used first; a variant follows its base."""
+        out = []
+        for name in self._resident:
+            out.append(name)
+            out += [s.name for s in self._specs.values() if s.base == name]
+        return out
 
     @property
     def stats(self) -> PoolStats:

@@ -1,0 +1,94 @@
+"""The leaderboard consumer: battle events in, the current leaderboard in Redis out.
+
+On start it reads every stored battle event (the projection is rebuilt from the stream,
+never trusted from Redis), then follows its durable consumer. Votes are acked once
+applied; the leaderboard is refit and stored at most every `refresh_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one fit at a time on a small box
+
+from faststream import AckPolicy, FastStream
+from faststream.nats import NatsBroker
+from faststream.nats.annotations import NatsMessage
+
+from consumers.leaderboard.projection import VoteProjection, config_of
+from events import decode, topology
+from events.arena_readmodel import save_leaderboard
+from events.battles import BATTLES_SUBJECT
+from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.redis import redis_client
+from runtime.settings import LeaderboardSettings
+
+log = logging.getLogger(__name__)
+
+
+async def backfill(js, projection: VoteProjection) -> None:
+    """Every battle event already stored, with its stream sequence."""
+    sub = await js.subscribe(BATTLES_SUBJECT, ordered_consumer=True)
+    try:
+        info = await sub.consumer_info()
+        left = info.num_pending + info.delivered.consumer_seq
+        while left > 0:
+            msg = await sub.next_msg(timeout=5.0)
+            projection.apply(decode(msg.data), msg.metadata.sequence.stream)
+            left -= 1
+    finally:
+        await sub.unsubscribe()
+
+
+def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
+    settings = settings or LeaderboardSettings()
+    role = topology.LEADERBOARD
+    projection = VoteProjection(config_of(settings))
+    redis = redis_client(settings.redis_url)
+    runtime = ProcessRuntime(role.name, settings, lambda: {"seq": projection.seq})
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
+    dirty = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+
+    @durable_pull(broker, role, AckPolicy.MANUAL)
+    async def on_battle_event(message: NatsMessage) -> None:
+        event = await decode_or_term(role.name, message)
+        if event is None:
+            return
+        # A redelivered event is applied again harmlessly: a battle's first vote holds.
+        projection.apply(event, message.raw_message.metadata.sequence.stream)
+        dirty.set()
+        await message.ack()
+
+    async def publisher() -> None:
+        while True:
+            await dirty.wait()
+            dirty.clear()
+            board = await asyncio.to_thread(projection.leaderboard)
+            try:
+                await save_leaderboard(redis, board)
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep going, retry on the next vote
+                log.warning("could not store the leaderboard: %s", exc)
+                dirty.set()
+            await asyncio.sleep(settings.refresh_s)
+
+    async def after_start() -> None:
+        await backfill(runtime.js, projection)
+        dirty.set()
+        tasks.append(asyncio.create_task(publisher()))
+
+    async def stop() -> None:
+        for t in tasks:
+            t.cancel()
+        await redis.aclose()
+
+    app = FastStream(broker)
+    wire_lifecycle(app, runtime, after_stop=stop)
+    app.after_startup(after_start)
+    return app
+
+
+def main() -> None:
+    asyncio.run(build_app().run())

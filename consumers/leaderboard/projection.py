@@ -1,0 +1,80 @@
+"""Battle events -> the counted votes -> a leaderboard (pure logic, no broker).
+
+Votes count in stream order: a `VoteCast` adds its vote (the first per battle), a
+`VoteInvalidated` takes it out, a `VoteReinstated` puts it back. The live consumer and
+`arena leaderboard --at SEQ` both run this fold, so at the same sequence they produce
+the same leaderboard and digest.
+"""
+
+from __future__ import annotations
+
+import time
+
+from consumers.leaderboard.config import LeaderboardConfig
+from consumers.leaderboard.ratings import LeaderboardState
+from consumers.leaderboard.votes import Vote
+
+
+def config_of(settings) -> LeaderboardConfig:
+    """The leaderboard's config from the process settings (`LeaderboardSettings`): the live
+    consumer and `arena leaderboard` must agree on it, since it is part of the digest."""
+    return LeaderboardConfig(min_votes=settings.min_votes, interval=settings.interval)
+
+
+def row_dict(r) -> dict:
+    return {
+        "model": r.model,
+        "rating": r.rating,
+        "ci_low": r.ci_low,
+        "ci_high": r.ci_high,
+        "rank": r.rank,
+        "votes": r.votes,
+        "provisional": r.provisional,
+        "elo": r.elo,
+    }
+
+
+class VoteProjection:
+    def __init__(self, config: LeaderboardConfig | None = None) -> None:
+        self.config = config or LeaderboardConfig()
+        self.votes: dict[str, tuple[int, Vote]] = {}  # battle -> (seq, vote), every vote cast
+        self.invalid: set[str] = set()
+        self.state = LeaderboardState(self.config)
+        self.seq = 0
+        self._rebuild = False
+
+    def apply(self, event, seq: int) -> bool:
+        """Take one battle event at stream sequence `seq`; True when the counted votes changed."""
+        self.seq = max(self.seq, seq)
+        bid = getattr(event, "battle_id", None)
+        if event.type == "vote.cast" and bid not in self.votes:
+            vote = Vote(event.model_a, event.model_b, event.choice, event.occurred_at.timestamp(), event.voter)
+            self.votes[bid] = (seq, vote)
+            if bid in self.invalid:
+                return False
+            self.state.add(vote)
+            return True
+        if event.type == "vote.invalidated" and bid not in self.invalid:
+            self.invalid.add(bid)
+            self._rebuild = bid in self.votes
+            return self._rebuild
+        if event.type == "vote.reinstated" and bid in self.invalid:
+            self.invalid.discard(bid)
+            self._rebuild = bid in self.votes
+            return self._rebuild
+        return False
+
+    def counted(self) -> list[Vote]:
+        return [v for bid, (_, v) in sorted(self.votes.items(), key=lambda kv: kv[1][0]) if bid not in self.invalid]
+
+    def leaderboard(self) -> dict:
+        """The current leaderboard as stored for the gateway (with its sequence and digest)."""
+        if self._rebuild:  # a vote left or came back: recount in stream order
+            self.state = LeaderboardState(self.config)
+            self.state.extend(self.counted())
+            self._rebuild = False
+        body: dict = {"seq": self.seq, "total_votes": self.state.total, "computed_at": time.time()}
+        if self.state.total == 0:
+            return {**body, "digest": None, "rows": []}
+        board = self.state.leaderboard()
+        return {**body, "digest": board.digest(), "rows": [row_dict(r) for r in board.rows]}

@@ -1,0 +1,36 @@
+"""The arena's Redis read model: a contract between the leaderboard consumer (writer)
+and the gateway (reader), like the subjects.
+
+Key layout:
+  arena:leaderboard      JSON of the current leaderboard: {seq, digest, total_votes,
+                         computed_at, rows: [{model, rating, ci_low, ci_high, rank, votes,
+                         provisional, elo}]}; `seq` is the stream sequence it was computed at
+  arena:secret           random key of the voter pseudonyms and side conversation ids
+                         (shared by every gateway; created by the first one)
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from redis.asyncio import Redis
+
+LEADERBOARD = "arena:leaderboard"
+SECRET = "arena:secret"
+
+
+async def save_leaderboard(redis: Redis, board: dict) -> None:
+    await redis.set(LEADERBOARD, json.dumps(board, sort_keys=True))
+
+
+async def load_leaderboard(redis: Redis) -> dict | None:
+    raw = await redis.get(LEADERBOARD)
+    return json.loads(raw) if raw else None
+
+
+async def arena_secret(redis: Redis) -> bytes:
+    """The shared secret; the first gateway to ask creates it."""
+    await redis.set(SECRET, secrets.token_hex(32), nx=True)
+    raw = await redis.get(SECRET)
+    return bytes.fromhex(raw.decode() if isinstance(raw, bytes) else raw)

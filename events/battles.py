@@ -1,0 +1,104 @@
+"""Battle events: a blind battle between two models, its turns, and its vote.
+
+A battle lives on `arena.battle.<kind>.<battle_id>`; its chat requests live on their
+own request subjects like any other request (`BattleTurn` links them). Model identities
+are in these events because the stream is the server's record; the gateway keeps them
+from the client until the vote is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from events.codec import register
+from events.models import BattleEvent
+from events.subjects import BATTLE_PREFIX, STEM_BY_TYPE
+
+Choice = Literal["a", "b", "tie", "both_bad"]
+
+STARTED = f"{BATTLE_PREFIX}.started"
+TURN = f"{BATTLE_PREFIX}.turn"
+VOTED = f"{BATTLE_PREFIX}.voted"
+INVALIDATED = f"{BATTLE_PREFIX}.invalidated"
+REINSTATED = f"{BATTLE_PREFIX}.reinstated"
+#: Every battle event; the leaderboard's durable reads this.
+BATTLES_SUBJECT = f"{BATTLE_PREFIX}.>"
+
+
+def battle_filter(battle_id: str) -> str:
+    """Every event of one battle."""
+    return f"{BATTLE_PREFIX}.*.{battle_id}"
+
+
+@register
+class BattleStarted(BattleEvent):
+    """A voter was given two anonymous models: `model_a` answers in the left pane, `model_b` in the right."""
+
+    type: Literal["battle.started"] = "battle.started"
+    voter: str = Field(description="Keyed hash of the voter's API key or address; never the raw value.")
+    model_a: str
+    model_b: str
+    swapped: bool = Field(description="The random swap put the sampler's second pick on the left.")
+    policy_version: str = Field(description="Digest of the sampling policy (weights, boosts, targets, models).")
+    pair_probability: float = Field(ge=0.0, le=1.0, description="Probability of this unordered pair under it.")
+
+
+@register
+class BattleTurn(BattleEvent):
+    """One prompt of the battle, answered by both sides as two ordinary chat requests."""
+
+    type: Literal["battle.turn"] = "battle.turn"
+    turn_id: int = Field(ge=0)
+    request_a: str
+    request_b: str
+    conv_a: str = Field(description="Side a's conversation (derived from the battle with a secret key).")
+    conv_b: str
+
+    def dedupe_key(self) -> str:
+        return f"battle:{self.battle_id}:turn:{self.turn_id}"
+
+
+@register
+class VoteCast(BattleEvent):
+    """The voter's verdict. One per battle: its Nats-Msg-Id is the battle's."""
+
+    type: Literal["vote.cast"] = "vote.cast"
+    choice: Choice = Field(description="'a' (left won), 'b' (right won), 'tie' or 'both_bad'.")
+    model_a: str
+    model_b: str
+    voter: str | None = None
+    turns: int = Field(0, ge=0, description="Turns both sides completed before the vote.")
+    imported: bool = Field(False, description="Read from a FastChat clean-battle file, not voted here.")
+
+
+@register
+class VoteInvalidated(BattleEvent):
+    """The battle's vote no longer counts (e.g. an answer named its own model)."""
+
+    type: Literal["vote.invalidated"] = "vote.invalidated"
+    reason: str
+    detector: str = Field(description="What found it: a check's name or an operator.")
+
+
+@register
+class VoteReinstated(BattleEvent):
+    """An invalidated vote counts again."""
+
+    type: Literal["vote.reinstated"] = "vote.reinstated"
+    reason: str
+    detector: str
+
+
+STEM_BY_TYPE.update(
+    {
+        BattleStarted.type_name(): STARTED,
+        BattleTurn.type_name(): TURN,
+        VoteCast.type_name(): VOTED,
+        VoteInvalidated.type_name(): INVALIDATED,
+        VoteReinstated.type_name(): REINSTATED,
+    }
+)
+
+BATTLE_TYPES = (BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteReinstated)

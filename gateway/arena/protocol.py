@@ -1,0 +1,72 @@
+"""Request and response bodies of the arena API (they document it in OpenAPI)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from events.battles import Choice
+from events.models import MAX_TOKENS_LIMIT
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, as every arenaflow endpoint answers errors."""
+
+    error: ErrorDetail
+
+
+def errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorBody} for s in statuses}
+
+
+class TurnRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="The user's message; both models answer it.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="Default: the model's own default.")
+
+
+class VoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    choice: Choice = Field(description="'a' (left is better), 'b' (right), 'tie' or 'both_bad'.")
+
+
+class BattleView(BaseModel):
+    """A battle as its voter sees it: model names only once the vote is stored."""
+
+    battle_id: str
+    turns: int = Field(description="Turns started so far.")
+    state: Literal["open", "voted"]
+    model_a: str = Field(description="'model_a' until the vote is stored, then the real name.")
+    model_b: str
+    choice: Choice | None = None
+    counted: bool | None = Field(None, description="After the vote: does it count on the leaderboard?")
+    invalid_reason: str | None = None
+
+
+class LeaderboardRowView(BaseModel):
+    model: str
+    rating: float
+    ci_low: float
+    ci_high: float
+    rank: int
+    votes: int
+    provisional: bool
+    elo: float | None = None
+
+
+class LeaderboardView(BaseModel):
+    seq: int = Field(description="Stream sequence the leaderboard was computed at (0: no votes yet).")
+    digest: str | None = Field(None, description="Leaderboard.digest(): equal for the same votes and config.")
+    total_votes: int = 0
+    computed_at: float | None = None
+    rows: list[LeaderboardRowView] = Field(default_factory=list)

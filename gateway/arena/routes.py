@@ -1,0 +1,106 @@
+"""The arena's HTTP API under /arena, and its web pages (static files, no build step)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+
+from events.arena_readmodel import load_leaderboard
+from gateway.arena.pairing import PairPolicy
+from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest, errors
+from gateway.arena.service import ArenaService, view
+from gateway.errors import APIError
+from gateway.serving import ChatService
+from runtime.redis import REDIS_DOWN
+from runtime.settings import GatewaySettings
+
+STATIC = Path(__file__).parent / "static"
+CSV_FIELDS = ("rank", "model", "rating", "ci_low", "ci_high", "votes", "provisional", "elo")
+NO_STORE = {"cache-control": "no-store"}
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") else None
+
+
+def leaderboard_csv(board: LeaderboardView) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for row in board.rows:
+        writer.writerow(row.model_dump(include=set(CSV_FIELDS)))
+    return out.getvalue()
+
+
+def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
+    arena = ArenaService(chat, PairPolicy(settings.arena_weights, tuple(settings.arena_boost), settings.arena_targets))
+    r = APIRouter(prefix="/arena", tags=["arena"])
+
+    @r.post("/battles", response_model=BattleView, status_code=201, responses=errors(503))
+    async def start_battle(request: Request) -> BattleView:
+        """Start a blind battle between two served models, drawn by the pair sampling policy."""
+        client = request.client.host if request.client else None
+        return view(await arena.start(_api_key(request), client))
+
+    @r.post(
+        "/battles/{battle_id}/turns",
+        responses={200: {"content": {"text/event-stream": {}}}, **errors(400, 404, 409, 429, 503)},
+    )
+    async def battle_turn(battle_id: str, body: TurnRequest) -> StreamingResponse:
+        """Both models answer the prompt, streamed together as server-sent events.
+
+        Each event is `{"object": "arena.battle.chunk", "battle_id", "turn_id", "side": "a"|"b",
+        "model": "model_a"|"model_b", "delta": {"content"}, "finish_reason"}` (an `error` object
+        with `finish_reason: "error"` when a side failed), and the stream ends with `[DONE]`.
+        Each side keeps its own conversation, so later turns see that side's earlier answers."""
+        battle = await arena.load(battle_id)
+        n, sides = await arena.open_turn(battle, body)
+        return StreamingResponse(arena.stream_turn(battle, n, sides), media_type="text/event-stream", headers=NO_STORE)
+
+    @r.post("/battles/{battle_id}/vote", response_model=BattleView, responses=errors(400, 404, 409, 503))
+    async def vote(battle_id: str, body: VoteRequest) -> BattleView:
+        """Store the vote and reveal both models. 409 until both sides of the last turn completed."""
+        return view(await arena.vote(await arena.load(battle_id), body.choice))
+
+    @r.get("/battles/{battle_id}", response_model=BattleView, responses=errors(404, 503))
+    async def get_battle(battle_id: str) -> BattleView:
+        """The battle; its models are named only once its vote is stored."""
+        return view(await arena.load(battle_id))
+
+    @r.get(
+        "/leaderboard",
+        response_model=LeaderboardView,
+        responses={200: {"content": {"text/csv": {}}}, **errors(503)},
+    )
+    async def leaderboard(format: str = Query("json", pattern="^(json|csv)$")):
+        """The current leaderboard (kept live by the leaderboard consumer); `?format=csv` for CSV."""
+        try:
+            stored = await load_leaderboard(chat.pipeline.results.redis)
+        except REDIS_DOWN as exc:
+            raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
+        board = LeaderboardView.model_validate(stored or {"seq": 0})
+        if format == "csv":
+            return Response(leaderboard_csv(board), media_type="text/csv", headers=NO_STORE)
+        return Response(board.model_dump_json(), media_type="application/json", headers=NO_STORE)
+
+    @r.get("", include_in_schema=False)
+    async def battle_page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @r.get("/board", include_in_schema=False)
+    async def board_page() -> FileResponse:
+        return FileResponse(STATIC / "leaderboard.html")
+
+    @r.get("/static/{name}", include_in_schema=False)
+    async def asset(name: str) -> FileResponse:
+        path = STATIC / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise APIError(404, f"no file '{name}'", "not_found")
+        return FileResponse(path)
+
+    return r

@@ -1,0 +1,291 @@
+"""Battles over the ordinary pipeline: both sides are chat requests served by ChatService.
+
+The stream is the record: a battle's state is folded from its events on every call,
+so any gateway serves any battle. Model names stay on the server until the vote is
+stored: clients see `model_a` / `model_b`, errors are scrubbed of every served name,
+and request and conversation ids of the sides (which /v1 and /chat could look up)
+are never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from events import decode, encode, subjects
+from events.arena_readmodel import arena_secret
+from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, battle_filter
+from events.models import TERMINAL_TYPES, new_id
+from gateway.arena.identity import SIDES, names_itself, neutral_name, scrub, side_conv_id, voter_pseudonym
+from gateway.arena.pairing import NoPair, PairPolicy, sample_pair
+from gateway.arena.protocol import BattleView, TurnRequest
+from gateway.arena.state import Battle, fold
+from gateway.errors import APIError
+from gateway.pipeline import NATS_DOWN, Output, stream_unavailable
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import ChatService, Ticket, outcome
+from gateway.variants import model_defaults
+from gateway.ws import conversation_state
+from runtime.redis import REDIS_DOWN
+from runtime.stream import read_events
+
+log = logging.getLogger(__name__)
+
+LEAK_DETECTOR = "answer_names_model"
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Side:
+    side: str
+    ticket: Ticket
+    event: Any  # ChatRequested, or None when it attached to a running request
+    output: Output | None = None
+
+
+class ArenaService:
+    def __init__(self, chat: ChatService, policy: PairPolicy):
+        self.chat, self.policy = chat, policy
+        self.pipeline = chat.pipeline
+        self._secret: bytes | None = None
+
+    async def secret(self) -> bytes:
+        if self._secret is None:
+            try:
+                self._secret = await arena_secret(self.pipeline.results.redis)
+            except REDIS_DOWN as exc:
+                raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
+        return self._secret
+
+    def names(self, battle: Battle | None = None) -> set[str]:
+        names = set(self.pipeline.fleet()["models"])
+        return names | ({battle.started.model_a, battle.started.model_b} if battle else set())
+
+    def neutral(self, err: APIError, battle: Battle | None = None) -> APIError:
+        """The same error with no model name in it."""
+        names = self.names(battle)
+        param = None if err.param == "model" else err.param
+        return APIError(err.status, scrub(err.message, names), err.code, param, err.headers)
+
+    async def publish(self, event) -> bool:
+        """Publish a battle event; True when the server already had it (a duplicate)."""
+        try:
+            ack = await self.pipeline.js.publish(
+                subjects.subject_for(event), encode(event), headers={"Nats-Msg-Id": event.dedupe_key()}
+            )
+        except NATS_DOWN as exc:
+            raise stream_unavailable() from exc
+        return bool(getattr(ack, "duplicate", False))
+
+    async def load(self, battle_id: str) -> Battle:
+        battle = None
+        if subjects.is_valid_token(battle_id):
+            try:
+                battle = fold(await read_events(self.pipeline.js, battle_filter(battle_id)))
+            except NATS_DOWN as exc:
+                raise stream_unavailable() from exc
+        if battle is None:
+            raise APIError(404, f"no battle '{battle_id}'", "battle_not_found", "battle_id")
+        return battle
+
+    # ---- starting --------------------------------------------------------------------
+
+    async def start(self, api_key: str | None, address: str | None) -> Battle:
+        fleet = self.pipeline.fleet()
+        resident = {m for m, insts in fleet["models"].items() if insts}
+        try:
+            pair = sample_pair(self.policy, list(fleet["models"]), resident)
+        except NoPair as exc:
+            raise APIError(503, f"not enough models to battle: {exc}", "not_enough_models") from exc
+        event = BattleStarted(
+            battle_id=new_id(),
+            voter=voter_pseudonym(await self.secret(), api_key, address),
+            model_a=pair.model_a,
+            model_b=pair.model_b,
+            swapped=pair.swapped,
+            policy_version=pair.policy_version,
+            pair_probability=pair.probability,
+        )
+        await self.publish(event)
+        return Battle(event)
+
+    # ---- turns -----------------------------------------------------------------------
+
+    async def terminal(self, request_id: str) -> Any:
+        """The request's terminal event (Redis, else the stream), or None while it runs."""
+        try:
+            raw = await self.pipeline.results.get_result(request_id)
+            if raw is not None:
+                return decode(raw)
+        except REDIS_DOWN:
+            pass
+        for e in await self.pipeline.history(request_id):
+            if e.type in TERMINAL_TYPES:
+                return e
+        return None
+
+    async def last_turn_terminals(self, battle: Battle) -> tuple[Any, Any]:
+        turn = battle.turns[-1]
+        return await self.terminal(turn.request_a), await self.terminal(turn.request_b)
+
+    async def open_turn(self, battle: Battle, req: TurnRequest) -> tuple[int, list[Side]]:
+        """Admit and publish both sides of the next turn; errors come back without names."""
+        if battle.vote is not None:
+            raise APIError(409, "this battle has been voted on; start a new one", "battle_closed")
+        if battle.turns and None in await self.last_turn_terminals(battle):
+            raise APIError(409, "the previous turn is still running", "turn_running")
+        n, key = len(battle.turns), await self.secret()
+        sides: list[Side] = []
+        try:
+            for side in SIDES:
+                conv = side_conv_id(key, battle.battle_id, side)
+                history = conversation_state(await self.pipeline.conversation(conv)).messages
+                creq = ChatCompletionRequest(
+                    model=battle.model(side),
+                    messages=[*(m.model_dump() for m in history), {"role": "user", "content": req.prompt}],
+                    conv_id=conv,
+                    turn_id=n,
+                    stream=True,
+                    **({"max_tokens": req.max_tokens} if req.max_tokens else {}),
+                )
+                ticket, event = await self.chat.admit(creq, None)
+                sides.append(Side(side, ticket, event))
+                if ticket.attached:
+                    raise APIError(409, "this turn is already running", "turn_running")
+            a, b = sides
+            await self.publish(
+                BattleTurn(
+                    battle_id=battle.battle_id,
+                    turn_id=n,
+                    request_a=a.ticket.request_id,
+                    request_b=b.ticket.request_id,
+                    conv_a=a.ticket.conv_id,
+                    conv_b=b.ticket.conv_id,
+                )
+            )
+            for s in sides:
+                s.output = await self.chat.start(s.ticket, s.event)
+        except APIError as err:
+            await self._abandon(sides)
+            raise self.neutral(err, battle) from None
+        return n, sides
+
+    async def _abandon(self, sides: list[Side]) -> None:
+        for s in sides:
+            if s.output is not None:
+                await s.output.close()
+                await self.pipeline.cancel(s.ticket.request_id, s.ticket.conv_id, s.ticket.turn_id)
+            elif s.ticket.key and not s.ticket.attached:
+                try:
+                    await self.pipeline.keys.release_key(s.ticket.key, s.ticket.request_id)
+                except REDIS_DOWN:
+                    log.warning("could not release a battle turn's key", extra={"request_id": s.ticket.request_id})
+
+    async def stream_turn(self, battle: Battle, n: int, sides: list[Side]) -> AsyncIterator[str]:
+        """SSE: both sides' chunks as they come, each tagged with its side; then [DONE]."""
+        started = time.perf_counter()
+        queue: asyncio.Queue = asyncio.Queue()
+        head = {"object": "arena.battle.chunk", "battle_id": battle.battle_id, "turn_id": n}
+
+        async def pump(s: Side) -> None:
+            err: APIError | None = None
+            terminal = None
+            try:
+                with self.chat.tracking(s.ticket.model):
+                    async with s.output:
+                        async for chunk in s.output:
+                            await queue.put((s.side, chunk.text, None, None))
+                        if rest := s.output.remainder():
+                            await queue.put((s.side, rest, None, None))
+                    terminal, err = s.output.terminal, outcome(s.output.terminal)
+                    self.chat.record(s.ticket.model, err, started)
+            except Exception as exc:
+                log.error("battle side failed", exc_info=exc, extra={"request_id": s.ticket.request_id})
+                err = APIError(500, f"internal error ({type(exc).__name__})", "internal_error")
+            await queue.put((s.side, None, terminal, err))
+
+        tasks = [asyncio.create_task(pump(s)) for s in sides]
+        ended = 0
+        try:
+            while ended < len(sides):
+                side, text, terminal, err = await queue.get()
+                body = {**head, "side": side, "model": neutral_name(side)}
+                if text is not None:
+                    yield sse({**body, "delta": {"content": text}, "finish_reason": None})
+                    continue
+                ended += 1
+                if err is None:
+                    yield sse({**body, "delta": {}, "finish_reason": terminal.finish_reason})
+                else:
+                    yield sse({**body, "delta": {}, "finish_reason": "error", **self.neutral(err, battle).body()})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if ended < len(sides):  # the client went away: stop both models
+                with anyio.CancelScope(shield=True):
+                    for s in sides:
+                        await self.pipeline.cancel(s.ticket.request_id, s.ticket.conv_id, s.ticket.turn_id)
+
+    # ---- voting ----------------------------------------------------------------------
+
+    async def vote(self, battle: Battle, choice: str) -> Battle:
+        if battle.vote is not None:
+            if battle.vote.choice == choice:
+                return battle  # a retried vote
+            raise APIError(409, "this battle already has a vote", "already_voted")
+        if not battle.turns:
+            raise APIError(409, "no answers to vote on yet; send a turn first", "not_answered")
+        ta, tb = await self.last_turn_terminals(battle)
+        if not all(t is not None and t.type == "chat.completed" for t in (ta, tb)):
+            raise APIError(409, "both sides of the last turn must complete before a vote", "not_answered")
+        event = VoteCast(
+            battle_id=battle.battle_id,
+            choice=choice,
+            model_a=battle.started.model_a,
+            model_b=battle.started.model_b,
+            voter=battle.started.voter,
+            turns=len(battle.turns),
+        )
+        if await self.publish(event):  # another request voted first: its vote holds
+            return await self.vote(await self.load(battle.battle_id), choice)
+        battle.vote = event
+        if leak := await self.leak(battle):
+            await self.publish(VoteInvalidated(battle_id=battle.battle_id, reason=leak, detector=LEAK_DETECTOR))
+            battle.invalid_reason = leak
+        return battle
+
+    async def leak(self, battle: Battle) -> str | None:
+        """Why the vote cannot count when an answer named its own model, else None."""
+        defaults = model_defaults(self.pipeline)
+        for turn in battle.turns:
+            for side, rid in (("a", turn.request_a), ("b", turn.request_b)):
+                model, t = battle.model(side), await self.terminal(rid)
+                base = defaults.get(model, {}).get("base")
+                if t is not None and t.type == "chat.completed" and names_itself(t.text, model, base):
+                    return f"identity_leak: side {side} named its own model in turn {turn.turn_id}"
+        return None
+
+
+def view(battle: Battle) -> BattleView:
+    voted = battle.vote is not None
+    return BattleView(
+        battle_id=battle.battle_id,
+        turns=len(battle.turns),
+        state="voted" if voted else "open",
+        model_a=battle.started.model_a if voted else neutral_name("a"),
+        model_b=battle.started.model_b if voted else neutral_name("b"),
+        choice=battle.vote.choice if voted else None,
+        counted=battle.counted if voted else None,
+        invalid_reason=battle.invalid_reason if voted else None,
+    )

@@ -1,0 +1,42 @@
+// The leaderboard page: ratings, 95% intervals drawn as bars, vote counts; refreshed live.
+"use strict";
+function cell(text, cls) { const td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; return td; }
+
+function bar(row, lo, hi) {
+  const td = document.createElement("td");
+  const box = document.createElement("div");
+  box.className = "bar";
+  box.title = `${row.ci_low.toFixed(1)} – ${row.ci_high.toFixed(1)}`;
+  const span = document.createElement("span");
+  const pos = (x) => (100 * (x - lo)) / (hi - lo || 1);
+  span.style.left = `${pos(row.ci_low)}%`;
+  span.style.width = `${Math.max(1, pos(row.ci_high) - pos(row.ci_low))}%`;
+  const mark = document.createElement("i");
+  mark.style.left = `${pos(row.rating)}%`;
+  box.append(span, mark);
+  td.append(box);
+  return td;
+}
+
+async function refresh() {
+  const r = await fetch("/arena/leaderboard");
+  const board = await r.json();
+  const rows = document.querySelector("#rows");
+  rows.replaceChildren();
+  const lo = Math.min(...board.rows.map((x) => x.ci_low));
+  const hi = Math.max(...board.rows.map((x) => x.ci_high));
+  for (const row of board.rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.model = row.model;
+    tr.append(
+      cell(row.rank), cell(row.model + (row.provisional ? " *" : "")), cell(row.rating.toFixed(1), "num"),
+      bar(row, lo, hi), cell(row.votes, "num"), cell(row.elo == null ? "" : row.elo.toFixed(1), "hide-narrow"),
+    );
+    rows.append(tr);
+  }
+  document.querySelector("#summary").textContent = board.rows.length
+    ? `${board.total_votes} votes (stream sequence ${board.seq}). * provisional: few votes yet.`
+    : "No votes yet: play a battle.";
+}
+refresh();
+setInterval(refresh, 3000);

@@ -1,0 +1,43 @@
+"""Model variants' request defaults, as the inference processes announce them.
+
+A variant (`base:` in the models config) serves its base's weights under its own name
+with its own sampling defaults and system prompt. The gateway applies them to the
+request before it becomes a `ChatRequested` event, so the event records the parameters
+the model really ran with (and replay shows them); a field the client set wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol import ChatCompletionRequest, Message
+
+SAMPLING = ("temperature", "top_p", "max_tokens")
+
+
+def model_defaults(pipeline: Any) -> dict[str, dict]:
+    """Defaults per model name from the live inference heartbeats (`defaults` field)."""
+    out: dict[str, dict] = {}
+    for beat in getattr(pipeline, "live_beats", list)():
+        out.update(beat.get("defaults") or {})
+    return out
+
+
+def with_model_defaults(req: ChatCompletionRequest, defaults: dict) -> ChatCompletionRequest:
+    """`req` with the model's defaults for the fields it did not set (pure)."""
+    if not defaults:
+        return req
+    given = req.model_fields_set
+    update: dict[str, Any] = {
+        k: defaults[k]
+        for k in SAMPLING
+        if k in defaults and k not in given and not (k == "max_tokens" and "max_completion_tokens" in given)
+    }
+    if defaults.get("system") and not any(m.role in ("system", "developer") for m in req.messages):
+        update["messages"] = [Message(role="system", content=defaults["system"]), *req.messages]
+    if not update:
+        return req
+    new = req.model_copy(update=update)
+    # model_copy keeps the original fields_set; the defaults count as given from here on.
+    new.__pydantic_fields_set__ = given | set(update)
+    return new

@@ -1,0 +1,107 @@
+"""`arena leaderboard`, `arena battles import|export`, `arena replay --battle-id` and the
+battle half of `arena audit`: the arena's operator commands, reading the stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from consumers.leaderboard.fastchat_format import dump_battles, load_battles
+from consumers.leaderboard.projection import VoteProjection, config_of
+from consumers.leaderboard.votes import Vote
+from events import decode
+from events.battles import BATTLES_SUBJECT, VoteCast, battle_filter
+from runtime import jetstream
+from runtime.settings import LeaderboardSettings
+from runtime.stream import read_events, request_events
+
+
+async def battle_events(js, upto: int | None = None) -> list[tuple[int, object]]:
+    """(stream sequence, event) of every stored battle event, up to `upto` when given."""
+    sub = await js.subscribe(BATTLES_SUBJECT, ordered_consumer=True)
+    out = []
+    try:
+        info = await sub.consumer_info()
+        left = info.num_pending + info.delivered.consumer_seq
+        while left > 0:
+            msg = await sub.next_msg(timeout=5.0)
+            left -= 1
+            seq = msg.metadata.sequence.stream
+            if upto is not None and seq > upto:
+                break
+            out.append((seq, decode(msg.data)))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+def project(events: list[tuple[int, object]]) -> VoteProjection:
+    projection = VoteProjection(config_of(LeaderboardSettings()))
+    for seq, event in events:
+        projection.apply(event, seq)
+    return projection
+
+
+async def leaderboard(js, at: int | None, as_json: bool) -> int:
+    board = project(await battle_events(js, at)).leaderboard()
+    board.pop("computed_at")
+    if as_json:
+        print(json.dumps(board, indent=2))
+        return 0
+    print(f"seq {board['seq']}  votes {board['total_votes']}  digest {board['digest']}")
+    print(f"{'rank':>4}  {'model':<28} {'rating':>8}  {'95% interval':>19}  {'votes':>6}")
+    for r in board["rows"]:
+        flag = "  provisional" if r["provisional"] else ""
+        ci = f"[{r['ci_low']:.1f}, {r['ci_high']:.1f}]"
+        print(f"{r['rank']:>4}  {r['model']:<28} {r['rating']:>8.1f}  {ci:>19}  {r['votes']:>6}{flag}")
+    return 0
+
+
+def imported_votes(path: str) -> list[VoteCast]:
+    """A FastChat clean-battle file as VoteCast events marked imported, with stable battle ids."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    events = []
+    for i, v in enumerate(load_battles(path)):
+        extra = {"occurred_at": datetime.fromtimestamp(v.tstamp, UTC)} if v.tstamp is not None else {}
+        events.append(
+            VoteCast(
+                battle_id=f"imp-{digest}-{i}",
+                choice=v.outcome,
+                model_a=v.model_a,
+                model_b=v.model_b,
+                voter=v.judge,
+                imported=True,
+                **extra,
+            )
+        )
+    return events
+
+
+async def import_battles(js, path: str) -> int:
+    events = imported_votes(path)
+    for e in events:
+        await jetstream.publish(js, e)
+    print(f"imported {len(events)} votes from {path}")
+    return 0
+
+
+async def export_battles(js, out: str | None) -> int:
+    votes: list[Vote] = project(await battle_events(js)).counted()
+    if out:
+        dump_battles(votes, out)
+        print(f"wrote {len(votes)} counted votes to {out}", file=sys.stderr)
+    else:
+        dump_battles(votes, "/dev/stdout")
+    return 0
+
+
+async def replay_battle(js, battle_id: str) -> list:
+    """The battle's events, then each turn's two requests' events."""
+    events = await read_events(js, battle_filter(battle_id))
+    for turn in [e for e in events if e.type == "battle.turn"]:
+        events += await request_events(js, turn.request_a)
+        events += await request_events(js, turn.request_b)
+    return events

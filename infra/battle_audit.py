@@ -1,0 +1,22 @@
+"""The battle half of `arena audit` (pure; no numpy, so every process may import it)."""
+
+from __future__ import annotations
+
+
+def audit_battles(events: list) -> dict:
+    """Every vote belongs to a started battle (or was imported); no battle has two votes."""
+    started = {e.battle_id for e in events if e.type == "battle.started"}
+    votes: dict[str, int] = {}
+    orphans = []
+    for e in events:
+        if e.type == "vote.cast":
+            votes[e.battle_id] = votes.get(e.battle_id, 0) + 1
+            if not e.imported and e.battle_id not in started:
+                orphans.append(e.battle_id)
+    several = sorted(b for b, n in votes.items() if n > 1)
+    return {
+        "battles": len(started),
+        "votes": sum(votes.values()),
+        "votes_without_battle": sorted(orphans),
+        "battles_with_several_votes": several,
+    }

@@ -1,0 +1,146 @@
+"""The private arena through the real pipeline: battles, both sides streamed, votes,
+identities kept secret until the vote, the live leaderboard and the operator commands."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CONFIG = REPO / "configs" / "arena-models.yaml"
+MODELS = ("stories-260k", "stories-260k-creative", "stories-260k-focused")
+# Any spelling of a served name ("stories-260k", "Stories 260K", ...).
+LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def arena(module_stack_factory):
+    return module_stack_factory(ARENA_MODELS_CONFIG=CONFIG).start()
+
+
+def raw(response: httpx.Response, body: str | None = None) -> str:
+    """Every byte the client got: status line, headers and body."""
+    head = "\n".join(f"{k}: {v}" for k, v in response.headers.items())
+    return f"{response.status_code}\n{head}\n{response.text if body is None else body}"
+
+
+def turn(client: httpx.Client, battle_id: str, prompt: str) -> tuple[str, dict]:
+    with client.stream("POST", f"/arena/battles/{battle_id}/turns", json={"prompt": prompt, "max_tokens": 24}) as r:
+        body = "".join(r.iter_text())
+        assert r.status_code == 200, body
+        seen = raw(r, body)
+    frames = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    assert body.rstrip().endswith("data: [DONE]")
+    texts = {"a": "", "b": ""}
+    for f in frames:
+        assert f["model"] == f"model_{f['side']}" and "error" not in f
+        texts[f["side"]] += f["delta"].get("content", "")
+    assert {f["side"] for f in frames if f["finish_reason"]} == {"a", "b"}
+    return seen, texts
+
+
+def arena_cmd(stack, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args, "--nats-url", stack.nats.url],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_default_arena_config_serves_three_models(arena):
+    ids = {m["id"] for m in httpx.get(f"{arena.url}/v1/models").json()["data"]}
+    assert set(MODELS) <= ids
+
+
+def test_a_battle_keeps_identities_secret_until_the_vote(arena):
+    seen = []
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        r = client.post("/arena/battles")
+        seen.append(raw(r))
+        assert r.status_code == 201, r.text
+        battle = r.json()
+        bid = battle["battle_id"]
+        assert (battle["model_a"], battle["model_b"], battle["state"]) == ("model_a", "model_b", "open")
+        early = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
+        seen.append(raw(early))
+        assert early.status_code == 409 and early.json()["error"]["code"] == "not_answered"
+        got, first = turn(client, bid, "Once upon a time")
+        seen.append(got)
+        assert first["a"] and first["b"]
+        got, second = turn(client, bid, "Then the dog ran home")
+        assert second["a"] and second["b"]
+        seen.append(got)
+        view = client.get(f"/arena/battles/{bid}")
+        seen.append(raw(view))
+        assert view.json()["turns"] == 2 and view.json()["model_a"] == "model_a"
+        bad = client.post(f"/arena/battles/{bid}/vote", json={"choice": "left"})
+        seen.append(raw(bad))
+        assert bad.status_code == 400 and "error" in bad.json()
+        assert not [s for s in seen if LEAK.search(s)], "a model name reached the client before the vote"
+
+        voted = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"}).json()
+        assert {voted["model_a"], voted["model_b"]} <= set(MODELS) and voted["model_a"] != voted["model_b"]
+        assert voted["state"] == "voted" and voted["counted"] is True
+        assert client.get(f"/arena/battles/{bid}").json()["model_a"] == voted["model_a"]
+        again = client.post(f"/arena/battles/{bid}/vote", json={"choice": "b"})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_voted"
+        closed = client.post(f"/arena/battles/{bid}/turns", json={"prompt": "more"})
+        assert closed.status_code == 409
+        assert client.get("/arena/battles/nope").status_code == 404
+
+    replay = arena_cmd(arena, "replay", "--battle-id", bid)
+    assert replay.returncode == 0, replay.stderr
+    assert "battle.started" in replay.stdout and "vote.cast" in replay.stdout
+    assert replay.stdout.count("chat.completed") == 4
+
+
+def test_leaderboard_is_live_and_recomputed_from_the_stream(arena, tmp_path):
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        for choice in ("b", "tie"):
+            bid = client.post("/arena/battles").json()["battle_id"]
+            turn(client, bid, "A cat")
+            assert client.post(f"/arena/battles/{bid}/vote", json={"choice": choice}).status_code == 200
+        end = time.monotonic() + 10
+        while (board := client.get("/arena/leaderboard").json())["total_votes"] < 3 and time.monotonic() < end:
+            time.sleep(0.3)
+        assert board["total_votes"] >= 3 and board["digest"], board
+        assert {r["model"] for r in board["rows"]} <= set(MODELS)
+        assert all(r["ci_low"] <= r["rating"] <= r["ci_high"] for r in board["rows"])
+        csv = client.get("/arena/leaderboard", params={"format": "csv"})
+        assert csv.headers["content-type"].startswith("text/csv")
+        assert csv.text.splitlines()[0].startswith("rank,model,rating")
+
+    again = arena_cmd(arena, "leaderboard", "--at", str(board["seq"]), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["digest"] == board["digest"]
+
+    audit = arena_cmd(arena, "audit", "--json")
+    report = json.loads(audit.stdout)
+    assert report["votes_without_battle"] == [] and report["battles_with_several_votes"] == []
+
+    path = tmp_path / "clean_battle.json"
+    path.write_text(json.dumps([{"model_a": "gpt-x", "model_b": "llama-y", "winner": "model_a", "tstamp": 1.7e9}]))
+    imported = arena_cmd(arena, "battles", "import", str(path))
+    assert imported.returncode == 0, imported.stderr
+    end = time.monotonic() + 10
+    while "gpt-x" not in {r["model"] for r in httpx.get(f"{arena.url}/arena/leaderboard").json()["rows"]}:
+        assert time.monotonic() < end, "imported votes did not reach the leaderboard"
+        time.sleep(0.3)
+    exported = arena_cmd(arena, "battles", "export", str(tmp_path / "out.json"))
+    assert exported.returncode == 0, exported.stderr
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert len(rows) >= 4 and {"model_a": "gpt-x", "model_b": "llama-y", "winner": "model_a", "tstamp": 1.7e9} in [
+        {k: r[k] for k in ("model_a", "model_b", "winner", "tstamp")} for r in rows
+    ]

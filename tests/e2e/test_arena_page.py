@@ -1,0 +1,87 @@
+"""The arena web page in a real headless browser (chromium), against a real stack:
+a whole battle played through the page, and the leaderboard page. Saves the README's
+screenshots under docs/img/."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser download
+IMG = REPO / "docs" / "img"
+LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def arena(module_stack_factory):
+    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml").start()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright  # a missing package fails the test, not skips it
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def play_round(page, prompt: str) -> None:
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    page.wait_for_selector(".votes button[data-choice='a']:not([disabled])", timeout=60_000)
+
+
+def test_a_whole_battle_through_the_page(arena, browser):
+    page = browser.new_page(viewport={"width": 1100, "height": 760})
+    received: list[str] = []
+    page.on("response", lambda r: received.append(f"{r.url} {r.headers} {r.text() if r.ok else ''}"))
+    page.goto(f"{arena.url}/arena")
+    page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
+    play_round(page, "Once upon a time")
+    play_round(page, "Then the little dog")
+    for side in ("a", "b"):
+        answers = page.locator(f"#pane-{side} .answer").all_inner_texts()
+        assert len(answers) == 2 and all(a.strip() for a in answers)
+    assert page.inner_text("#pane-a .name") == "Model A"
+    page.screenshot(path=str(IMG / "arena-battle.png"), full_page=True)
+    before_vote = page.content() + "".join(received)
+    assert not LEAK.search(before_vote), "a model name reached the browser before the vote"
+
+    page.click(".votes button[data-choice='a']")
+    page.wait_for_selector("#reveal:not([hidden])")
+    reveal = page.inner_text("#reveal")
+    assert LEAK.search(reveal) and "Your vote counts" in reveal
+    assert "winner" in page.get_attribute("#pane-a", "class")
+    page.screenshot(path=str(IMG / "arena-reveal.png"), full_page=True)
+
+    page.click("#new-round")
+    page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
+    assert page.inner_text("#pane-a .text") == "" and page.inner_text("#pane-a .name") == "Model A"
+    play_round(page, "A cat")
+    page.click(".votes button[data-choice='tie']")
+    page.wait_for_selector("#reveal:not([hidden])")
+
+
+def test_leaderboard_page_and_phone_width(arena, browser):
+    phone = browser.new_page(viewport={"width": 390, "height": 844})
+    phone.goto(f"{arena.url}/arena/board")
+    phone.wait_for_selector("#rows tr", timeout=20_000)
+    rows = phone.locator("#rows tr")
+    assert rows.count() >= 2
+    assert phone.locator("#rows .bar span").count() == rows.count()
+    assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+    phone.screenshot(path=str(IMG / "arena-leaderboard-phone.png"), full_page=True)
+    phone.goto(f"{arena.url}/arena")
+    phone.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
+    assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+    wide = browser.new_page(viewport={"width": 1100, "height": 500})
+    wide.goto(f"{arena.url}/arena/board")
+    wide.wait_for_selector("#rows tr", timeout=20_000)
+    wide.screenshot(path=str(IMG / "arena-leaderboard.png"), full_page=True)

@@ -1,0 +1,67 @@
+"""Pair sampling: FastChat's weights, boosts and targets; never a model against itself."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.arena.pairing import NoPair, PairPolicy, pair_probability, sample_pair
+
+pytestmark = pytest.mark.timeout(30)
+
+MODELS = ["m1", "m2", "m3", "m4"]
+ALL = set(MODELS)
+
+
+def frequencies(policy, resident=ALL, n=20_000, seed=7):
+    rng = random.Random(seed)
+    pairs = [sample_pair(policy, MODELS, resident, rng) for _ in range(n)]
+    return pairs, Counter(frozenset((p.model_a, p.model_b)) for p in pairs)
+
+
+def test_uniform_when_nothing_is_configured_and_never_the_same_model():
+    pairs, freq = frequencies(PairPolicy())
+    assert all(p.model_a != p.model_b for p in pairs)
+    assert len(freq) == 6
+    for pair, count in freq.items():
+        assert count / len(pairs) == pytest.approx(1 / 6, abs=0.015)
+        assert pair_probability(PairPolicy(), MODELS, ALL, *sorted(pair)) == pytest.approx(1 / 6)
+
+
+def test_random_swap_puts_each_model_on_either_side():
+    pairs, _ = frequencies(PairPolicy(), n=4000)
+    swapped = sum(p.swapped for p in pairs) / len(pairs)
+    assert swapped == pytest.approx(0.5, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PairPolicy(weights={"m1": 4, "m2": 1, "m3": 1, "m4": 2}),
+        PairPolicy(boost=["m3"]),
+        PairPolicy(targets={"m1": ["m2"]}),
+        PairPolicy(weights={"m1": 1, "m2": 3, "m3": 1}, boost=["m2"], targets={"m2": ["m3", "m4"]}),
+    ],
+)
+def test_recorded_probability_matches_the_draws(policy):
+    pairs, freq = frequencies(policy)
+    probs = {frozenset(p): pair_probability(policy, MODELS, ALL, *p) for p in itertools.combinations(MODELS, 2)}
+    assert sum(probs.values()) == pytest.approx(1.0)
+    for pair, p in probs.items():
+        assert freq.get(pair, 0) / len(pairs) == pytest.approx(p, abs=0.015)
+    assert all(p.probability == pytest.approx(probs[frozenset((p.model_a, p.model_b))]) for p in pairs[:50])
+
+
+def test_a_model_without_a_resident_worker_is_never_drawn():
+    _, freq = frequencies(PairPolicy(), resident={"m1", "m2", "m3"}, n=2000)
+    assert all("m4" not in pair for pair in freq)
+    with pytest.raises(NoPair):
+        sample_pair(PairPolicy(), MODELS, {"m1"})
+
+
+def test_policy_version_changes_with_the_policy():
+    assert PairPolicy().version != PairPolicy(boost=["m1"]).version
+    assert PairPolicy(weights={"a": 1}).version == PairPolicy(weights={"a": 1}).version
