@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 
+from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
+from consumers.filter.metrics import FilterMetrics
 from consumers.filter.policy import inspect_messages
+from consumers.filter.reload import ClassifierSlot
+from consumers.filter.stage import ClassifierOutcome, strongest
 from events import subjects
-from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
+from events.models import (
+    ChatMessage,
+    ChatRequested,
+    ClassifierFeature,
+    ClassifierReport,
+    FilterReport,
+    PromptAccepted,
+    PromptRejected,
+)
 from infra.runtime import ProcessRuntime, durable_pull, wire_lifecycle
 from infra.settings import FilterSettings
 
 log = logging.getLogger("arena.filter")
 
 
-def decide(event: ChatRequested, config: FilterConfig) -> PromptAccepted | PromptRejected:
+def decide(
+    event: ChatRequested, config: FilterConfig, classifier: Classifier | None = None
+) -> PromptAccepted | PromptRejected:
     """Pure: the filter's verdict on one request, as the event to publish."""
-    cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config)
+    cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config, classifier)
     report = FilterReport(
         action=action,
         score=max((v.score for v in verdicts), default=0.0),
         reasons=tuple(dict.fromkeys(r for v in verdicts for r in v.reasons)),
         edits=tuple(dict.fromkeys(e for v in verdicts for e in v.edits)),
+        classifier=_report(strongest([v.classifier for v in verdicts])),
     )
     ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
     if action == "reject":
@@ -41,18 +57,63 @@ def decide(event: ChatRequested, config: FilterConfig) -> PromptAccepted | Promp
     )
 
 
+def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
+    if outcome is None:
+        return None
+    return ClassifierReport(
+        version=outcome.version,
+        score=outcome.score,
+        threshold=outcome.threshold,
+        flagged=outcome.flagged,
+        enforced=outcome.enforced,
+        features=tuple(ClassifierFeature(text=t, weight=w) for t, w in outcome.features),
+    )
+
+
+def _slot(config: FilterConfig) -> ClassifierSlot | None:
+    if config.classifier_path is None:
+        return None
+    from consumers.filter.classifier import load_classifier  # noqa: PLC0415
+
+    return ClassifierSlot(
+        config.classifier_path,
+        config.classifier_reload_s,
+        loader=lambda p: load_classifier(p, config.guard_attack_label),
+    )
+
+
 def build_app(settings: FilterSettings | None = None, config: FilterConfig | None = None) -> FastStream:
     settings = settings or FilterSettings()
     config = config or FilterConfig()
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime("filter", settings)
+    slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
+    metrics = FilterMetrics()
 
     @durable_pull(broker, subjects.FILTER_SUBJECT, subjects.FILTER_CONSUMER, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_requested(event: ChatRequested) -> None:
-        out = decide(event, config)
+        classifier = _current(slot, metrics)
+        if classifier is not None and classifier.blocking:
+            out = await asyncio.to_thread(decide, event, config, classifier)  # a guard model: keep the loop free
+        else:
+            out = decide(event, config, classifier)
+        if out.filter.classifier is not None:
+            metrics.classifier_verdicts.labels(config.mode, "flagged" if out.filter.classifier.flagged else "clear").inc()
         await runtime.publish(out)
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)
     wire_lifecycle(app, runtime)
     return app
+
+
+def _current(slot: ClassifierSlot | None, metrics: FilterMetrics) -> Classifier | None:
+    if slot is None:
+        return None
+    reloads, failures = slot.reloads, slot.failures
+    classifier = slot.current()
+    if slot.reloads != reloads:
+        metrics.classifier_reloads.labels("ok").inc()
+    if slot.failures != failures:
+        metrics.classifier_reloads.labels("failed").inc()
+    return classifier
