@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
@@ -75,8 +76,11 @@ def _slot(config: FilterConfig) -> ClassifierSlot | None:
         return None
     from consumers.filter.classifier import load_classifier  # noqa: PLC0415
 
+    path = Path(config.classifier_path)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[2] / path  # the committed default, from any working directory
     return ClassifierSlot(
-        config.classifier_path,
+        path,
         config.classifier_reload_s,
         loader=lambda p: load_classifier(p, config.guard_attack_label),
     )
@@ -98,7 +102,9 @@ def build_app(settings: FilterSettings | None = None, config: FilterConfig | Non
         else:
             out = decide(event, config, classifier)
         if out.filter.classifier is not None:
-            metrics.classifier_verdicts.labels(config.mode, "flagged" if out.filter.classifier.flagged else "clear").inc()
+            metrics.classifier_verdicts.labels(
+                config.mode, "flagged" if out.filter.classifier.flagged else "clear"
+            ).inc()
         await runtime.publish(out)
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 

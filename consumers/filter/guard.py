@@ -32,7 +32,8 @@ class GuardModel:
         self._torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True).eval()
-        self.max_tokens = max_tokens
+        # never past the model's position table: longer prompts are cut, not crashed on
+        self.max_tokens = min(max_tokens, getattr(self.model.config, "max_position_embeddings", max_tokens))
         self.attack_index = _attack_index(self.model.config.id2label, attack_label)
         digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:8]
         self.version = f"hf:{path.name}:{digest}"

@@ -12,7 +12,10 @@ class FilterMetrics:
         # mode: block / shadow / sanitize-only; verdict: flagged / clear. In shadow mode
         # this is the one place the classifier's would-be rejections show up live.
         self.classifier_verdicts = Counter(
-            "arena_filter_classifier_verdicts_total", "Prompts scored by the classifier stage", ["mode", "verdict"], registry=registry
+            "arena_filter_classifier_verdicts_total",
+            "Prompts scored by the classifier stage",
+            ["mode", "verdict"],
+            registry=registry,
         )
         self.classifier_reloads = Counter(
             "arena_filter_classifier_reloads_total", "Classifier artifact reloads", ["outcome"], registry=registry

@@ -46,7 +46,7 @@ def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classi
     if not cleaned.stable:
         # Tokens nested so deep that removal keeps exposing new ones: no honest
         # prompt looks like that, and a half-cleaned text must not go through.
-        return FilterVerdict("reject", text, 1.0, reasons + ("nested_markup",), cleaned.edits)
+        return FilterVerdict("reject", text, 1.0, (*reasons, "nested_markup"), cleaned.edits)
     threshold = math.inf if config.mode == "sanitize-only" else config.reject_threshold
     out_text, edits = (cleaned.text, cleaned.edits) if config.sanitize else (text, ())
     action = decide(value, out_text != text, threshold)
