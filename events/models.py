@@ -72,7 +72,7 @@ class ClassifierReport(Frozen):
     threshold: float = Field(description="Score at or above which the prompt is flagged.")
     flagged: bool = Field(description="score >= threshold.")
     enforced: bool = Field(description="The flag rejected the prompt (mode block); false in shadow/sanitize-only.")
-    features: tuple[ClassifierFeature, ...] = Field((), description="Top n-grams behind the verdict.")
+    features: tuple[ClassifierFeature, ...] = Field((), description="Top n-grams behind a flag (empty when clear).")
 
 
 class FilterReport(Frozen):

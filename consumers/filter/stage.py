@@ -25,8 +25,11 @@ class ClassifierOutcome:
 def classify(text: str, classifier: Classifier, config: FilterConfig) -> ClassifierOutcome:
     """Score ``text``; only mode ``block`` turns a flag into a rejection."""
     threshold = config.classifier_threshold if config.classifier_threshold is not None else classifier.threshold
-    result = classifier.score(text, config.classifier_explain)
+    result = classifier.score(text)
     flagged = result.score >= threshold
+    if flagged and config.classifier_explain:
+        # explaining costs a quarter of the scoring time: pay it only for the few flagged prompts
+        result = classifier.score(text, config.classifier_explain)
     return ClassifierOutcome(
         classifier.version, result.score, threshold, flagged, flagged and config.mode == "block", result.features
     )
