@@ -1,10 +1,12 @@
-"""Prompts per second of the prompt filter on one core.
+"""Prompts per second of the prompt filter on one core: rules alone, then the whole filter.
 
 Uses the benign prompts of the development corpus when it is present (they are
-what the filter mostly sees), else a built-in sample. Prints figures; it
-asserts nothing, since speed depends on the machine.
+what the filter mostly sees), else a built-in sample. The whole filter is rules
+plus the classifier stage (the committed artifact, or --classifier). It also
+reports the classifier's added latency on 4,000-character prompts. Prints
+figures; it asserts nothing, since speed depends on the machine.
 
-    python -m bench.filter_speed [--corpus PATH] [--seconds 3]
+    python -m bench.filter_speed [--corpus PATH] [--seconds 3] [--classifier PATH]
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.config import FilterConfig
 from consumers.filter.policy import inspect_prompt
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/injection-dev.jsonl"
@@ -40,7 +45,9 @@ def load_prompts(path: Path) -> tuple[list[str], str]:
     return SAMPLE, f"{len(SAMPLE)} built-in sample prompts"
 
 
-def measure(prompts: list[str], seconds: float) -> tuple[float, float, int, list[float]]:
+def measure(
+    prompts: list[str], seconds: float, run: Callable[[str], object] = inspect_prompt
+) -> tuple[float, float, int, list[float]]:
     """Run passes over ``prompts`` until ``seconds`` elapse.
 
     Returns prompts/s by wall clock and by this process's CPU time (the fair
@@ -51,30 +58,69 @@ def measure(prompts: list[str], seconds: float) -> tuple[float, float, int, list
     while time.perf_counter() - start < seconds:
         for p in prompts:
             t0 = time.perf_counter()
-            inspect_prompt(p)
+            run(p)
             latencies.append(time.perf_counter() - t0)
         done += len(prompts)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return done / wall, done / cpu, done, latencies
 
 
+def _report(name: str, prompts: list[str], seconds: float, run: Callable[[str], object]) -> None:
+    for p in prompts[:50]:  # warm the lazily filled fold table and regex caches
+        run(p)
+    rate, cpu_rate, done, lat = measure(prompts, seconds, run)
+    lat.sort()
+    print(f"  {name}: {rate:,.0f} prompts/s wall clock, {cpu_rate:,.0f} prompts/s of CPU time, over {done:,} prompts")
+    print(
+        f"    latency p50 {1e6 * lat[len(lat) // 2]:.0f} us, p99 {1e6 * lat[int(len(lat) * 0.99)]:.0f} us, "
+        f"max {1e3 * lat[-1]:.1f} ms"
+    )
+
+
+def long_prompts(prompts: list[str], chars: int = 4000, count: int = 200) -> list[str]:
+    """Distinct prompts of exactly ``chars`` characters, cut from the corpus joined end to end."""
+    text = "\n".join(prompts)
+    while len(text) < chars * count:
+        text += "\n" + text
+    return [text[i * chars : (i + 1) * chars] for i in range(count)]
+
+
+def added_latency(prompts: list[str], run_rules, run_all, rounds: int = 5) -> tuple[float, float]:
+    """p50 and p99 (seconds) of whole-filter minus rules-only time, per prompt, interleaved."""
+    added = []
+    for _ in range(rounds):
+        for p in prompts:
+            t0 = time.perf_counter()
+            run_rules(p)
+            t1 = time.perf_counter()
+            run_all(p)
+            added.append((time.perf_counter() - t1) - (t1 - t0))
+    added.sort()
+    return added[len(added) // 2], added[int(len(added) * 0.99)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--classifier", type=Path, default=DEFAULT_ARTIFACT)
     args = parser.parse_args(argv)
     prompts, what = load_prompts(args.corpus)
-    for p in prompts[:50]:  # warm the lazily filled fold table and regex caches
-        inspect_prompt(p)
-    rate, cpu_rate, done, lat = measure(prompts, args.seconds)
-    lat.sort()
     chars = statistics.median(len(p) for p in prompts)
     print(f"prompt filter speed, one core, {what} (median {chars:.0f} chars)")
-    print(f"  {rate:,.0f} prompts/s wall clock, {cpu_rate:,.0f} prompts/s of CPU time, over {done:,} prompts")
-    print(
-        f"  latency p50 {1e6 * lat[len(lat) // 2]:.0f} us, p99 {1e6 * lat[int(len(lat) * 0.99)]:.0f} us, "
-        f"max {1e3 * lat[-1]:.1f} ms"
-    )
+    _report("rules", prompts, args.seconds, inspect_prompt)
+    if not args.classifier.exists():
+        print(f"  no classifier at {args.classifier}: rules only")
+        return 0
+    clf = load_classifier(args.classifier)
+    config = FilterConfig()
+
+    def whole(p: str) -> object:
+        return inspect_prompt(p, config, clf)
+
+    _report(f"rules + classifier {clf.version}", prompts, args.seconds, whole)
+    p50, p99 = added_latency(long_prompts(prompts), inspect_prompt, whole)
+    print(f"  classifier's added latency at 4,000-char prompts: p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us")
     return 0
 
 

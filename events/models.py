@@ -65,6 +65,24 @@ class Timings(Frozen):
     compute_s: float = Field(description="From the start of compute to the last token.")
 
 
+class ClassifierFeature(Frozen):
+    """One n-gram behind a classifier verdict."""
+
+    text: str = Field(description="The n-gram as the classifier read it (folded, lower case).")
+    weight: float = Field(description="Its contribution to the logit; positive pushes towards attack.")
+
+
+class ClassifierReport(Frozen):
+    """The trained classifier stage's verdict on the highest-scoring user message."""
+
+    version: str = Field(description="The classifier artifact that scored the prompt.")
+    score: float = Field(description="Attack probability in [0, 1].")
+    threshold: float = Field(description="Score at or above which the prompt is flagged.")
+    flagged: bool = Field(description="score >= threshold.")
+    enforced: bool = Field(description="The flag rejected the prompt (mode block); false in shadow/sanitize-only.")
+    features: tuple[ClassifierFeature, ...] = Field((), description="Top n-grams behind a flag (empty when clear).")
+
+
 class FilterReport(Frozen):
     """What the prompt filter did, kept in the event for audits."""
 
@@ -72,6 +90,8 @@ class FilterReport(Frozen):
     score: float = 0.0
     reasons: tuple[str, ...] = ()
     edits: tuple[str, ...] = ()
+    # Optional and additive: events written before the classifier stage decode unchanged.
+    classifier: ClassifierReport | None = Field(None, description="The classifier stage; None when it did not run.")
 
 
 class EventBase(Frozen):

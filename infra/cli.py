@@ -232,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
     fe = sub.add_parser("filter-eval", help="measure the prompt filter on a labelled JSONL file")
     fe.add_argument("file")
     fe.add_argument("--json", action="store_true")
+    fe.add_argument("--classifier", default=None, help="classifier artifact (default: the committed one; 'none')")
+    # filter-train's own parser reads its options (see main): listed here for `arena --help`
+    sub.add_parser("filter-train", help="train the prompt filter's classifier stage (see --help)", add_help=False)
 
     mo = sub.add_parser("models", help="hot swap: list, add, reload or remove a model on every inference process")
     mo.add_argument("op", choices=("list", "add", "reload", "remove"))
@@ -259,6 +262,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["filter-train"]:
+        from consumers.filter.train import main as filter_train  # noqa: PLC0415
+
+        return filter_train(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "up":
         return up(args)
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "audit":
         return asyncio.run(_audit(args))
     if args.cmd == "filter-eval":
-        return filter_eval([args.file] + (["--json"] if args.json else []))
+        extra = ["--classifier", args.classifier] if args.classifier else []
+        return filter_eval([args.file] + (["--json"] if args.json else []) + extra)
     if args.cmd == "models":
         return asyncio.run(_models(args))
     if args.cmd == "asyncapi":

@@ -4,29 +4,45 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
 
+from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
+from consumers.filter.metrics import FilterMetrics
 from consumers.filter.policy import inspect_messages
+from consumers.filter.reload import ClassifierSlot
+from consumers.filter.stage import ClassifierOutcome, strongest
 from events import topology
-from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected
+from events.models import (
+    ChatMessage,
+    ChatRequested,
+    ClassifierFeature,
+    ClassifierReport,
+    FilterReport,
+    PromptAccepted,
+    PromptRejected,
+)
 from runtime.process import ProcessRuntime, Publish, decode_or_term, durable_pull, wire_lifecycle
 from runtime.settings import FilterSettings
 
 log = logging.getLogger(__name__)
 
 
-def filter_request(event: ChatRequested, config: FilterConfig) -> PromptAccepted | PromptRejected:
+def filter_request(
+    event: ChatRequested, config: FilterConfig, classifier: Classifier | None = None
+) -> PromptAccepted | PromptRejected:
     """Pure: the filter's verdict on one request, as the event to publish."""
-    cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config)
+    cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config, classifier)
     report = FilterReport(
         action=action,
         score=max((v.score for v in verdicts), default=0.0),
         reasons=tuple(dict.fromkeys(r for v in verdicts for r in v.reasons)),
         edits=tuple(dict.fromkeys(e for v in verdicts for e in v.edits)),
+        classifier=_report(strongest([v.classifier for v in verdicts])),
     )
     ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
     if action == "reject":
@@ -40,6 +56,32 @@ def filter_request(event: ChatRequested, config: FilterConfig) -> PromptAccepted
         deadline_at=event.deadline_at,
         received_at=event.received_at,
         filter=report,
+    )
+
+
+def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
+    if outcome is None:
+        return None
+    return ClassifierReport(
+        version=outcome.version,
+        score=outcome.score,
+        threshold=outcome.threshold,
+        flagged=outcome.flagged,
+        enforced=outcome.enforced,
+        features=tuple(ClassifierFeature(text=t, weight=w) for t, w in outcome.features),
+    )
+
+
+def _slot(config: FilterConfig) -> ClassifierSlot | None:
+    if config.classifier_path is None:
+        return None
+    path = Path(config.classifier_path)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[2] / path  # the committed default, from any working directory
+    return ClassifierSlot(
+        path,
+        config.classifier_reload_s,
+        loader=lambda p: load_classifier(p, config.guard_attack_label),
     )
 
 
@@ -57,19 +99,43 @@ def build_app(
     broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
     runtime = ProcessRuntime(topology.FILTER.name, settings)
     publish = publish or runtime.publish
+    slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
+    metrics = FilterMetrics()
 
     @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_requested(message: NatsMessage) -> None:
         event = await decode_or_term(topology.FILTER.name, message)
         if not isinstance(event, ChatRequested):
             return
-        out = filter_request(event, config)
+        classifier = _current(slot, metrics)
+        if classifier is not None and classifier.blocking:
+            out = await asyncio.to_thread(
+                filter_request, event, config, classifier
+            )  # a guard model: keep the loop free
+        else:
+            out = filter_request(event, config, classifier)
+        if out.filter.classifier is not None:
+            metrics.classifier_verdicts.labels(
+                config.mode, "flagged" if out.filter.classifier.flagged else "clear"
+            ).inc()
         await publish(out)
         log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)
     wire_lifecycle(app, runtime)
     return app
+
+
+def _current(slot: ClassifierSlot | None, metrics: FilterMetrics) -> Classifier | None:
+    if slot is None:
+        return None
+    reloads, failures = slot.reloads, slot.failures
+    classifier = slot.current()
+    if slot.reloads != reloads:
+        metrics.classifier_reloads.labels("ok").inc()
+    if slot.failures != failures:
+        metrics.classifier_reloads.labels("failed").inc()
+    return classifier
 
 
 def main() -> None:

@@ -6,7 +6,12 @@ evaluation command build their own.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: The committed artifact of `arena filter-train` (kept as a string: config is pure data).
+DEFAULT_CLASSIFIER = "consumers/filter/artifacts/prompt-classifier.npz"
 
 
 class FilterConfig(BaseModel):
@@ -60,6 +65,50 @@ class FilterConfig(BaseModel):
             "Sanitizing repeats until nothing changes (removing one token can join "
             "another, e.g. '<|im_<|x|>start|>'). A prompt still changing after this "
             "many rounds is rejected as deliberately nested."
+        ),
+    )
+
+    mode: Literal["block", "sanitize-only", "shadow"] = Field(
+        "block",
+        description=(
+            "block: rules and classifier reject. shadow: rules act as usual; the classifier's "
+            "verdict is recorded on the event and counted, but never blocks (roll-out of a new "
+            "model). sanitize-only: nothing is rejected on score, by rules or classifier; "
+            "sanitizing still applies and verdicts are recorded. Hard limits (max_prompt_chars, "
+            "nested markup) reject in every mode."
+        ),
+    )
+    classifier_path: str | None = Field(
+        DEFAULT_CLASSIFIER,
+        description=(
+            "The classifier stage: an `arena filter-train` artifact (.npz), or a Hugging Face "
+            "sequence-classification checkpoint directory (bring your own guard model). "
+            "Relative paths are taken from the working directory. None: rules only."
+        ),
+    )
+    classifier_threshold: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Attack probability at or above which the classifier flags a prompt. None: the "
+            "artifact's own (chosen at training for <= 0.3% benign rejections on held-out "
+            "sources); 0.5 for a guard model."
+        ),
+    )
+    classifier_reload_s: float = Field(
+        5.0,
+        gt=0.0,
+        description="How often the consumer checks the artifact's mtime and loads a new one (hot reload).",
+    )
+    classifier_explain: int = Field(
+        5, ge=0, le=50, description="How many top n-grams behind the classifier's verdict the event records."
+    )
+    guard_attack_label: str | None = Field(
+        None,
+        description=(
+            "Guard model only: the id2label name meaning attack. None: the first label naming "
+            "injection/jailbreak/unsafe, else label 1."
         ),
     )
 

@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="JSONL corpus: {text, label: attack|benign, source} per line")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--reject-threshold", type=float, default=None, help="override FilterConfig.reject_threshold")
+    parser.add_argument("--classifier", default=None, help="classifier artifact (default: the committed one; 'none')")
     args = parser.parse_args(argv)
     config = FilterConfig() if args.reject_threshold is None else FilterConfig(reject_threshold=args.reject_threshold)
     try:
@@ -311,7 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-eval: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(_to_json(report), indent=2) if args.json else format_report(report))
+    if not args.json:
+        _print_classifier(args.file, args.classifier, config)
     return 0
+
+
+def _print_classifier(path: str, artifact: str | None, config: FilterConfig) -> None:
+    """The classifier's tables after the rule tables (rules-only figures above stay as they were)."""
+    from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier  # noqa: PLC0415
+    from consumers.filter.classifier_eval import classifier_tables  # noqa: PLC0415
+
+    if artifact == "none" or (artifact is None and not DEFAULT_ARTIFACT.is_file()):
+        return
+    print()
+    print(classifier_tables(path, load_classifier(artifact or DEFAULT_ARTIFACT), config))
 
 
 if __name__ == "__main__":

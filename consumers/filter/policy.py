@@ -6,12 +6,15 @@ handler stays a few lines and tests need no broker.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from consumers.filter.classifier import Classifier
 from consumers.filter.config import DEFAULT, FilterConfig
 from consumers.filter.sanitize import sanitize, skeleton
 from consumers.filter.scoring import decide, score
+from consumers.filter.stage import ClassifierOutcome, classify, strongest
 
 __all__ = ["FilterVerdict", "inspect_messages", "inspect_prompt"]
 
@@ -27,10 +30,15 @@ class FilterVerdict:
     score: float  # injection score in [0, 1]
     reasons: tuple[str, ...]  # stable codes, e.g. "role_marker:system", "jailbreak:persona"
     edits: tuple[str, ...]  # what sanitizing changed, e.g. "removed control token <|im_start|>"
+    classifier: ClassifierOutcome | None = None  # the classifier stage, when one ran
 
 
-def inspect_prompt(text: str, config: FilterConfig = DEFAULT) -> FilterVerdict:
-    """Score one prompt, sanitize it if configured, and decide what to do with it."""
+def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classifier | None = None) -> FilterVerdict:
+    """Score one prompt, sanitize it if configured, and decide what to do with it.
+
+    The classifier stage (when given) runs after the sanitizer and reads the
+    original text's skeleton, so markers the sanitizer removes still count.
+    """
     if len(text) > config.max_prompt_chars:
         return FilterVerdict("reject", text, 1.0, ("too_long",), ())
     cleaned = sanitize(text, config.strip_all_invisible, config.max_sanitize_rounds)
@@ -38,15 +46,18 @@ def inspect_prompt(text: str, config: FilterConfig = DEFAULT) -> FilterVerdict:
     if not cleaned.stable:
         # Tokens nested so deep that removal keeps exposing new ones: no honest
         # prompt looks like that, and a half-cleaned text must not go through.
-        return FilterVerdict("reject", text, 1.0, reasons + ("nested_markup",), cleaned.edits)
-    if not config.sanitize:
-        return FilterVerdict(decide(value, False, config.reject_threshold), text, value, reasons, ())
-    action = decide(value, cleaned.text != text, config.reject_threshold)
-    return FilterVerdict(action, cleaned.text, value, reasons, cleaned.edits)
+        return FilterVerdict("reject", text, 1.0, (*reasons, "nested_markup"), cleaned.edits)
+    threshold = math.inf if config.mode == "sanitize-only" else config.reject_threshold
+    out_text, edits = (cleaned.text, cleaned.edits) if config.sanitize else (text, ())
+    action = decide(value, out_text != text, threshold)
+    outcome = classify(text, classifier, config) if classifier is not None else None
+    if outcome is not None and outcome.enforced and action != "reject":
+        action, reasons = "reject", (*reasons, "classifier")
+    return FilterVerdict(action, out_text, value, reasons, edits, outcome)
 
 
 def inspect_messages(
-    messages: list[dict[str, Any]], config: FilterConfig = DEFAULT
+    messages: list[dict[str, Any]], config: FilterConfig = DEFAULT, classifier: Classifier | None = None
 ) -> tuple[list[dict[str, Any]], list[FilterVerdict], Action]:
     """Filter the user turns of an OpenAI-style chat.
 
@@ -65,10 +76,10 @@ def inspect_messages(
             cleaned.append(message)
             continue
         if isinstance(content, str):
-            verdict = inspect_prompt(content, config)
+            verdict = inspect_prompt(content, config, classifier)
             new_content: Any = verdict.text
         else:
-            verdict, new_content = _inspect_parts(content, config)
+            verdict, new_content = _inspect_parts(content, config, classifier)
         verdicts.append(verdict)
         cleaned.append({**message, "content": new_content} if new_content != content else message)
     actions = {v.action for v in verdicts}
@@ -76,7 +87,9 @@ def inspect_messages(
     return cleaned, verdicts, overall
 
 
-def _inspect_parts(parts: list[Any], config: FilterConfig) -> tuple[FilterVerdict, list[Any]]:
+def _inspect_parts(
+    parts: list[Any], config: FilterConfig, classifier: Classifier | None
+) -> tuple[FilterVerdict, list[Any]]:
     """A content list (``[{"type": "text", "text": ...}, ...]``): every text part is a prompt.
 
     The parts' verdicts merge into one: the worst action, the highest score.
@@ -85,7 +98,7 @@ def _inspect_parts(parts: list[Any], config: FilterConfig) -> tuple[FilterVerdic
     verdicts, new_parts = [], []
     for part in parts:
         if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            v = inspect_prompt(part["text"], config)
+            v = inspect_prompt(part["text"], config, classifier)
             verdicts.append(v)
             new_parts.append({**part, "text": v.text} if v.text != part["text"] else part)
         else:
@@ -98,5 +111,6 @@ def _inspect_parts(parts: list[Any], config: FilterConfig) -> tuple[FilterVerdic
         score=max(v.score for v in verdicts),
         reasons=tuple(dict.fromkeys(r for v in verdicts for r in v.reasons)),
         edits=tuple(e for v in verdicts for e in v.edits),
+        classifier=strongest([v.classifier for v in verdicts]),
     )
     return merged, new_parts

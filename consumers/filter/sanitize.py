@@ -239,7 +239,10 @@ _INSTRUCTION = re.compile(
     r"|from now on|respond|reply|answer|act as|pretend|follow|instructions?|rules|mode|enabled?|activated?"
     r"|unrestricted|unfiltered|uncensored|jailbr\w*|restrictions?|polic(?:y|ies)|guidelines|filters?"
     r"|censor\w*|safety|allowed|permitted|authori[sz]ed|priority|the user"
-    r"|you (?:are|must|will|should|shall|can|may|have|need|no longer|now))\b"
+    # "you are" / "you have" only when they (re)define who the model is or what it must do:
+    # a game or transcript line such as "System: You are low on fuel" keeps its label.
+    r"|you are (?:now|no longer|not|an?|the|my|going to|to|free|allowed|able|permitted|in (?:dan|developer))"
+    r"|you (?:must|will|should|shall|can|may|have to|need|no longer|now))\b"
 )
 _PRIMING = re.compile(
     r"(?:sure|certainly|of course|absolutely|okay|ok|yes|alright|understood|here (?:is|are)|here's"

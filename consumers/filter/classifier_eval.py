@@ -1,0 +1,97 @@
+"""`arena filter-eval`'s classifier tables.
+
+Two kinds of figures:
+
+* measured now, on the file given: the classifier alone and the whole filter
+  (rules, then classifier, mode block) per source family, at the artifact's
+  threshold;
+* recorded at training (they need many trainings): leave-one-source-out per
+  family and mean, in-distribution k-fold, and the dev file, from the
+  artifact's metadata.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from consumers.filter.classifier import Classifier, LinearClassifier
+from consumers.filter.config import FilterConfig
+from consumers.filter.corpus import load_rows
+from consumers.filter.policy import inspect_prompt
+
+__all__ = ["classifier_tables", "measure"]
+
+
+def measure(path: str, classifier: Classifier, config: FilterConfig | None = None) -> dict[str, dict[str, Any]]:
+    """Per family: attacks/benign, caught/flagged by the classifier alone and by the whole filter."""
+    config = config or FilterConfig(mode="block")
+    acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for row in load_rows(path):
+        v = inspect_prompt(row.text, config, classifier)
+        a = acc[row.family]
+        kind = "attacks" if row.attack else "benign"
+        a[kind] += 1
+        a[f"{kind}_clf"] += bool(v.classifier and v.classifier.flagged)
+        # whole filter: a benign prompt counts when rejected or altered, an attack when rejected or sanitized
+        a[f"{kind}_all"] += v.action != "pass"
+    return {fam: dict(v) for fam, v in sorted(acc.items())}
+
+
+def _pct(num: float, den: float) -> str:
+    return f"{100 * num / den:6.1f}%" if den else "      -"
+
+
+def _rate(x: float | None) -> str:
+    return "      -" if x is None else f"{100 * x:6.2f}%"
+
+
+def _measured(path: str, table: dict[str, dict[str, Any]]) -> list[str]:
+    out = [
+        f"-- classifier on {path} (alone, and the whole filter: rules then classifier, mode block)",
+        f"{'family':<62} {'attacks':>7} {'clf':>7} {'filter':>7} {'benign':>7} {'clf FP':>7} {'flt FP':>7}",
+    ]
+    tot: dict[str, float] = defaultdict(float)
+    for fam, a in table.items():
+        for k, v in a.items():
+            tot[k] += v
+        out.append(_measured_line(fam, a))
+    out.append(_measured_line("all", tot))
+    return out
+
+
+def _measured_line(name: str, a: dict[str, float]) -> str:
+    att, ben = a.get("attacks", 0), a.get("benign", 0)
+    return (
+        f"{name[:62]:<62} {att:7.0f} {_pct(a.get('attacks_clf', 0), att)} {_pct(a.get('attacks_all', 0), att)}"
+        f" {ben:7.0f} {_pct(a.get('benign_clf', 0), ben)} {_pct(a.get('benign_all', 0), ben)}"
+    )
+
+
+def _recorded(name: str, t: dict[str, Any]) -> list[str]:
+    out = [
+        f"-- {name}: threshold {t['threshold']:.4f}; mean catch over attack families {_rate(t['mean_catch'])},"
+        f" pooled {_rate(t['pooled_catch'])}, benign rejected {_rate(t['fp'])}",
+        f"{'family':<62} {'attacks':>7} {'caught':>7} {'benign':>7} {'FP':>7}",
+    ]
+    for fam, v in t["families"].items():
+        out.append(f"{fam[:62]:<62} {v['attacks']:7d} {_rate(v['caught'])} {v['benign']:7d} {_rate(v['fp'])}")
+    return out
+
+
+def classifier_tables(path: str, classifier: Classifier, config: FilterConfig | None = None) -> str:
+    """The classifier's section of the filter-eval printout."""
+    out = [f"classifier {classifier.version}, threshold {classifier.threshold:.4f}", ""]
+    out += _measured(path, measure(path, classifier, config))
+    report = classifier.meta.get("report", {}) if isinstance(classifier, LinearClassifier) else {}
+    titles = {
+        "loso": "recorded at training: leave-one-source-out (threshold on held-out benign sources)",
+        "in_distribution": "recorded at training: in-distribution, stratified 5-fold",
+        "dev": "recorded at training: dev file, final model at the LOSO threshold",
+    }
+    for key, title in titles.items():
+        if key in report:
+            out += ["", *_recorded(title, report[key])]
+    if not report.get("loso"):
+        out += ["", f"(no held-out figures recorded: threshold from {report.get('threshold_from', 'unknown')})"]
+    return "\n".join(out)

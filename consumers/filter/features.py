@@ -1,0 +1,147 @@
+"""Hashed n-gram features of a prompt, computed with numpy only.
+
+The classifier reads the sanitizer's *skeleton* of the original text (folded
+look-alikes, no invisible characters, lower case), so a marker the sanitizer
+removes still counts as evidence and obfuscation does not hide words.
+
+Every n-gram is hashed with a polynomial hash taken from one prefix-sum array,
+so character n-grams and words cost a few vectorized numpy operations whatever
+the prompt's length; no Python loop runs per character or per word. Features
+are binary (present or not) and the vector is L2-normalized, so one long benign
+context cannot outvote an injected sentence by repetition alone.
+
+Training and serving call the same :func:`featurize`: the hash is part of the
+artifact's contract (``FEATURES_VERSION``), and a change to it must bump that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from consumers.filter.sanitize import skeleton
+
+__all__ = ["FEATURES_VERSION", "Features", "featurize", "gram_text"]
+
+FEATURES_VERSION = "ngram-hash-1"
+CHAR_ORDERS = (3, 4, 5)
+WORD_ORDERS = (1, 2)
+# Long prompts are read as head + tail: it bounds the work per prompt, and an
+# injection sits at the start or the end of what the model reads far more often
+# than in the middle of a 20k-character paste.
+MAX_CHARS = 16_000
+_HALF = MAX_CHARS // 2
+
+_MASK64 = (1 << 64) - 1
+_M = 0x100000001B3  # odd, so invertible modulo 2**64
+_M_INV = pow(_M, -1, 1 << 64)
+_SPACE = re.compile(r"\s+")
+_WORD_TABLE = np.array([chr(c).isalnum() or c == 0x5F for c in range(0x10000)], dtype=bool)
+_KIND_SALT = {("c", n): 0x9E3779B97F4A7C15 * (n + 1) & _MASK64 for n in CHAR_ORDERS} | {
+    ("w", n): 0xC2B2AE3D27D4EB4F * (n + 7) & _MASK64 for n in WORD_ORDERS
+}
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.uint64)
+    acc = 1
+    for i in range(n):
+        out[i] = acc
+        acc = acc * base & _MASK64
+    return out
+
+
+_POW = _powers(_M, MAX_CHARS + 2)
+_POW_INV = _powers(_M_INV, MAX_CHARS + 2)
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer: spreads the polynomial hash over all 64 bits."""
+    h = h ^ (h >> np.uint64(30))
+    h = h * np.uint64(0xBF58476D1CE4E5B9)
+    h = h ^ (h >> np.uint64(27))
+    h = h * np.uint64(0x94D049BB133111EB)
+    return h ^ (h >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Features:
+    """The distinct hashed features of one prompt, and every n-gram behind them."""
+
+    text: str  # the normalized text the n-grams were taken from
+    index: np.ndarray  # int64 feature indices, sorted, distinct
+    raw: np.ndarray  # the feature index of every n-gram occurrence
+    start: np.ndarray  # where each occurrence starts and ends in ``text``
+    end: np.ndarray
+
+
+def normalize(text: str) -> str:
+    """Skeleton of ``text`` with whitespace runs collapsed, cut to head + tail."""
+    folded = _SPACE.sub(" ", skeleton(text).text).strip()
+    if len(folded) > MAX_CHARS:
+        folded = folded[:_HALF] + " " + folded[-_HALF + 1 :]
+    return folded
+
+
+def featurize(
+    text: str, bits: int, char_orders: tuple[int, ...] = CHAR_ORDERS, word_orders: tuple[int, ...] = WORD_ORDERS
+) -> Features:
+    """Hashed, distinct character 3-5-grams, words and word bigrams of ``text``.
+
+    ``char_orders`` and ``word_orders`` (subsets of the defaults) select the
+    feature kinds; the training command compares such families.
+    """
+    norm = normalize(text)
+    cps = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + np.uint64(1)
+    n = len(cps)
+    prefix = np.zeros(n + 1, dtype=np.uint64)
+    np.cumsum(cps * _POW_INV[:n], out=prefix[1:])
+    hashes, starts, ends = [], [], []
+    for order in char_orders:
+        if n >= order:
+            s = np.arange(n - order + 1)
+            hashes.append((prefix[s + order] - prefix[s]) * _POW[s] + np.uint64(_KIND_SALT["c", order]))
+            starts.append(s)
+            ends.append(s + order)
+    ws, we = _word_spans(cps)
+    if len(ws) and word_orders:
+        words = (prefix[we] - prefix[ws]) * _POW[ws]
+        if 1 in word_orders:
+            hashes.append(words + np.uint64(_KIND_SALT["w", 1]))
+            starts.append(ws)
+            ends.append(we)
+        if len(ws) > 1 and 2 in word_orders:
+            pairs = _mix(words[:-1]) * np.uint64(_M) + words[1:]
+            hashes.append(pairs + np.uint64(_KIND_SALT["w", 2]))
+            starts.append(ws[:-1])
+            ends.append(we[1:])
+    if not hashes:
+        empty = np.zeros(0, dtype=np.int64)
+        return Features(norm, empty, empty, empty, empty)
+    raw = (_mix(np.concatenate(hashes)) >> np.uint64(64 - bits)).astype(np.int64)
+    # sort + neighbour test: several times faster than np.unique on these sizes
+    ordered = np.sort(raw)
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return Features(norm, ordered[keep], raw, np.concatenate(starts), np.concatenate(ends))
+
+
+def _word_spans(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end offsets of maximal runs of word characters (\\w, roughly)."""
+    # Code points past the table (emoji, rare CJK) count as word characters.
+    inside = np.where(cps <= 0x10000, _WORD_TABLE[np.minimum(cps - np.uint64(1), 0xFFFF).astype(np.int64)], True)
+    if not inside.any():
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    edges = np.diff(np.concatenate(([False], inside, [False])).astype(np.int8))
+    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
+def gram_text(features: Features, feature: int) -> str:
+    """The first n-gram hashed to ``feature``, as the classifier saw it."""
+    hits = np.flatnonzero(features.raw == feature)
+    if not len(hits):
+        return ""
+    return features.text[features.start[hits[0]] : features.end[hits[0]]]

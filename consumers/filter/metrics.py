@@ -1,0 +1,22 @@
+"""The filter consumer's Prometheus metrics (one place, bounded labels)."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+__all__ = ["FilterMetrics"]
+
+
+class FilterMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        # mode: block / shadow / sanitize-only; verdict: flagged / clear. In shadow mode
+        # this is the one place the classifier's would-be rejections show up live.
+        self.classifier_verdicts = Counter(
+            "arena_filter_classifier_verdicts_total",
+            "Prompts scored by the classifier stage",
+            ["mode", "verdict"],
+            registry=registry,
+        )
+        self.classifier_reloads = Counter(
+            "arena_filter_classifier_reloads_total", "Classifier artifact reloads", ["outcome"], registry=registry
+        )
