@@ -346,7 +346,8 @@ class BatchEngine:
         self._mask = mask
         for s in self._seqs:
             s.next_pos += 1
-        more, alive = self._advance(self._seqs, torch.cat([logits for _, (logits, _) in parts]))
+        logits = parts[0][1][0] if len(parts) == 1 else torch.cat([logits for _, (logits, _) in parts])
+        more, alive = self._advance(self._seqs, logits)
         if in_parts or len(alive) < len(self._seqs):
             self._keep_rows(alive)
         return outputs + more
