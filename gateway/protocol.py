@@ -62,6 +62,13 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:  # mirrors consumers.inference.sampling.MIN_TEMPERATURE
+        if 0 < v < 0.01:
+            raise ValueError("must be 0 (greedy) or at least 0.01: smaller ones leave the sampler nothing to sample")
+        return v
+
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 

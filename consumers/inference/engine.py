@@ -10,6 +10,13 @@ tokens, and each sequence keeps its own absolute position, passed as ``position_
 (so padding never shifts RoPE). Newcomers are prefilled as their own padded batch and
 merged by left-padding both caches to the longer length and concatenating rows;
 finished rows are dropped with ``index_select`` and leading all-padding columns trimmed.
+
+Poison isolation. One bad request must never end its neighbours. Token selection is per
+row (a row that cannot be sampled ends alone with "error"), and a forward pass that
+raises is re-run on halves of its rows, down to single rows, so only the rows that fail
+on their own end with "error"; the others keep the results of the parts that ran, and
+since every row's tokens are independent of its batch, they are the tokens they would
+have had without the poison.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +36,10 @@ from transformers import DynamicCache
 
 from consumers.inference.errors import PermanentError, PromptTooLong
 from consumers.inference.models import LoadedModel
-from consumers.inference.sampling import SamplingParams, TextTracker, make_generator, select_tokens
+from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 FinishReason = Literal["stop", "length", "deadline", "cancelled", "error"]
 
@@ -69,7 +77,7 @@ class _Seq:
     next_pos: int  # position id of the next token fed to the model
 
     def output(self, new: list[int], text: str, reason: FinishReason | None) -> StepOutput:
-        if reason is not None:
+        if reason is not None and reason != "error":  # a failed row's tracker may be what broke
             text += self.tracker.flush()
         return StepOutput(
             request_id=self.req.request_id,
@@ -121,7 +129,7 @@ class BatchEngine:
         self._lock = threading.Lock()
         self._waiting: deque[GenRequest] = deque()
         self._cancelled: set[str] = set()
-        self._active_ids: set[str] = set()
+        self._active: dict[str, GenRequest] = {}  # added and not yet finished, wherever they are
         self._seqs: list[_Seq] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [batch, T] of 0/1
@@ -136,15 +144,15 @@ class BatchEngine:
         if n >= self.loaded.context_len:
             raise PromptTooLong(n, self.loaded.context_len)
         with self._lock:
-            if req.request_id in self._active_ids:
+            if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")
-            self._active_ids.add(req.request_id)
+            self._active[req.request_id] = req
             self._waiting.append(req)
 
     def cancel(self, request_id: str) -> None:
         """Finish ``request_id`` with "cancelled" at the next step (unknown ids are ignored)."""
         with self._lock:
-            if request_id in self._active_ids:
+            if request_id in self._active:
                 self._cancelled.add(request_id)
 
     # ---- stepping (one thread) -----------------------------------------------------
@@ -175,24 +183,31 @@ class BatchEngine:
         with self._lock:
             for out in outputs:
                 if out.finished:
-                    self._active_ids.discard(out.request_id)
+                    self._active.pop(out.request_id, None)
                     self._cancelled.discard(out.request_id)
         return outputs
 
     def fail_all(self) -> list[StepOutput]:
-        """Finish every running and waiting request with "error" and reset the batch.
+        """Finish every request the engine holds with "error" and reset the batch.
 
-        For the driver to call when :meth:`step` raised (model errors inside a step are
-        already turned into "error" outputs by the step itself).
+        For the driver to call when :meth:`step` raised, a bug in the engine's own
+        bookkeeping (a request's model or sampling errors end only that request, inside
+        the step). Every request added and not yet finished gets its output, including
+        ones a failed step had taken off the queue but not yet into the batch, and ones
+        whose outputs the failed step produced but could not return.
         """
         with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-            self._active_ids.clear()
+            active, self._active = self._active, {}
+            self._waiting = deque()
             self._cancelled.clear()
-        outputs = [s.output([], "", "error") for s in self._seqs]
-        outputs += [StepOutput(r.request_id, [], "", True, "error", len(r.prompt_ids), 0) for r in waiting]
+        running = {s.req.request_id: s for s in self._seqs}
         self._seqs, self._cache, self._mask = [], None, None
-        return outputs
+        return [
+            running[rid].output([], "", "error")
+            if rid in running
+            else StepOutput(rid, [], "", True, "error", len(req.prompt_ids), 0)
+            for rid, req in active.items()
+        ]
 
     def _expired(self, req: GenRequest, now: float) -> bool:
         return req.deadline is not None and now >= req.deadline
@@ -251,20 +266,47 @@ class BatchEngine:
 
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
         """Sample one token per sequence; return outputs and the indices still running."""
-        tokens = select_tokens(logits, [s.req.params for s in seqs], [s.generator for s in seqs])
         outputs, alive = [], []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
-            seq.tokens.append(tok)
-            text = seq.tracker.add(tok)
-            reason: FinishReason | None = None
-            if tok in self._eos or seq.tracker.stopped:
-                reason = "stop"
-            elif len(seq.tokens) >= seq.max_tokens:
-                reason = "length"
-            else:
+        for i, (seq, tok) in enumerate(zip(seqs, self._select(seqs, logits), strict=True)):
+            out = self._append(seq, tok)
+            outputs.append(out)
+            if not out.finished:
                 alive.append(i)
-            outputs.append(seq.output([tok], text, reason))
         return outputs, alive
+
+    def _select(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int | None]:
+        """One token per row, None for a row that cannot be sampled; draws are taken once."""
+        params = [s.req.params for s in seqs]
+        uniforms = draw_uniforms(params, [s.generator for s in seqs])
+        try:
+            return pick_tokens(logits, params, uniforms)
+        except Exception:
+            log.exception("token selection failed for %d requests; selecting row by row", len(seqs))
+        tokens: list[int | None] = []
+        for i, (p, u) in enumerate(zip(params, uniforms, strict=True)):
+            try:
+                tokens += pick_tokens(logits[i : i + 1], [p], [u])
+            except Exception:
+                log.exception("request %s: token selection failed", seqs[i].req.request_id)
+                tokens.append(None)
+        return tokens
+
+    def _append(self, seq: _Seq, tok: int | None) -> StepOutput:
+        if tok is None:
+            log.error("request %s: no token could be selected; ending it with an error", seq.req.request_id)
+            return seq.output([], "", "error")
+        seq.tokens.append(tok)
+        try:
+            text = seq.tracker.add(tok)
+        except Exception:
+            log.exception("request %s: detokenizing failed; ending it with an error", seq.req.request_id)
+            return seq.output([], "", "error")
+        reason: FinishReason | None = None
+        if tok in self._eos or seq.tracker.stopped:
+            reason = "stop"
+        elif len(seq.tokens) >= seq.max_tokens:
+            reason = "length"
+        return seq.output([tok], text, reason)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         kwargs = {self._cache_kw: cache, "use_cache": True}
@@ -279,22 +321,53 @@ class BatchEngine:
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         pos = torch.tensor([[s.next_pos] for s in seqs], device=dev)
         mask = torch.cat([self._mask, self._mask.new_ones(len(seqs), 1)], dim=1)
-        try:
-            logits = self._forward(ids, mask, pos, self._cache)
-        except Exception:
-            log.exception("decode step failed; failing %d running requests", len(seqs))
-            self._seqs, self._cache, self._mask = [], None, None
-            return [s.output([], "", "error") for s in seqs]
+        # The cache's tensors before the step: a failed forward may have extended some
+        # layers of self._cache (update() concatenates into new tensors, these stay intact).
+        before = [(layer.keys, layer.values) for layer in self._cache.layers]
+
+        def run(rows: list[int]) -> tuple[torch.Tensor, DynamicCache]:
+            if len(rows) == len(seqs):  # the whole batch, in place: the usual path
+                return self._forward(ids, mask, pos, self._cache), self._cache
+            idx = torch.tensor(rows, device=dev)
+            part = DynamicCache([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in before])
+            return self._forward(ids[idx], mask[idx], pos[idx], part), part
+
+        parts, failed = _isolating(list(range(len(seqs))), run, "decode step")
+        outputs = [seqs[i].output([], "", "error") for i in failed]
+        in_parts = len(parts) != 1 or bool(failed)  # else the whole batch ran in place
+        if in_parts:
+            rows = [i for part_rows, _ in parts for i in part_rows]
+            if not rows:
+                self._seqs, self._cache, self._mask = [], None, None
+                return outputs
+            self._cache = DynamicCache([_cat_layer(n, [c for _, (_, c) in parts]) for n in range(len(before))])
+            self._seqs = [seqs[i] for i in rows]
+            mask = mask.index_select(0, torch.tensor(rows, device=mask.device))
         self._mask = mask
-        for s in seqs:
+        for s in self._seqs:
             s.next_pos += 1
-        outputs, alive = self._advance(seqs, logits)
-        if len(alive) < len(seqs):
+        logits = parts[0][1][0] if len(parts) == 1 else torch.cat([logits for _, (logits, _) in parts])
+        more, alive = self._advance(self._seqs, logits)
+        if in_parts or len(alive) < len(self._seqs):
             self._keep_rows(alive)
-        return outputs
+        return outputs + more
 
     def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
         seqs = [self._new_seq(r) for r in reqs]
+        parts, failed = _isolating(
+            list(range(len(seqs))), lambda rows: self._prefill_rows([reqs[i] for i in rows]), "prefill"
+        )
+        outputs = [seqs[i].output([], "", "error") for i in failed]
+        for rows, (logits, cache, mask) in parts:
+            part = [seqs[i] for i in rows]
+            more, alive = self._advance(part, logits)
+            outputs += more
+            if alive:
+                self._merge([part[i] for i in alive], cache, mask, alive)
+        return outputs
+
+    def _prefill_rows(self, reqs: list[GenRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """One padded forward pass over ``reqs``' prompts: last logits, new cache, mask."""
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -304,15 +377,7 @@ class BatchEngine:
         ids, mask = ids.to(self._device), mask.to(self._device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        try:
-            logits = self._forward(ids, mask, pos, cache)
-        except Exception:
-            log.exception("prefill of %d requests failed", len(reqs))
-            return [s.output([], "", "error") for s in seqs]
-        outputs, alive = self._advance(seqs, logits)
-        if alive:
-            self._merge([seqs[i] for i in alive], cache, mask, alive)
-        return outputs
+        return self._forward(ids, mask, pos, cache), cache, mask
 
     # ---- KV cache surgery ----------------------------------------------------------
 
@@ -326,7 +391,7 @@ class BatchEngine:
             self._trim()
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        for old, new in zip(self._cache.layers, cache.layers):
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
             if old.keys is None or new.keys is None:
                 continue
             old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)])
@@ -354,6 +419,33 @@ class BatchEngine:
             if layer.keys is not None:
                 layer.keys = layer.keys[:, :, first:]
                 layer.values = layer.values[:, :, first:]
+
+
+def _isolating(
+    rows: list[int], run: Callable[[list[int]], R], what: str
+) -> tuple[list[tuple[list[int], R]], list[int]]:
+    """``run(rows)``; if it raises, the same for each half in turn, down to single rows.
+
+    Returns the parts that ran, in row order, with their results, and the rows that
+    failed on their own. Nothing extra when nothing fails; one poison row among n costs
+    about 2·log2(n) more (smaller) runs. A failure that is no row's fault (the device)
+    ends every row, after 2n - 1 runs.
+    """
+    try:
+        return [(rows, run(rows))], []
+    except Exception:
+        if len(rows) == 1:
+            log.exception("%s failed for a request on its own; ending it with an error", what)
+            return [], rows
+        log.exception("%s of %d requests failed; running them in halves to isolate the cause", what, len(rows))
+    mid = len(rows) // 2
+    left, right = _isolating(rows[:mid], run, what), _isolating(rows[mid:], run, what)
+    return left[0] + right[0], left[1] + right[1]
+
+
+def _cat_layer(n: int, caches: list[DynamicCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``n``'s keys and values of ``caches`` stacked along the batch."""
+    return torch.cat([c.layers[n].keys for c in caches]), torch.cat([c.layers[n].values for c in caches])
 
 
 def _select_rows(cache: DynamicCache, idx: torch.Tensor) -> None:

@@ -31,6 +31,9 @@ class InferenceMetrics:
         self.deadline_misses = Counter("arena_deadline_misses_total", "Requests past their deadline", ["model"])
         self.redeliveries = Counter("arena_redeliveries_total", "Messages delivered more than once")
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
+        self.watchdog_reaped = Counter(
+            "arena_watchdog_reaped_total", "Jobs failed by the watchdog: still open past their deadline", ["model"]
+        )
 
 
 METRICS = InferenceMetrics()

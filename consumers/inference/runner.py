@@ -70,7 +70,7 @@ class EngineRunner:
                 outputs = self.engine.step()
             except Exception:  # a broken step must not kill the thread silently
                 log.exception("engine step failed", extra={"model": self.name})
-                outputs = self.engine.fail_all() if hasattr(self.engine, "fail_all") else []
+                outputs = self.engine.fail_all()
             if batch:
                 METRICS.batch_size.labels(self.name).observe(batch)
             METRICS.steps.labels(self.name).inc()

@@ -5,15 +5,26 @@ parameters and its seed, never on which other requests share its batch. Each sam
 request owns a CPU ``torch.Generator`` and draws exactly one uniform number from it per
 step (inverse-CDF sampling), so batch composition cannot shift its random stream; the
 global RNG is never touched.
+
+Poison isolation: a row that cannot be sampled (its logits hold a NaN, or its
+distribution does not survive the temperature) yields ``None`` instead of a token, so
+the engine can end that request alone; the draw was taken before any computation, so
+neighbours' streams are unaffected whatever happens to the row.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+MIN_TEMPERATURE = 0.01
+"""The smallest non-zero temperature served. Smaller ones sharpen the distribution into
+an argmax anyway, and far smaller ones underflow to 0 in float32 (1e-300) or overflow
+the scaled logits (1e-40), which leaves nothing to sample; ask for 0 (greedy) instead."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +38,10 @@ class SamplingParams:
     seed: int | None = None  # None draws a fresh seed per request (not reproducible)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
@@ -52,38 +65,63 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+def draw_uniforms(params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[float | None]:
+    """This step's one draw per sampled row (None for greedy rows), from the row's own RNG.
+
+    Drawn apart from the selection, so that a selection that fails and is retried row
+    by row never draws twice.
+    """
+    return [None if p.greedy else float(torch.rand(1, generator=g)) for p, g in zip(params, generators, strict=True)]
+
+
 def select_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
+) -> list[int | None]:
     """Pick one token per row of ``logits`` ([batch, vocab]) under each row's params.
 
     Every row is computed independently of the others (row-wise ops only), and every
-    sampled row consumes exactly one draw from its own generator.
+    sampled row consumes exactly one draw from its own generator. A row that cannot be
+    sampled yields None.
     """
+    return pick_tokens(logits, params, draw_uniforms(params, generators))
+
+
+def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float | None]) -> list[int | None]:
+    """:func:`select_tokens` with the draws already taken (``uniforms[i]`` is None for greedy rows)."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
+    # A NaN anywhere, or no finite-or-+inf logit at all, means the forward pass broke for this row.
+    ok = ~logits.isnan().any(dim=-1) & (logits > -math.inf).any(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)
-        uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
-        picked = _sample_top_p(logits.index_select(0, rows) / temps[:, None], top_p, uniforms.to(logits.device))
+        u = torch.tensor([uniforms[i] for i in sampled], dtype=torch.float32, device=logits.device)
+        picked, fine = _sample_top_p(logits.index_select(0, rows) / temps[:, None], top_p, u)
         tokens = tokens.index_copy(0, rows, picked)
-    return tokens.tolist()
+        ok = ok.index_copy(0, rows, ok.index_select(0, rows) & fine)
+    return [t if good else None for t, good in zip(tokens.tolist(), ok.tolist(), strict=True)]
 
 
-def _sample_top_p(logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _sample_top_p(
+    logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling in the nucleus; also which rows had a proper distribution."""
     probs = torch.softmax(logits, dim=-1)
+    fine = ~probs.isnan().any(dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep a token while the mass before it is below top_p; the first is always kept.
+    # Keep a token while the mass before it is below top_p. The first is always kept,
+    # also when top_p underflows to 0 in float32 (a top_p of 1e-300 means "the top token").
     keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p[:, None]
+    keep[:, 0] = True
     cdf = (sorted_probs * keep).cumsum(dim=-1)
     target = uniforms * cdf[:, -1]
-    pos = torch.searchsorted(cdf, target[:, None], right=True).clamp(max=keep.sum(dim=-1, keepdim=True) - 1)
-    return order.gather(-1, pos).squeeze(-1)
+    pos = torch.searchsorted(cdf, target[:, None], right=True)
+    pos = torch.minimum(pos, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    return order.gather(-1, pos).squeeze(-1), fine
 
 
 @dataclass

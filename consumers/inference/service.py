@@ -6,6 +6,10 @@ TokensGenerated chunks; the terminal event is published, and only then is the me
 acked. Every publish carries a dedupe key, so a worker that regenerates a request after
 another one crashed (deterministically: every request has a seed) cannot duplicate a
 chunk or a terminal event in the stream.
+
+No job is held without a terminal event: every job leaves through exactly one terminal
+(the engine's output, a failure at intake, or the watchdog, which fails jobs still open
+a margin past their deadline, whatever lost them).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Job:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     text: str = ""
+    closed: bool = False  # its terminal event is queued; later engine outputs are ignored
 
     @property
     def ids(self) -> dict:
@@ -54,8 +59,13 @@ class Job:
 
 
 class InferenceService:
-    def __init__(self, settings, pool, publish):
+    def __init__(self, settings, pool, publish, watchdog_margin_s: float = 2.0, watchdog_period_s: float = 0.5):
+        """``watchdog_margin_s``: how long past its deadline a job may stay open before the
+        watchdog fails it (the engine itself ends a request at its deadline; the audit
+        calls a terminal missing 5 s past it). ``watchdog_period_s``: how often it looks."""
         self.settings = settings
+        self.watchdog_margin_s = watchdog_margin_s
+        self.watchdog_period_s = watchdog_period_s
         self.pool = pool
         self.publish = publish  # async (event) -> None, with dedupe keys
         self.jobs: dict[str, Job] = {}
@@ -69,7 +79,11 @@ class InferenceService:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._publisher()), asyncio.create_task(self._keepalive())]
+        self._tasks = [
+            asyncio.create_task(self._publisher()),
+            asyncio.create_task(self._keepalive()),
+            asyncio.create_task(self._watchdog()),
+        ]
 
     async def stop(self) -> None:
         for runner in self.runners.values():
@@ -112,28 +126,18 @@ class InferenceService:
             METRICS.deadline_misses.labels(event.model).inc()
             await self._fail(event, msg, "deadline_exceeded", "the request's deadline passed before it was computed")
             return
+        try:
+            params = engine_params(event)
+        except ValueError as exc:  # the gateway validates these; a message from elsewhere may not be
+            await self._fail(event, msg, "internal_error", f"sampling parameters cannot be served: {exc}")
+            return
         pin = AsyncExitStack()
         try:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             runner = self._runner_for(loaded)
-            job = Job(event, msg, runner, pin)
-            self.jobs[rid] = job
-            p = event.params
-            runner.add(
-                GenRequest(
-                    request_id=rid,
-                    prompt_ids=prompt_ids,
-                    deadline=event.deadline_at,
-                    params=EngineParams(
-                        temperature=p.temperature,
-                        top_p=p.top_p,
-                        max_tokens=p.max_tokens,
-                        stop=tuple(p.stop),
-                        seed=p.seed,
-                    ),
-                )
-            )
+            self.jobs[rid] = Job(event, msg, runner, pin)
+            runner.add(GenRequest(request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at, params=params))
         except UnknownModel as exc:
             await self._drop(rid, pin)
             await self._fail(event, msg, "unknown_model", str(exc))
@@ -147,6 +151,10 @@ class InferenceService:
             await self._drop(rid, pin)
             log.warning("retrying later: %s", exc, extra={"request_id": rid})
             await msg.nak(delay=1.0)
+        except Exception as exc:  # a bug: fail this request rather than hold it until its deadline
+            log.exception("intake failed", extra={"request_id": rid})
+            await self._drop(rid, pin)
+            await self._fail(event, msg, "internal_error", f"the worker could not start this request: {exc!r}")
 
     async def _drop(self, rid: str, pin: AsyncExitStack) -> None:
         self.jobs.pop(rid, None)
@@ -171,7 +179,7 @@ class InferenceService:
         now = time.time()
         for out in outputs:
             job = self.jobs.get(out.request_id)
-            if job is None:
+            if job is None or job.closed:
                 continue
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = now
@@ -193,7 +201,7 @@ class InferenceService:
         job.text += job.pending_text
         job.seq += 1
         job.pending_ids, job.pending_text = [], ""
-        self.outbox.put_nowait(("event", event))
+        self.outbox.put_nowait(("chunk", job, event))
 
     def _finish(self, job: Job, out: StepOutput, now: float) -> None:
         e = job.event
@@ -229,11 +237,14 @@ class InferenceService:
             code = {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(out.finish_reason, "internal_error")
             if code == "deadline_exceeded":
                 METRICS.deadline_misses.labels(model).inc()
-            terminal = ChatFailed(
-                **job.ids, code=code, message=f"generation ended: {out.finish_reason}", chunks=job.seq
+            message = (
+                "the model failed on this request (its batch neighbours were not affected)"
+                if out.finish_reason == "error"
+                else f"generation ended: {out.finish_reason}"
             )
-        self.outbox.put_nowait(("event", terminal))
-        self.outbox.put_nowait(("done", job))
+            terminal = ChatFailed(**job.ids, code=code, message=message, chunks=job.seq)
+        job.closed = True
+        self.outbox.put_nowait(("terminal", job, terminal))
 
     async def _fail(self, event, msg, code: str, message: str) -> None:
         """A permanent failure: publish ChatFailed, then terminate the message (no redelivery)."""
@@ -245,22 +256,40 @@ class InferenceService:
     # ---- background tasks ------------------------------------------------------------
 
     async def _publisher(self) -> None:
-        """Publish in order, one at a time; ack a message only after its terminal event."""
+        """Publish in order, one at a time; settle a message only after its terminal event."""
         while True:
-            kind, item = await self.outbox.get()
+            kind, job, event = await self.outbox.get()
             try:
-                if kind == "event":
-                    await self._publish_retrying(item)
+                if kind == "chunk":
+                    await self._publish_retrying(event)
                 else:
-                    await item.msg.ack()
-                    self.jobs.pop(item.event.request_id, None)
-                    await item.pin.aclose()
-                    async with self._room:
-                        self._room.notify_all()
+                    await self._settle(job, event, term=kind == "reaped")
             except Exception:
-                log.exception("publish failed", extra={"request_id": getattr(item, "request_id", None)})
+                log.exception("publish failed", extra={"request_id": job.event.request_id})
             finally:
                 self.outbox.task_done()
+
+    async def _settle(self, job: Job, terminal, term: bool) -> None:
+        """Publish the terminal event, ack (or term) the message and release the job.
+
+        If the event cannot be published the message is given back instead, so the
+        request is computed again (the dedupe keys make that safe); it is never acked
+        without its terminal event in the stream.
+        """
+        try:
+            await self._publish_retrying(terminal)
+        except Exception:
+            log.exception("terminal event not published; message given back", extra={"request_id": terminal.request_id})
+            with suppress(Exception):
+                await job.msg.nak(delay=1.0)
+        else:
+            await (job.msg.term() if term else job.msg.ack())
+        finally:
+            if self.jobs.get(job.event.request_id) is job:
+                del self.jobs[job.event.request_id]
+            await job.pin.aclose()
+            async with self._room:
+                self._room.notify_all()
 
     async def _publish_retrying(self, event, attempts: int = 5) -> None:
         for i in range(attempts):
@@ -280,3 +309,40 @@ class InferenceService:
             for job in list(self.jobs.values()):
                 with suppress(Exception):
                     await job.msg.in_progress()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.watchdog_period_s)
+            try:
+                self.reap_overdue(time.time())
+            except Exception:
+                log.exception("watchdog pass failed")
+
+    def reap_overdue(self, now: float) -> int:
+        """Fail every open job ``watchdog_margin_s`` past its deadline; returns how many.
+
+        The engine ends a request at its deadline, so such a job was lost on the way (a
+        stuck or dead engine thread, an output that never came back); holding it would
+        leave its client waiting and, with enough of them, stop this worker pulling.
+        """
+        late = [j for j in self.jobs.values() if not j.closed and now > j.event.deadline_at + self.watchdog_margin_s]
+        for job in late:
+            e = job.event
+            log.error("no terminal event %.1f s past the deadline; failing it", now - e.deadline_at, extra=job.ids)
+            METRICS.watchdog_reaped.labels(e.model).inc()
+            METRICS.deadline_misses.labels(e.model).inc()
+            METRICS.requests.labels(e.model, "deadline").inc()
+            job.closed = True
+            job.runner.cancel(e.request_id)  # in case the engine still holds it
+            message = "the worker lost this request; failed by its watchdog after the deadline"
+            failed = ChatFailed(**job.ids, code="deadline_exceeded", message=message, chunks=job.seq)
+            self.outbox.put_nowait(("reaped", job, failed))
+        return len(late)
+
+
+def engine_params(event: PromptAccepted) -> EngineParams:
+    """The engine's sampling parameters of ``event``; ValueError names what cannot be served."""
+    p = event.params
+    return EngineParams(
+        temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, stop=tuple(p.stop), seed=p.seed
+    )
