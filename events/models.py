@@ -38,6 +38,10 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_TOKENS = 64
 MAX_TOKENS_LIMIT = 4096
+#: A temperature is 0 (greedy) or at least this: smaller ones underflow in float32 and
+#: leave the sampler nothing to sample. Checked at the edge and by the worker, not in
+#: the event (events already stored must still decode).
+MIN_TEMPERATURE = 0.01
 
 
 class SamplingParams(Frozen):

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT
+from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+
+
+def _sampleable(v: float) -> float:
+    if 0 < v < MIN_TEMPERATURE:
+        raise ValueError(
+            f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: smaller ones leave the sampler nothing to sample"
+        )
+    return v
+
+
+#: The temperature every transport accepts.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(_sampleable)]
 
 
 class TextPart(BaseModel):
@@ -38,7 +50,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
     messages: list[Message] = Field(min_length=1)
-    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
+    temperature: Temperature = DEFAULT_TEMPERATURE
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description=f"Default {DEFAULT_MAX_TOKENS}.")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -61,13 +73,6 @@ class ChatCompletionRequest(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:  # mirrors consumers.inference.sampling.MIN_TEMPERATURE
-        if 0 < v < 0.01:
-            raise ValueError("must be 0 (greedy) or at least 0.01: smaller ones leave the sampler nothing to sample")
-        return v
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])

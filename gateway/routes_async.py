@@ -25,7 +25,7 @@ from events import decode, subjects
 from events.models import MAX_TOKENS_LIMIT
 from gateway.errors import APIError
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, Temperature
 from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 
@@ -43,7 +43,7 @@ class ChatTask(BaseModel):
     model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
     conv_id: str | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
     turn_id: int | None = Field(None, ge=0, description="Turn index; with conv_id, a retry is idempotent.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: Temperature | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")

@@ -147,7 +147,7 @@ class ChatService:
     async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request; the event to publish is None when it attaches to an earlier one."""
         model = self._check(req)
-        req = with_model_defaults(req, model_defaults(self.pipeline).get(model, {}))
+        req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model, {}))
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0

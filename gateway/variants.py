@@ -15,10 +15,10 @@ from gateway.protocol import ChatCompletionRequest, Message
 SAMPLING = ("temperature", "top_p", "max_tokens")
 
 
-def model_defaults(pipeline: Any) -> dict[str, dict]:
+def model_defaults(beats: list[dict]) -> dict[str, dict]:
     """Defaults per model name from the live inference heartbeats (`defaults` field)."""
     out: dict[str, dict] = {}
-    for beat in getattr(pipeline, "live_beats", list)():
+    for beat in beats:
         out.update(beat.get("defaults") or {})
     return out
 

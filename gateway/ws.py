@@ -35,7 +35,7 @@ from events.models import FAILURE_TYPES, MAX_TOKENS_LIMIT, ChatMessage, new_id
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, Temperature
 from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -55,7 +55,7 @@ class TurnFrame(BaseModel):
     content: str = Field(min_length=1)
     system: str | None = Field(None, description="System message; used only on a conversation's first turn.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: Temperature | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-MIN_TEMPERATURE = 0.01
+from events.models import MIN_TEMPERATURE
+
 """The smallest non-zero temperature served. Smaller ones sharpen the distribution into
 an argmax anyway, and far smaller ones underflow to 0 in float32 (1e-300) or overflow
 the scaled logits (1e-40), which leaves nothing to sample; ask for 0 (greedy) instead."""

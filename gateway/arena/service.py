@@ -267,7 +267,7 @@ class ArenaService:
 
     async def leak(self, battle: Battle) -> str | None:
         """Why the vote cannot count when an answer named its own model, else None."""
-        defaults = model_defaults(self.pipeline)
+        defaults = model_defaults(self.pipeline.live_beats())
         for turn in battle.turns:
             for side, rid in (("a", turn.request_a), ("b", turn.request_b)):
                 model, t = battle.model(side), await self.terminal(rid)

@@ -51,6 +51,7 @@ class FakePipeline(Pipeline):
         self.published: list = []
         self.fail_publish = False
         self.silent = False  # accept requests but never answer (deadline tests)
+        self.beats: dict = {}
 
     async def start(self) -> None:
         return None

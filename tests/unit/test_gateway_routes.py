@@ -196,3 +196,18 @@ async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
     assert codes.count(429) == 6, codes
     assert all(r.headers["content-type"].startswith(("application/json", "text/event-stream")) for r in rs)
     assert app.state.chat.in_flight["stories-260k"] == 0
+
+
+def test_a_temperature_the_sampler_cannot_honour_is_400_on_every_transport():
+    client, pipeline = client_for()
+    with client:
+        v1 = client.post("/v1/chat/completions", json=chat(temperature=1e-300))
+        task = client.post("/chat", json={"prompt": "hi", "temperature": 1e-300})
+        with client.websocket_connect("/v1/ws") as ws:
+            ws.receive_json()
+            ws.send_json({"type": "turn", "content": "hi", "temperature": 1e-300})
+            frame = ws.receive_json()
+    assert (v1.status_code, v1.json()["error"]["param"]) == (400, "temperature")
+    assert (task.status_code, task.json()["error"]["param"]) == (400, "temperature")
+    assert (frame["type"], frame["status"], frame["error"]["param"]) == ("error", 400, "temperature")
+    assert pipeline.requests() == []
