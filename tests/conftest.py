@@ -18,8 +18,8 @@ STORIES = SHARED / "models" / "stories260K-hf"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from infra.servers import start_nats, start_redis  # noqa: E402
 from events.topology import role_names  # noqa: E402
+from infra.servers import start_nats, start_redis  # noqa: E402
 from infra.supervisor import Stack  # noqa: E402
 
 ROLES = tuple(role_names())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from events.models import MIN_TEMPERATURE
+from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MIN_TEMPERATURE
 
 """The smallest non-zero temperature served. Smaller ones sharpen the distribution into
 an argmax anyway, and far smaller ones underflow to 0 in float32 (1e-300) or overflow
@@ -32,9 +32,9 @@ the scaled logits (1e-40), which leaves nothing to sample; ask for 0 (greedy) in
 class SamplingParams:
     """How to pick tokens for one request."""
 
-    temperature: float = 1.0  # 0 means greedy (argmax); top_p and seed are then unused
-    top_p: float = 1.0  # nucleus: sample among the smallest set of tokens with this much mass
-    max_tokens: int = 256  # completion tokens at most (the engine may clamp it to the context)
+    temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy (argmax); top_p and seed are then unused
+    top_p: float = DEFAULT_TOP_P  # nucleus: sample among the smallest set of tokens with this much mass
+    max_tokens: int = DEFAULT_MAX_TOKENS  # completion tokens at most (the engine may clamp it to the context)
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
     seed: int | None = None  # None draws a fresh seed per request (not reproducible)
 

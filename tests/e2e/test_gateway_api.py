@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
-from runtime.stream import request_events
 from runtime.net import free_port
+from runtime.stream import request_events
 from tests.conftest import stored_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

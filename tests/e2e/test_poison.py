@@ -15,7 +15,8 @@ import nats
 import pytest
 
 from events import subjects
-from infra.replay import audit, read_events
+from infra.replay import audit
+from runtime.stream import read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime.settings import InferenceSettings
 from consumers.inference.models import default_specs, load_model, render_chat
 from infra.replay import audit
+from runtime.settings import InferenceSettings
 from runtime.stream import request_events
 from tests.conftest import STORIES
 

@@ -18,9 +18,10 @@ from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams
-from infra import jetstream
-from infra.replay import audit, read_events
-from infra.settings import InferenceSettings
+from infra.replay import audit
+from runtime import jetstream
+from runtime.settings import InferenceSettings
+from runtime.stream import read_events
 from tests.conftest import STORIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

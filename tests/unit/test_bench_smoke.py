@@ -16,10 +16,10 @@ from bench import ceiling, hf, overhead
 from bench.client import check_local
 from bench.loadgen import run_level
 from bench.procs import ServerProcess
-from runtime.net import free_port
 from bench.report import write_report
 from bench.stats import percentile
 from bench.workload import LengthMix, Workload, fixed_requests
+from runtime.net import free_port
 
 pytestmark = pytest.mark.integration  # starts a server subprocess on the real model
 

@@ -13,6 +13,8 @@ from consumers.inference.errors import PermanentError, PromptTooLong
 from consumers.inference.models import ModelSpec, load_model
 from consumers.inference.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
+
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 
 PROMPTS = [

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.errors import PermanentError
-from runtime.settings import InferenceSettings
 from consumers.inference.models import (
     FALLBACK_TEMPLATE,
     LoadedModel,
@@ -19,6 +18,9 @@ from consumers.inference.models import (
     load_models_config,
     render_chat,
 )
+from runtime.settings import InferenceSettings
+
+pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 

@@ -16,7 +16,7 @@ from consumers.inference.sampling import SamplingParams
 from tests.conftest import STORIES
 from tests.unit.test_engine import PROMPTS, ids, run, tokens
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # runs the real stories260K model in-process
 
 LONG = 100  # the poison's prompt length: no healthy row ever reaches this position
 

@@ -12,6 +12,8 @@ from consumers.inference.errors import PermanentError, PoolExhausted, RetryableE
 from consumers.inference.models import LoadedModel, ModelSpec, load_model
 from consumers.inference.pool import ModelPool
 
+pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
+
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 NAMES = ["a", "b", "c"]
 

@@ -11,6 +11,8 @@ from transformers import AutoTokenizer
 
 from consumers.inference.sampling import SamplingParams, TextTracker, make_generator, select_tokens
 
+pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
+
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 
 
