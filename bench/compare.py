@@ -19,10 +19,10 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Any
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from bench import overhead, procs, targets
 from bench.loadgen import add_workload_args, sweep, warm_up, workload_from_args
@@ -65,7 +65,9 @@ def run_ceiling(args, out: Path, workload: Workload) -> dict:
     ]
     env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
     with open(out / "logs" / "ceiling.log", "wb") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout)
+        done = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout, check=False
+        )
     if done.returncode != 0:
         tail = (out / "logs" / "ceiling.log").read_text(errors="replace")[-800:]
         return {"name": "ceiling", "status": "failed", "reason": tail, "levels": [], "compute": []}
@@ -98,14 +100,16 @@ def measure(name: str, setup: targets.Setup, args, workload, loads, turns, compu
             row.update(asyncio.run(run_target(target, workload, loads, turns, compute)))
         except procs.ServerFailed as exc:
             row.update(status="failed", reason=str(exc), levels=[])
-        except Exception as exc:  # one target's surprise must not lose the others' figures
+        except Exception as exc:  # noqa: BLE001 - one target's surprise must not lose the others' figures
             row.update(status="failed", reason=f"{type(exc).__name__}: {exc}\n{server.log_tail(600)}", levels=[])
     print(f"[compare] {name}: {row['status']} in {time.perf_counter() - started:.0f}s", flush=True)
     return row
 
 
 def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit or "unknown",

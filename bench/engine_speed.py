@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Literal
 
 import torch
 
 from consumers.inference.engine import BatchEngine, GenRequest
-from runtime.settings import InferenceSettings
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, load_model
 from consumers.inference.sampling import SamplingParams
+from runtime.settings import InferenceSettings
 
 PROMPTS = [
     "Once upon a time",
@@ -31,7 +32,9 @@ PROMPTS = [
 ]
 
 
-def run_once(loaded: LoadedModel, mode: str, batch: int, max_tokens: int, temperature: float) -> tuple[int, float]:
+def run_once(
+    loaded: LoadedModel, mode: Literal["static", "continuous"], batch: int, max_tokens: int, temperature: float
+) -> tuple[int, float]:
     engine = BatchEngine(loaded, mode, max_batch_size=batch)
     tok = loaded.tokenizer
     for i in range(batch):

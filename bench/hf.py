@@ -7,10 +7,10 @@ compute time is the compute a served request needs.
 from __future__ import annotations
 
 import threading
-from typing import Any
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
@@ -71,11 +71,11 @@ class TokenTimer(BaseStreamer):
             self._prompt_seen = True
             return
         self.step_times.append(time.perf_counter() - self.started)
-        if self.on_tokens is not None:
+        if callable(self.on_tokens):
             self.on_tokens(value.reshape(-1).tolist())
 
     def end(self) -> None:
-        if self.on_tokens is not None:
+        if callable(self.on_tokens):
             self.on_tokens(None)
 
     @property

@@ -10,6 +10,7 @@ handlers stop everything still running when the harness itself ends.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -90,10 +91,8 @@ class ServerProcess:
         _killpg(self.proc.pid, signal.SIGTERM)
         for p in family:
             _signal(p, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         _, alive = psutil.wait_procs(family, timeout=max(1.0, grace_s / 3))
         for p in alive:
             _signal(p, signal.SIGKILL)
@@ -117,17 +116,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:
-    try:
+    with contextlib.suppress(psutil.NoSuchProcess):
         proc.send_signal(sig)
-    except psutil.NoSuchProcess:
-        pass
 
 
 def stop_all() -> None:

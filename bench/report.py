@@ -106,11 +106,11 @@ def markdown(results: dict) -> str:
     parts = ["# Benchmark results", ""]
     if meta:
         parts += [f"- {key}: {value}" for key, value in meta.items()] + [""]
-    parts += ["## Throughput and latency", ""] + level_rows(results) + [""]
-    parts += ["## Ratios (peak tokens/s)", ""] + ratio_rows(results) + [""]
+    parts += ["## Throughput and latency", "", *level_rows(results), ""]
+    parts += ["## Ratios (peak tokens/s)", "", *ratio_rows(results), ""]
     if results.get("overhead"):
-        parts += ["## Pipeline overhead at 1 user", ""] + overhead_rows(results["overhead"]) + [""]
-    parts += ["## Conditions", ""] + condition_rows(results) + [""]
+        parts += ["## Pipeline overhead at 1 user", "", *overhead_rows(results["overhead"]), ""]
+    parts += ["## Conditions", "", *condition_rows(results), ""]
     return "\n".join(parts)
 
 

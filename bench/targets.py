@@ -121,7 +121,7 @@ def _arena_command() -> list[str]:
 def arena(setup: Setup, engine: str) -> Target:
     name = f"arenaflow-{engine}"
     cmd = _arena_command()
-    check = subprocess.run([*cmd, "up", "--help"], capture_output=True, text=True, timeout=60)
+    check = subprocess.run([*cmd, "up", "--help"], capture_output=True, text=True, timeout=60, check=False)
     if check.returncode != 0:
         raise NotRunnable(f"`arena up --help` failed: {(check.stderr or check.stdout).strip()[-300:]}")
     for flag in ("--models-config", "--default-model", "--engine", "--max-batch-size", "--state-dir"):

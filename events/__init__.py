@@ -3,3 +3,5 @@
 from events import battles  # noqa: F401 - registers the battle events with the codec
 from events.codec import decode, encode
 from events.models import *  # noqa: F403
+
+__all__ = ["decode", "encode"]

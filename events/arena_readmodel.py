@@ -33,4 +33,5 @@ async def arena_secret(redis: Redis) -> bytes:
     """The shared secret; the first gateway to ask creates it."""
     await redis.set(SECRET, secrets.token_hex(32), nx=True)
     raw = await redis.get(SECRET)
+    assert raw is not None, "the secret was just set"
     return bytes.fromhex(raw.decode() if isinstance(raw, bytes) else raw)

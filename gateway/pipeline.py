@@ -210,5 +210,5 @@ class Output:
             try:
                 msg = await self.sub.next_msg(timeout=min(quiet, left))
                 incoming, quiet = [decode(msg.data)], QUIET_S
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 incoming, quiet = await self._stored(), min(quiet * 2, QUIET_MAX_S)

@@ -21,6 +21,7 @@ that turn), so re-sending a turn while it runs attaches to it instead of running
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -157,10 +158,8 @@ class Session:
             return
         if task.exception() is not None:
             log.error("websocket turn failed", exc_info=task.exception(), extra={"conv_id": self.conv_id})
-            try:
+            with contextlib.suppress(Gone):
                 await self.error(APIError(500, f"internal error: {type(task.exception()).__name__}", "internal_error"))
-            except Gone:
-                pass
 
     async def handle(self, text: str) -> None:
         try:

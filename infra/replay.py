@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from events.models import TERMINAL_TYPES
 from infra.battle_audit import audit_battles

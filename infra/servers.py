@@ -73,12 +73,19 @@ class LocalServer:
                 self.proc.wait()
 
 
+def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:
+    """A server in its own session (a Ctrl-C to `arena up` does not reach it before its turn)."""
+    if log_file is None:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_file, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start_nats(store_dir: Path, port: int | None = None, log_file: Path | None = None) -> LocalServer:
     port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _spawn(cmd, log_file)
     wait_port(port, proc)
     return LocalServer("nats", proc, port, f"nats://127.0.0.1:{port}")
 
@@ -104,7 +111,6 @@ def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None =
         "--protected-mode",
         "yes",
     ]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _spawn(cmd, log_file)
     wait_port(port, proc)
     return LocalServer("redis", proc, port, f"redis://127.0.0.1:{port}/0")

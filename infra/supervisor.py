@@ -9,6 +9,7 @@ back what it could not finish while delivery still delivers, and the servers go 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -38,10 +39,8 @@ BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 
 def _die_with_parent() -> None:
     """Children get SIGTERM if `arena up` itself dies (even by kill -9)."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def torch_threads(env: dict, replicas: int) -> dict:

@@ -11,11 +11,10 @@ from contextlib import suppress
 from typing import Any
 
 import nats
-from nats.js import JetStreamContext
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsMessage
-
+from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from events import decode, subjects

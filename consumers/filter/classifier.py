@@ -103,7 +103,9 @@ def save_linear(path: str | Path, weights: np.ndarray, bias: float, meta: dict[s
     payload = np.frombuffer(json.dumps({"format": ARTIFACT_FORMAT, **meta}, sort_keys=True).encode(), dtype=np.uint8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        np.savez_compressed(f, weights=weights.astype(np.float32), bias=np.float32([bias]), meta=payload)
+        np.savez_compressed(
+            f, weights=weights.astype(np.float32), bias=np.array([bias], dtype=np.float32), meta=payload
+        )
 
 
 def _load_linear(path: Path) -> LinearClassifier:

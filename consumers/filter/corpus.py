@@ -38,7 +38,8 @@ def family_of(source: str) -> str:
 
 def load_rows(path: str | Path, limit: int | None = None) -> list[Row]:
     """Every row of a JSONL corpus (the first ``limit`` per family when given)."""
-    rows, seen = [], {}
+    rows: list[Row] = []
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():

@@ -18,8 +18,8 @@ from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
-from runtime.process import ProcessRuntime, decode_or_term, durable_pull
 from runtime.net import free_port
+from runtime.process import ProcessRuntime, decode_or_term, durable_pull
 from runtime.settings import InferenceSettings
 
 log = logging.getLogger(__name__)

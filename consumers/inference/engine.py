@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +218,7 @@ class BatchEngine:
         with self._lock:
             keep: deque[GenRequest] = deque()
             for req in self._waiting:
-                reason = (
+                reason: FinishReason | None = (
                     "cancelled"
                     if req.request_id in self._cancelled
                     else ("deadline" if self._expired(req, now) else None)
@@ -315,19 +315,25 @@ class BatchEngine:
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs)
         return out.logits[:, -1, :]
 
+    def _live(self) -> tuple[DynamicCache, torch.Tensor]:
+        """The running batch's cache and mask (there is a running batch)."""
+        assert self._cache is not None and self._mask is not None, "no running batch"
+        return self._cache, self._mask
+
     def _decode(self) -> list[StepOutput]:
         seqs = self._seqs
         dev = self._device
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         pos = torch.tensor([[s.next_pos] for s in seqs], device=dev)
-        mask = torch.cat([self._mask, self._mask.new_ones(len(seqs), 1)], dim=1)
+        cache, old_mask = self._live()
+        mask = torch.cat([old_mask, old_mask.new_ones(len(seqs), 1)], dim=1)
         # The cache's tensors before the step: a failed forward may have extended some
         # layers of self._cache (update() concatenates into new tensors, these stay intact).
-        before = [(layer.keys, layer.values) for layer in self._cache.layers]
+        before = [(layer.keys, layer.values) for layer in _layers(cache)]
 
         def run(rows: list[int]) -> tuple[torch.Tensor, DynamicCache]:
             if len(rows) == len(seqs):  # the whole batch, in place: the usual path
-                return self._forward(ids, mask, pos, self._cache), self._cache
+                return self._forward(ids, mask, pos, cache), cache
             idx = torch.tensor(rows, device=dev)
             part = DynamicCache([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in before])
             return self._forward(ids[idx], mask[idx], pos[idx], part), part
@@ -390,32 +396,35 @@ class BatchEngine:
             self._seqs, self._cache, self._mask = seqs, cache, mask
             self._trim()
             return
-        width = max(self._mask.shape[1], mask.shape[1])
-        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+        live, live_mask = self._live()
+        width = max(live_mask.shape[1], mask.shape[1])
+        for old, new in zip(_layers(live), _layers(cache), strict=True):
             if old.keys is None or new.keys is None:
                 continue
             old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)])
             old.values = torch.cat([_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)])
-        self._mask = torch.cat([_left_pad(self._mask, width, -1), _left_pad(mask, width, -1)])
+        self._mask = torch.cat([_left_pad(live_mask, width, -1), _left_pad(mask, width, -1)])
         self._seqs = self._seqs + seqs
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
             self._seqs, self._cache, self._mask = [], None, None
             return
-        idx = torch.tensor(rows, device=self._mask.device)
-        _select_rows(self._cache, idx)
-        self._mask = self._mask.index_select(0, idx)
+        cache, mask = self._live()
+        idx = torch.tensor(rows, device=mask.device)
+        _select_rows(cache, idx)
+        self._mask = mask.index_select(0, idx)
         self._seqs = [self._seqs[i] for i in rows]
         self._trim()
 
     def _trim(self) -> None:
         """Drop leading columns that are padding in every row."""
-        first = int(self._mask.any(dim=0).long().argmax())
+        cache, mask = self._live()
+        first = int(mask.any(dim=0).long().argmax())
         if first == 0:
             return
-        self._mask = self._mask[:, first:]
-        for layer in self._cache.layers:
+        self._mask = mask[:, first:]
+        for layer in _layers(cache):
             if layer.keys is not None:
                 layer.keys = layer.keys[:, :, first:]
                 layer.values = layer.values[:, :, first:]
@@ -445,11 +454,16 @@ def _isolating(
 
 def _cat_layer(n: int, caches: list[DynamicCache]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``n``'s keys and values of ``caches`` stacked along the batch."""
-    return torch.cat([c.layers[n].keys for c in caches]), torch.cat([c.layers[n].values for c in caches])
+    return torch.cat([_layers(c)[n].keys for c in caches]), torch.cat([_layers(c)[n].values for c in caches])
+
+
+def _layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers; every layer here has `keys` and `values` (None until first used)."""
+    return list(cache.layers)
 
 
 def _select_rows(cache: DynamicCache, idx: torch.Tensor) -> None:
-    for layer in cache.layers:
+    for layer in _layers(cache):
         if layer.keys is not None:
             layer.keys = layer.keys.index_select(0, idx)
             layer.values = layer.values.index_select(0, idx)

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference.errors import PermanentError
 
@@ -119,12 +121,7 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
     except OSError as exc:
         raise PermanentError(f"cannot read models config {file}: {exc}") from exc
     data: Any
-    if file.suffix.lower() == ".json":
-        data = json.loads(text)
-    else:
-        import yaml  # YAML is a superset of JSON, so this also reads .json-like files
-
-        data = yaml.safe_load(text)
+    data = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
         raise PermanentError(f"models config {file} must be a mapping with a 'models' list")
     specs: list[ModelSpec] = []
@@ -215,7 +212,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
     """Load ``spec``'s model and tokenizer (blocking; call it from a worker thread)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
@@ -223,7 +219,7 @@ def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
         with _LOAD_LOCK:
             tokenizer = AutoTokenizer.from_pretrained(spec.path)
             model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=_DTYPES[spec.dtype])
-            model.to(spec.device)
+            model.to(spec.device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
     except (OSError, ValueError) as exc:
         raise PermanentError(f"cannot load model {spec.name!r} from {spec.path!r}: {exc}") from exc
     model.eval()

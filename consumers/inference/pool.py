@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +96,9 @@ class ModelPool:
     async def acquire(self, name: str) -> LoadedModel:
         """Pin and return ``name``'s current version; pair with :meth:`release`."""
         counted = False
-        if name in self._specs and self._specs[name].base:
-            name = self._specs[name].base  # a variant borrows its base's weights
+        base = self._specs[name].base if name in self._specs else None
+        if base:
+            name = base  # a variant borrows its base's weights
         while True:
             if name not in self._specs:
                 raise UnknownModel(name, sorted(self._specs))
@@ -212,10 +213,8 @@ class ModelPool:
     async def _settle(self, name: str) -> None:
         """Wait for an in-flight load of ``name`` to end, however it ends."""
         while (task := self._loading.get(name)) is not None:
-            try:
+            with suppress(Exception):
                 await asyncio.shield(task)
-            except Exception:
-                pass
 
     def _register(self, spec: ModelSpec) -> None:
         if spec.name in self._specs:
@@ -301,10 +300,8 @@ class ModelPool:
                 )
             fut = asyncio.get_running_loop().create_future()
             self._released.append(fut)
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(fut, remaining)
-            except TimeoutError:
-                pass
 
     def _evict_over_budget(self, keep: str) -> None:
         while self._used_bytes() > self.budget_bytes:

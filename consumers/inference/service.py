@@ -20,6 +20,8 @@ import time
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
+from nats.aio.msg import Msg
+
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
@@ -41,7 +43,7 @@ log = logging.getLogger("arena.inference")
 @dataclass
 class Job:
     event: PromptAccepted
-    msg: object  # the nats Msg, acked after the terminal event
+    msg: Msg  # acked after the terminal event
     runner: EngineRunner
     pin: AsyncExitStack
     started_at: float = field(default_factory=time.time)
@@ -169,6 +171,7 @@ class InferenceService:
         runner = self.runners.get(id(loaded))
         if runner is None or runner.engine.loaded is not loaded:
             engine = BatchEngine(loaded, self.settings.engine, self.settings.max_batch_size)
+            assert self.loop is not None, "start() the service first"
             runner = EngineRunner(engine, self.loop, self.on_outputs, self.settings.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner
@@ -220,7 +223,7 @@ class InferenceService:
             METRICS.ttft.labels(model).observe(timings.ttft_s)
             if out.completion_tokens > 1:
                 METRICS.tpot.labels(model).observe(timings.decode_s / (out.completion_tokens - 1))
-            terminal = ChatCompleted(
+            terminal: ChatCompleted | ChatFailed = ChatCompleted(
                 **job.ids,
                 model=model,
                 text=job.text,
@@ -234,7 +237,9 @@ class InferenceService:
                 chunks=job.seq,
             )
         else:
-            code = {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(out.finish_reason, "internal_error")
+            code = {"deadline": "deadline_exceeded", "cancelled": "cancelled"}.get(
+                out.finish_reason or "", "internal_error"
+            )
             if code == "deadline_exceeded":
                 METRICS.deadline_misses.labels(model).inc()
             message = (

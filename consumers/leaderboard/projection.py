@@ -47,6 +47,8 @@ class VoteProjection:
         """Take one battle event at stream sequence `seq`; True when the counted votes changed."""
         self.seq = max(self.seq, seq)
         bid = getattr(event, "battle_id", None)
+        if bid is None:
+            return False
         if event.type == "vote.cast" and bid not in self.votes:
             vote = Vote(event.model_a, event.model_b, event.choice, event.occurred_at.timestamp(), event.voter)
             self.votes[bid] = (seq, vote)

@@ -182,6 +182,7 @@ class ArenaService:
 
     async def _abandon(self, sides: list[Side]) -> None:
         for s in sides:
+            s.ticket.release()
             if s.output is not None:
                 await s.output.close()
                 await self.pipeline.cancel(s.ticket.request_id, s.ticket.conv_id, s.ticket.turn_id)
@@ -201,14 +202,14 @@ class ArenaService:
             err: APIError | None = None
             terminal = None
             try:
-                with self.chat.tracking(s.ticket.model):
-                    async with s.output:
-                        async for chunk in s.output:
-                            await queue.put((s.side, chunk.text, None, None))
-                        if rest := s.output.remainder():
-                            await queue.put((s.side, rest, None, None))
-                    terminal, err = s.output.terminal, outcome(s.output.terminal)
-                    self.chat.record(s.ticket.model, err, started)
+                assert s.output is not None, "start() every side before streaming"
+                async with s.output:  # closing it gives back the side's queue place
+                    async for chunk in s.output:
+                        await queue.put((s.side, chunk.text, None, None))
+                    if rest := s.output.remainder():
+                        await queue.put((s.side, rest, None, None))
+                terminal, err = s.output.terminal, outcome(s.output.terminal)
+                self.chat.record(s.ticket.model, err, started)
             except Exception as exc:
                 log.error("battle side failed", exc_info=exc, extra={"request_id": s.ticket.request_id})
                 err = APIError(500, f"internal error ({type(exc).__name__})", "internal_error")
@@ -285,7 +286,7 @@ def view(battle: Battle) -> BattleView:
         state="voted" if voted else "open",
         model_a=battle.started.model_a if voted else neutral_name("a"),
         model_b=battle.started.model_b if voted else neutral_name("b"),
-        choice=battle.vote.choice if voted else None,
+        choice=battle.vote.choice if battle.vote is not None else None,
         counted=battle.counted if voted else None,
         invalid_reason=battle.invalid_reason if voted else None,
     )

@@ -20,7 +20,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 def arena(*args, env, timeout=60):
     return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "infra.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

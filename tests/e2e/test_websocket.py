@@ -60,7 +60,7 @@ async def test_multi_turn_history_is_read_back_from_the_stream(stack):
         assert done1["type"] == "done" and done1["turn_id"] == 0, done1
         assert [c["seq"] for c in chunks1] == list(range(len(chunks1))) and len(chunks1) >= 2
         assert "".join(c["text"] for c in chunks1) == done1["text"] != ""
-        chunks2, done2 = await turn(sock, "Then a dog came", max_tokens=20)
+        _chunks2, done2 = await turn(sock, "Then a dog came", max_tokens=20)
         assert done2["type"] == "done" and done2["turn_id"] == 1
         assert done2["usage"]["prompt_tokens"] > done1["usage"]["prompt_tokens"] + done1["usage"]["completion_tokens"]
 

@@ -109,7 +109,7 @@ def _feed(tracker, ids):
 def test_tracker_keeps_leading_space_and_concatenates(tokenizer):
     prompt, gen = _split(tokenizer, "Once upon a time", " there was a dog.")
     tracker = TextTracker(tokenizer, prompt)
-    deltas = _feed(tracker, gen) + [tracker.flush()]
+    deltas = [*_feed(tracker, gen), tracker.flush()]
     assert "".join(deltas) == " there was a dog."
     assert deltas[0] == " there"
 
