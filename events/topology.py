@@ -53,7 +53,8 @@ FILTER = Role(
     publishes=((m.PromptAccepted, s.ACCEPTED), (m.PromptRejected, s.REJECTED)),
     max_deliver=10,
 )
-DELIVERY = Role(name="delivery", entry="consumers.delivery.app:main", reads=s.DELIVERY_SUBJECT)
+# max_deliver: delivery naks with a 2 s delay while Redis is unreachable (about two minutes in all).
+DELIVERY = Role(name="delivery", entry="consumers.delivery.app:main", reads=s.DELIVERY_SUBJECT, max_deliver=60)
 INFERENCE = Role(
     name="inference",
     entry="consumers.inference.app:main",

@@ -53,7 +53,10 @@ class CommonSettings(BaseSettings):
     # Consumer definitions are created by whichever process starts first, so every
     # process must compute the same ones.
     ack_wait_s: float = Field(
-        30.0, gt=1, description="Inference AckWait; a dead worker's requests go to another after it."
+        4.0,
+        gt=1,
+        description="Inference AckWait: a dead worker's requests go to another after it. Live workers "
+        "send in-progress acks every third of it, so it can be a small part of the 15 s deadline.",
     )
     max_ack_pending: int = Field(256, ge=1, description="Most unacked requests the inference group holds.")
 

@@ -13,29 +13,48 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from faststream import AckPolicy, FastStream
+from faststream.exceptions import NackMessage
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
+from prometheus_client import Counter
 
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
-from runtime.redis import redis_client
+from runtime.redis import REDIS_DOWN, redis_client
 from runtime.settings import DeliverySettings
 
 log = logging.getLogger(__name__)
+
+#: Delay before a message whose Redis record failed is redelivered (the durable's
+#: max_deliver times this is the Redis outage delivery rides out).
+REDIS_RETRY_S = 2.0
+REDIS_RETRIES = Counter("arena_delivery_redis_retries_total", "Output events redelivered because Redis was unreachable")
 
 Fanout = Callable[[str, bytes], Awaitable[None]]
 
 
 async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
-    """Record and fan out one output event; False when it was a duplicate (or no output) and dropped."""
-    if event.type == "tokens.generated":
-        fresh = await store.mark_chunk(event.request_id, event.seq)
-    elif event.type in TERMINAL_TYPES:
-        fresh = await store.save_result(event.request_id, raw)
-    else:
-        return False
+    """Record and fan out one output event; False when it was a duplicate (or no output) and dropped.
+
+    With Redis unreachable the event is fanned out anyway (gateways drop a chunk they
+    already have) and the message is redelivered later (NackMessage with a delay), when
+    its record can be written: a Redis outage delays no answer and loses no result."""
+    try:
+        if event.type == "tokens.generated":
+            fresh = await store.mark_chunk(event.request_id, event.seq)
+        elif event.type in TERMINAL_TYPES:
+            fresh = await store.save_result(event.request_id, raw)
+        else:
+            return False
+    except REDIS_DOWN as exc:
+        REDIS_RETRIES.inc()
+        log.warning(
+            "redis unavailable; fanned out, record retried later: %s", exc, extra={"request_id": event.request_id}
+        )
+        await fanout(subjects.live_subject(event.request_id), raw)
+        raise NackMessage(delay=REDIS_RETRY_S) from exc
     if fresh:
         await fanout(subjects.live_subject(event.request_id), raw)
         if event.type in TERMINAL_TYPES:

@@ -62,8 +62,9 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         event = await decode_or_term(topology.INFERENCE.name, message)
         if event is None:
             return
-        await service.wait_for_room()
-        await service.submit(event, message.raw_message)
+        async with service.held(message.raw_message):
+            await service.wait_for_room()
+            await service.submit(event, message.raw_message)
 
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)

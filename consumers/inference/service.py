@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import AsyncExitStack, suppress
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -71,6 +72,7 @@ class InferenceService:
         self.pool = pool
         self.publish = publish  # async (event) -> None, with dedupe keys
         self.jobs: dict[str, Job] = {}
+        self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
         self.runners: dict[int, EngineRunner] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._room = asyncio.Condition()
@@ -111,6 +113,17 @@ class InferenceService:
         return len(left)
 
     # ---- intake --------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def held(self, msg: Msg) -> AsyncIterator[None]:
+        """A pulled message not yet a job (waiting for room, its model loading) is kept
+        alive too: AckWait is short, so a dead worker's work moves on quickly, and a
+        live one must not lose what it is about to start."""
+        self.holding[id(msg)] = msg
+        try:
+            yield
+        finally:
+            self.holding.pop(id(msg), None)
 
     async def wait_for_room(self) -> None:
         """Hold no more than two batches' worth, so other workers get the rest."""
@@ -311,9 +324,9 @@ class InferenceService:
         period = self.settings.ack_wait_s / 3
         while True:
             await asyncio.sleep(period)
-            for job in list(self.jobs.values()):
+            for msg in [job.msg for job in self.jobs.values()] + list(self.holding.values()):
                 with suppress(Exception):
-                    await job.msg.in_progress()
+                    await msg.in_progress()
 
     async def _watchdog(self) -> None:
         while True:

@@ -6,6 +6,8 @@ real nats-server in tests/integration and tests/e2e."""
 from __future__ import annotations
 
 import fakeredis
+import pytest
+from faststream.exceptions import NackMessage
 from faststream.nats import TestNatsBroker
 
 from consumers.delivery.app import build_app as delivery_app
@@ -105,3 +107,21 @@ async def test_deliver_ignores_events_that_are_not_output():
 
     event = requested("hi")
     assert await deliver(event, encode(event), store, fanout) is False
+
+
+async def test_delivery_fans_out_while_redis_is_down_and_retries_the_record():
+    server = fakeredis.FakeServer()
+    server.connected = False
+    store = ReadModel(fakeredis.FakeAsyncRedis(server=server))
+    sent = []
+
+    async def fanout(subject, raw):
+        sent.append(subject)
+
+    event = completed("ab")
+    with pytest.raises(NackMessage):
+        await deliver(event, encode(event), store, fanout)
+    assert sent == [subjects.live_subject("r1")]  # the answer still reached the gateways
+    server.connected = True
+    assert await deliver(event, encode(event), store, fanout)  # the redelivery writes the record
+    assert await store.get_result("r1") is not None

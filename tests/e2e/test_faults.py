@@ -1,0 +1,286 @@
+"""Ordinary faults under load, at the default 15 s deadline: a worker killed with
+kill -9 under `arena up`'s supervisor, Redis and NATS stopped and restarted.
+
+Every figure a test measures is printed (run with -s to see it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import httpx
+import nats
+import psutil
+import pytest
+
+from infra.replay import audit_window
+from infra.servers import start_nats, start_redis
+from tests.conftest import REPO, SHARED, stored_events
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    content_type: str = ""
+    text: str = ""
+    done: bool = False
+    error: dict | None = None
+    request_id: str = ""
+    chunk_times: list[float] = field(default_factory=list)
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> Stream:
+    out = Stream()
+    async with client.stream(
+        "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers or {}
+    ) as r:
+        out.status, out.content_type = r.status_code, r.headers.get("content-type", "")
+        out.request_id = r.headers.get("x-request-id", "")
+        if r.status_code != 200:
+            await r.aread()
+            out.error = r.json().get("error") if out.content_type.startswith("application/json") else None
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out.done = True
+                break
+            data = json.loads(line[6:])
+            if "error" in data:
+                out.error = data["error"]
+            for choice in data.get("choices", []):
+                if choice["delta"].get("content"):
+                    out.text += choice["delta"]["content"]
+                    out.chunk_times.append(time.monotonic())
+    return out
+
+
+async def post_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    try:
+        return await client.post(f"{url}/v1/chat/completions", json=body, headers=headers or {})
+    except httpx.HTTPError as exc:  # a transport failure is no status: record it as 0
+        return httpx.Response(0, text=repr(exc))
+
+
+def prompt(i: int, max_tokens: int = 200) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"Once upon a time, story number {i}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": 1000 + i,
+    }
+
+
+async def audit_of(nats_url: str, settle_s: float = 0.0) -> dict:
+    await asyncio.sleep(settle_s)
+    nc = await nats.connect(nats_url)
+    try:
+        return await audit_window(nc.jetstream(), timedelta(minutes=10))
+    finally:
+        await nc.close()
+
+
+# ---- kill -9 of an inference replica under `arena up` ----------------------------------
+
+
+class ArenaUp:
+    def __init__(self, tmp_path, *args: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
+        env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
+        self.state = tmp_path / "state"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(self.state), *args],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        end = time.monotonic() + 180
+        while time.monotonic() < end:
+            line = self.proc.stdout.readline()
+            self.lines.append(line)
+            if "ready at" in line or self.proc.poll() is not None:
+                break
+        assert any("ready at" in line for line in self.lines), "".join(self.lines)
+        endpoints = json.loads((self.state / "endpoints.json").read_text())
+        self.url, self.nats_url = endpoints["gateway_url"], endpoints["nats_url"]
+
+    def inference_pids(self) -> list[int]:
+        out = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "inference" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                    out.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
+    up = ArenaUp(tmp_path, "--inference-replicas", "2")
+    try:
+        [victim, _] = sorted(up.inference_pids())
+
+        async def run() -> tuple[list[Stream], float]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.create_task(stream_one(client, up.url, prompt(i))) for i in range(40)]
+                await asyncio.sleep(1.5)
+                os.kill(victim, signal.SIGKILL)
+                killed_at = time.monotonic()
+                return await asyncio.gather(*tasks), killed_at
+
+        streams, killed_at = asyncio.run(run())
+        answered = [s for s in streams if s.done and s.error is None and s.text]
+        failed_cleanly = [s for s in streams if s.status != 200 or s.error is not None]
+        assert len(answered) + len(failed_cleanly) == 40, [(s.status, s.done, s.error) for s in streams]
+        assert len(answered) >= 38, f"{len(answered)}/40 answered; errors: {[s.error for s in failed_cleanly]}"
+        stalls = [
+            max(b - a for a, b in zip(s.chunk_times, s.chunk_times[1:], strict=False))
+            for s in answered
+            if len(s.chunk_times) > 1 and s.chunk_times[0] < killed_at < s.chunk_times[-1]
+        ]
+        # The streamed text is what the stream recorded as completed (regenerated, deduplicated).
+        for s in answered[:10]:
+            [done] = [e for e in stored_events(up.nats_url, s.request_id) if e.type == "chat.completed"]
+            assert done.text == s.text
+        report = asyncio.run(audit_of(up.nats_url, settle_s=1.0))
+        assert report["missing_terminal"] == [] and report["duplicate_terminal"] == [], report
+        end = time.monotonic() + 60
+        while time.monotonic() < end and len(up.inference_pids()) < 2:
+            time.sleep(0.5)
+        assert len(up.inference_pids()) == 2 and victim not in up.inference_pids()
+        while time.monotonic() < end and httpx.get(f"{up.url}/readyz").json().get("inference") != 2:
+            time.sleep(0.5)
+        assert httpx.get(f"{up.url}/readyz").json()["inference"] == 2
+        print(
+            f"\n[kill -9] answered {len(answered)}/40, clean errors {len(failed_cleanly)}, "
+            f"longest stall of a stream spanning the kill {max(stalls, default=0):.2f}s over {len(stalls)} streams"
+        )
+    finally:
+        up.stop()
+
+
+# ---- Redis and NATS outages -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outage_s", [6.0, 20.0])
+def test_redis_outage_under_load_gives_no_500_and_keeps_idempotency(tmp_path, nats_server, stack_factory, outage_s):
+    redis_dir = tmp_path / "redis-data"
+    redis = start_redis(redis_dir)
+    s = stack_factory()
+    s.stack.env["REDIS_URL"] = redis.url
+    s.start()
+    servers = [redis]
+    try:
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                keyed = await post_one(client, s.url, prompt(0, 16), {"Idempotency-Key": "before-outage"})
+                await asyncio.sleep(1.5)  # the append-only file syncs every second
+                flowing = [asyncio.create_task(stream_one(client, s.url, prompt(i, 120))) for i in range(12)]
+                waiting = [asyncio.create_task(post_one(client, s.url, prompt(100 + i, 120))) for i in range(12)]
+                await asyncio.sleep(0.5)
+                redis.proc.send_signal(signal.SIGKILL)
+                redis.proc.wait()
+                during = [await post_one(client, s.url, prompt(200 + i, 8)) for i in range(3)]
+                during.append(await post_one(client, s.url, prompt(300, 8), {"Idempotency-Key": "during"}))
+                await asyncio.sleep(outage_s)
+                servers.append(start_redis(redis_dir, port=redis.port))
+                streams = await asyncio.gather(*flowing)
+                posts = await asyncio.gather(*waiting)
+                await asyncio.sleep(1.0)
+                retry = await post_one(client, s.url, prompt(0, 16), {"Idempotency-Key": "before-outage"})
+                return keyed, streams, posts, during, retry
+
+        keyed, streams, posts, during, retry = asyncio.run(run())
+        statuses = [x.status for x in streams] + [r.status_code for r in posts + during]
+        assert 500 not in statuses, statuses
+        assert all(x.content_type.startswith(("text/event-stream", "application/json")) for x in streams)
+        for r in [*posts, *during]:
+            assert r.headers.get("content-type", "").startswith("application/json"), (r.status_code, r.text[:200])
+        assert all(x.done and x.error is None and x.text for x in streams), [(x.status, x.error) for x in streams]
+        assert all(r.status_code == 200 for r in posts), [(r.status_code, r.text[:200]) for r in posts]
+        assert {r.status_code for r in during} <= {200, 503}
+        assert keyed.status_code == 200 and retry.status_code == 200
+        assert retry.json()["x_arena"]["request_id"] == keyed.json()["x_arena"]["request_id"]
+        assert retry.json()["x_arena"]["attached"] is True  # the model ran once
+        print(
+            f"\n[redis {outage_s:.0f}s] streams {sum(x.done for x in streams)}/12, non-streaming 200s "
+            f"{sum(r.status_code == 200 for r in posts)}/12, during the outage {[r.status_code for r in during]}"
+        )
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_nats_outage_gives_json_errors_only_and_a_retried_key_runs_after(tmp_path, redis_server, stack_factory):
+    nats_dir = tmp_path / "nats-store"
+    server = start_nats(nats_dir)
+    s = stack_factory()
+    s.stack.env["NATS_URL"] = server.url
+    s.nats = server
+    s.start()
+    servers = [server]
+    try:
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                before = [asyncio.create_task(stream_one(client, s.url, prompt(i, 64))) for i in range(6)]
+                await asyncio.sleep(0.5)
+                server.proc.send_signal(signal.SIGKILL)
+                server.proc.wait()
+                t0 = time.monotonic()
+                during = await asyncio.gather(
+                    *(post_one(client, s.url, prompt(50 + i, 16), {"Idempotency-Key": f"k{i}"}) for i in range(4)),
+                    stream_one(client, s.url, prompt(60, 16)),
+                )
+                await asyncio.sleep(max(0.0, 12.0 - (time.monotonic() - t0)))
+                servers.append(start_nats(nats_dir, port=server.port))
+                flowing = await asyncio.gather(*before)
+                await asyncio.sleep(3.0)  # clients reconnect
+                retried = [
+                    await post_one(client, s.url, prompt(50 + i, 16), {"Idempotency-Key": f"k{i}"}) for i in range(4)
+                ]
+                return flowing, during, retried
+
+        flowing, during, retried = asyncio.run(run())
+        *posts, stream = during
+        for r in [*posts, *retried]:
+            assert r.headers.get("content-type", "").startswith("application/json"), (r.status_code, r.text[:200])
+        assert stream.content_type.startswith(("application/json", "text/event-stream"))
+        assert all(x.content_type.startswith(("application/json", "text/event-stream")) for x in flowing)
+        assert {r.status_code for r in posts} <= {200, 503, 504}, [(r.status_code, r.text[:200]) for r in posts]
+        assert stream.status in (200, 503)
+        for r in posts:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "stream_unavailable"
+        assert all(r.status_code == 200 for r in retried), [(r.status_code, r.text[:200]) for r in retried]
+        for before, after in zip(posts, retried, strict=True):
+            if before.status_code == 503:  # its key was released: the retry ran the request
+                assert after.json()["x_arena"]["attached"] is False
+        print(
+            f"\n[nats 12s] during: {[r.status_code for r in posts]} stream {stream.status}; "
+            f"in flight before: {[(x.status, x.done, (x.error or {}).get('code')) for x in flowing]}"
+        )
+    finally:
+        for srv in servers:
+            srv.stop()
