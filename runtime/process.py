@@ -21,6 +21,7 @@ from events import decode, subjects
 from events.models import EventBase
 from events.topology import Role
 from runtime import jetstream
+from runtime.http import ProcessEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,15 @@ class ProcessRuntime:
         self.js: JetStreamContext | None = None
         self._beat: asyncio.Task | None = None
         self.ready = False
+        self.endpoint = ProcessEndpoint(
+            role,
+            lambda: self.ready and self.nc is not None and self.nc.is_connected,
+            settings.http_host,
+            settings.metrics_port,
+        )
 
     async def start(self) -> None:
+        await self.endpoint.start()  # /healthz answers while the rest starts (slow model loads)
         self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
         self.js = js = nc.jetstream()
         await jetstream.ensure_topology(js, self.settings.retention_days, **self.settings.topology())
@@ -58,6 +66,7 @@ class ProcessRuntime:
                 "instance": self.settings.instance_id,
                 "ready": self.ready,
                 "ts": time.time(),
+                "metrics_port": self.endpoint.port,
                 **self.status(),
             }
             with suppress(Exception):  # a heartbeat lost in a reconnect is replaced by the next
@@ -79,6 +88,7 @@ class ProcessRuntime:
                 await self._beat
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
+        await self.endpoint.stop()
 
 
 def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -> None:

@@ -59,6 +59,10 @@ class CommonSettings(BaseSettings):
         "send in-progress acks every third of it, so it can be a small part of the 15 s deadline.",
     )
     max_ack_pending: int = Field(256, ge=1, description="Most unacked requests the inference group holds.")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Consumer processes: /healthz, /readyz and /metrics; 0 picks a free port."
+    )
+    http_host: str = Field("127.0.0.1", description="Address of that endpoint (0.0.0.0 in a container).")
 
     def topology(self) -> dict:
         return {"ack_wait_s": self.ack_wait_s, "max_ack_pending": self.max_ack_pending}
@@ -92,7 +96,6 @@ class InferenceSettings(CommonSettings):
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
-    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 picks a free one.")
 
     @field_validator("engine")
     @classmethod

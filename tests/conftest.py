@@ -15,12 +15,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K-hf"
+#: Prompts in the style stories260K was trained on.
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The little cat",
+    "Tom had a red ball",
+    "One day, a bird",
+    "Lily went to the park",
+    "The sun was hot",
+    "A big dog ran",
+    "Mom said",
+]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from events.topology import role_names  # noqa: E402
 from infra.servers import start_nats, start_redis  # noqa: E402
 from infra.supervisor import Stack  # noqa: E402
+from runtime.net import free_port  # noqa: E402
 
 ROLES = tuple(role_names())
 
@@ -85,17 +97,17 @@ def stack_env(nats_url: str, redis_url: str, port: int, **extra) -> dict:
 
 class RunningStack:
     def __init__(self, tmp: Path, nats, redis, **extra):
-        from runtime.net import free_port
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nats, self.redis = nats, redis
+        # A fixed metrics port is the inference process's alone (each process has its own).
+        self.inference_env = {k: str(extra.pop(k)) for k in ("ARENA_METRICS_PORT",) if k in extra}
         self.stack = Stack(tmp, stack_env(nats.url, redis.url, self.port, **extra))
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, roles=ROLES, timeout: float = 90.0) -> RunningStack:
         for role in roles:
-            self.stack.spawn(role)
+            self.stack.spawn(role, extra_env=self.inference_env if role == "inference" else None)
         self.wait_ready(timeout)
         return self
 

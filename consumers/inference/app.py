@@ -10,7 +10,6 @@ import torch
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.annotations import NatsMessage
-from prometheus_client import start_http_server
 
 from consumers.inference import admin
 from consumers.inference.metrics import register_pool
@@ -18,7 +17,6 @@ from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
-from runtime.net import free_port
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull
 from runtime.settings import InferenceSettings
 
@@ -37,7 +35,6 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         torch.set_num_threads(settings.torch_threads)
     specs = load_models_config(settings.models_config, settings.models_dir)
     pool = ModelPool(specs, budget_bytes(settings), gpu_memory_fraction=settings.cuda_memory_fraction)
-    metrics_port = settings.metrics_port or free_port()
 
     def status() -> dict:
         return {
@@ -45,7 +42,6 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "resident": pool.resident(),
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
-            "metrics_port": metrics_port,
             "engine": settings.engine,
         }
 
@@ -74,14 +70,13 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     @app.on_startup
     async def _start() -> None:
         register_pool(pool)
-        start_http_server(metrics_port, addr="127.0.0.1")
         await runtime.start()
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
         await runtime.connection().subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
         service.start()
         warm = settings.warm_models or [settings.default_model]
         await pool.warm([w for w in warm if any(s.name == w for s in specs)])
-        log.info("warm: %s; metrics on :%d", pool.resident(), metrics_port)
+        log.info("warm: %s; metrics on :%d", pool.resident(), runtime.endpoint.port)
 
     @app.after_startup
     async def _ready() -> None:

@@ -17,20 +17,11 @@ import pytest
 from events import subjects
 from infra.replay import audit
 from runtime.stream import read_events
+from tests.conftest import STORY_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 CHAT = "/v1/chat/completions"
-PROMPTS = [
-    "Once upon a time",
-    "The little cat",
-    "Tom had a red ball",
-    "One day, a bird",
-    "Lily went to the park",
-    "The sun was hot",
-    "A big dog ran",
-    "Mom said",
-]
 
 
 def body(content: str, **kw) -> dict:

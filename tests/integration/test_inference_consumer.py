@@ -16,6 +16,7 @@ import pytest
 
 from runtime.net import free_port
 from tests.conftest import STORIES, stored_events
+from tests.conftest import STORY_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -42,18 +43,6 @@ def metric(port, name):
     return sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#")
     )
-
-
-PROMPTS = [
-    "Once upon a time",
-    "The little cat",
-    "Tom had a red ball",
-    "One day, a bird",
-    "Lily went to the park",
-    "The sun was hot",
-    "A big dog ran",
-    "Mom said",
-]
 
 
 @pytest.mark.parametrize("engine", ["continuous", "static"])

@@ -23,20 +23,11 @@ from runtime import jetstream
 from runtime.settings import InferenceSettings
 from runtime.stream import read_events
 from tests.conftest import STORIES
+from tests.conftest import STORY_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 MODEL = "stories-260k"
-PROMPTS = [
-    "Once upon a time",
-    "The little cat",
-    "Tom had a red ball",
-    "One day, a bird",
-    "Lily went to the park",
-    "The sun was hot",
-    "A big dog ran",
-    "Mom said",
-]
 POISON_SEED = 4242
 
 
