@@ -16,7 +16,7 @@ from consumers.inference.engine import BatchEngine
 from consumers.inference.models import ModelSpec
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
-from events import decode, subjects
+from events import decode, subjects, topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams
 from infra.replay import audit
 from runtime import jetstream
@@ -55,7 +55,7 @@ async def worker(nats_server):
         settings, pool, partial(jetstream.publish, js), watchdog_margin_s=0.5, watchdog_period_s=0.1
     )
     service.start()
-    sub = await js.pull_subscribe(subjects.INFERENCE_SUBJECT, durable=subjects.INFERENCE_CONSUMER)
+    sub = await js.pull_subscribe(subjects.INFERENCE_SUBJECT, durable=topology.INFERENCE.name)
     yield Worker(js, service, sub)
     await service.stop()
     await nc.close()
@@ -89,7 +89,7 @@ async def serve(w: Worker, n: int, timeout: float = 90.0) -> dict:
         await asyncio.sleep(0.05)
     assert not w.service.jobs, f"jobs still held: {list(w.service.jobs)}"
     await w.service.outbox.join()
-    info = await w.js.consumer_info(subjects.STREAM, subjects.INFERENCE_CONSUMER)
+    info = await w.js.consumer_info(subjects.STREAM, topology.INFERENCE.name)
     assert info.num_ack_pending == 0, "a message was neither acked nor termed"
     events = await read_events(w.js, "arena.>")
     report = audit(events)
@@ -154,5 +154,5 @@ async def test_watchdog_fails_a_job_the_engine_lost(worker, monkeypatch):
     assert (done["lost"].type, done["lost"].code) == ("chat.failed", "deadline_exceeded")
     assert done["kept"].type == "chat.completed"
     assert sample() == reaped + 1
-    info = await worker.js.consumer_info(subjects.STREAM, subjects.INFERENCE_CONSUMER)
+    info = await worker.js.consumer_info(subjects.STREAM, topology.INFERENCE.name)
     assert info.num_pending == 0 and info.num_redelivered == 0  # termed, not given back
