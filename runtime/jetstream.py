@@ -11,6 +11,7 @@ import logging
 import ssl
 
 import nats
+from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -87,6 +88,16 @@ def connect_options(settings) -> dict:
             context.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
         options["tls"] = context
     return options
+
+
+def broker_security(settings) -> NatsSecurity | None:
+    """The same credentials and TLS for a process's FastStream broker."""
+    options = connect_options(settings)
+    if "user" in options:
+        return NatsUserPassword(options["user"], options["password"], ssl_context=options.get("tls"))
+    if "tls" in options:
+        return NatsSecurity(ssl_context=options["tls"])
+    return None
 
 
 async def connect(url: str, name: str, **options) -> nats.NATS:
