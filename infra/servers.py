@@ -82,10 +82,15 @@ def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:
 
 
 def start_nats(
-    store_dir: Path, port: int | None = None, log_file: Path | None = None, config: Path | None = None
+    store_dir: Path,
+    port: int | None = None,
+    log_file: Path | None = None,
+    config: Path | None = None,
+    tls: bool = False,
 ) -> LocalServer:
     """`config`: a configuration file for users and TLS (`infra.nats_auth.server_config`);
-    without it the server takes any local connection."""
+    without it the server takes any local connection. `tls`: the config has a `tls {}`
+    block, so the URL is tls://."""
     port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
@@ -93,7 +98,6 @@ def start_nats(
         cmd += ["-c", str(config)]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
-    tls = config is not None and "\ntls " in config.read_text()
     return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}")
 
 

@@ -243,7 +243,7 @@ async def test_nats_over_tls_with_client_certificates_and_users(tmp_path):
         "ca_file": str(certs["ca_cert"]),
     }
     config.write_text(nats_auth.server_config(passwords, tls=tls))
-    server = start_nats(tmp_path / "store", config=config)
+    server = start_nats(tmp_path / "store", config=config, tls=True)
     try:
         assert server.url.startswith("tls://")
         settings = CommonSettings(
