@@ -57,9 +57,10 @@ class Pipeline:
         self.beats: dict[tuple[str, str], dict] = {}
 
     async def start(self) -> None:
-        self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway")
+        options = jetstream.connect_options(self.settings)
+        self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway", **options)
         self.js = self.nc.jetstream()
-        await jetstream.ensure_topology(self.js, self.settings.retention_days, **self.settings.topology())
+        await jetstream.prepare_topology(self.js, self.settings)
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
 
     async def stop(self) -> None:

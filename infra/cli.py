@@ -21,7 +21,7 @@ from infra.asyncapi import schema_json
 from infra.replay import audit_window, parse_window
 from infra.servers import start_nats
 from infra.supervisor import up
-from runtime import logs
+from runtime import jetstream, logs
 from runtime.settings import CommonSettings, OperatorSettings
 from runtime.stream import conversation_events, request_events
 
@@ -193,6 +193,19 @@ async def _models(args) -> int:
     return 0 if answers and all(a.get("ok") for a in answers) else 1
 
 
+async def _topology() -> int:
+    """What a process with per-role permissions may not do: the operator creates the
+    stream and the durables (a Job on Kubernetes)."""
+    settings = CommonSettings()
+    nc = await jetstream.connect(settings.nats_url, "arena-topology", **jetstream.connect_options(settings))
+    try:
+        await jetstream.ensure_topology(nc.jetstream(), settings.retention_days, **settings.topology())
+    finally:
+        await nc.close()
+    print(f"stream {subjects.STREAM} and durables {[r.durable for r in topology.consumers()]} in place")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -209,6 +222,13 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--inference-replicas", type=int, default=1)
     up.add_argument("--state-dir", default=OperatorSettings().state_dir)
     up.add_argument("--ready-timeout", type=float, default=180.0)
+    up.add_argument(
+        "--no-nats-auth",
+        dest="nats_auth",
+        action="store_false",
+        help="the embedded nats-server takes any local connection (default: per-role users, fresh passwords)",
+    )
+    sub.add_parser("topology", help="create or update the stream and the durables (NATS_URL, ARENA_NATS_*)")
 
     run = sub.add_parser("run", help="run one process (settings from ARENA_* variables)")
     run.add_argument("role", choices=topology.role_names())
@@ -272,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return up(args)
     if args.cmd == "run":
         return run_role(args.role)
+    if args.cmd == "topology":
+        return asyncio.run(_topology())
     if args.cmd == "replay":
         return asyncio.run(_replay(args))
     if args.cmd == "audit":

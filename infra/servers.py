@@ -81,13 +81,24 @@ def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_nats(store_dir: Path, port: int | None = None, log_file: Path | None = None) -> LocalServer:
+def start_nats(
+    store_dir: Path,
+    port: int | None = None,
+    log_file: Path | None = None,
+    config: Path | None = None,
+    tls: bool = False,
+) -> LocalServer:
+    """`config`: a configuration file for users and TLS (`infra.nats_auth.server_config`);
+    without it the server takes any local connection. `tls`: the config has a `tls {}`
+    block, so the URL is tls://."""
     port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
+    if config is not None:
+        cmd += ["-c", str(config)]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
-    return LocalServer("nats", proc, port, f"nats://127.0.0.1:{port}")
+    return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}")
 
 
 def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None = None) -> LocalServer:

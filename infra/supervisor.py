@@ -9,6 +9,7 @@ back what it could not finish while delivery still delivers, and the servers go 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -21,12 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import nats
 from prometheus_client import Counter, start_http_server
 
 from events import topology
+from infra import nats_auth
 from infra.servers import LocalServer, start_nats, start_redis
+from runtime import jetstream
 from runtime.net import free_port
-from runtime.settings import REPO, InferenceSettings, OperatorSettings
+from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
 
 PR_SET_PDEATHSIG = 1
 #: What `arena up` serves without --models-config: three arena models on one set of weights.
@@ -149,11 +153,20 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     operator = OperatorSettings()
     nats_url = args.nats_url or operator.nats_url
     redis_url = args.redis_url or operator.redis_url
+    credentials: dict[str, str] = {}
+    operator_url = nats_url
     if not nats_url:
-        server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log")
+        config = None
+        if getattr(args, "nats_auth", True):
+            credentials = nats_auth.new_passwords()  # per run: a local process without them cannot connect
+            config = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials))
+        server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log", config=config)
         stack.servers.append(server)
-        nats_url = server.url
-        print_fn(f"nats-server (JetStream) on {nats_url}, store {state / 'nats'}")
+        nats_url = operator_url = server.url
+        if credentials:
+            operator_url = with_credentials(server.url, nats_auth.OPERATOR, credentials[nats_auth.OPERATOR])
+            asyncio.run(create_topology(operator_url))  # the roles may not: they wait for it
+        print_fn(f"nats-server (JetStream) on {nats_url}, store {state / 'nats'}, per-role users: {bool(credentials)}")
     if not redis_url:
         server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")
         stack.servers.append(server)
@@ -181,23 +194,56 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     for role in topology.ROLES:
         replicas = args.inference_replicas if role.replicated else 1
         extra = torch_threads(env, replicas) if role.replicated else {}
+        if credentials:
+            extra |= {
+                "ARENA_NATS_USER": role.name,
+                "ARENA_NATS_PASSWORD": credentials[role.name],
+                "ARENA_MANAGE_TOPOLOGY": "false",
+            }
         for i in range(replicas):
             stack.spawn(role.name, f"{role.name}-{i}" if role.replicated else role.name, extra)
     url = f"http://{args.host}:{port}"
     metrics_port = free_port()
     start_http_server(metrics_port, addr="127.0.0.1")
-    (state / "endpoints.json").write_text(
+    _private_file(
+        state / "endpoints.json",
         json.dumps(
             {
-                "nats_url": nats_url,
+                # The operator's URL (with its credentials when the server has users): what
+                # `arena replay`, `audit` and `models` connect with.
+                "nats_url": operator_url,
                 "redis_url": redis_url,
                 "gateway_url": url,
                 "pid": os.getpid(),
                 "supervisor_metrics_port": metrics_port,
             }
-        )
+        ),
     )
     return stack, url
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """Written readable by this user only (it may hold credentials)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
+async def create_topology(url: str) -> None:
+    """The stream and the durables, created by the operator before any role starts."""
+    settings = CommonSettings()
+    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    try:
+        await jetstream.ensure_topology(nc.jetstream(), settings.retention_days, **settings.topology())
+    finally:
+        await nc.close()
 
 
 def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:

@@ -6,9 +6,12 @@ first subscriber), so a consumer's ack deadline and bounds are what the code say
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 
 import nats
+from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -72,8 +75,51 @@ async def ensure_topology(js: JetStreamContext, retention_days: float = 7.0, **c
             log.warning("consumer %s kept as it is: %s", cc.durable_name, exc)
 
 
-async def connect(url: str, name: str) -> nats.NATS:
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+def connect_options(settings) -> dict:
+    """nats-py connect arguments for a process's credentials and TLS (`CommonSettings`):
+    the same for its own connection and its FastStream broker."""
+    options: dict = {}
+    if settings.nats_user:
+        options["user"] = settings.nats_user
+        options["password"] = settings.nats_password.get_secret_value() if settings.nats_password else ""
+    if settings.nats_tls_ca or settings.nats_tls_cert:
+        context = ssl.create_default_context(cafile=settings.nats_tls_ca)
+        if settings.nats_tls_cert:
+            context.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+        options["tls"] = context
+    return options
+
+
+def broker_security(settings) -> NatsSecurity | None:
+    """The same credentials and TLS for a process's FastStream broker."""
+    options = connect_options(settings)
+    if "user" in options:
+        return NatsUserPassword(options["user"], options["password"], ssl_context=options.get("tls"))
+    if "tls" in options:
+        return NatsSecurity(ssl_context=options["tls"])
+    return None
+
+
+async def connect(url: str, name: str, **options) -> nats.NATS:
+    """The one place a process connects to NATS; `options` from `connect_options`."""
+    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options)
+
+
+async def prepare_topology(js: JetStreamContext, settings, durable: str | None = None) -> None:
+    """Create the topology, or, where the operator owns it (`manage_topology` off), wait
+    until the stream and the process's own durable exist."""
+    if settings.manage_topology:
+        await ensure_topology(js, settings.retention_days, **settings.topology())
+        return
+    while True:
+        try:
+            await js.stream_info(subjects.STREAM)
+            if durable:
+                await js.consumer_info(subjects.STREAM, durable)
+            return
+        except NotFoundError:
+            log.warning("waiting for the operator to create the stream and consumer %s (arena topology)", durable)
+            await asyncio.sleep(1.0)
 
 
 async def publish(js: JetStreamContext, event) -> None:

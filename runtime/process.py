@@ -17,7 +17,7 @@ from faststream.nats.message import NatsMessage
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
-from events import decode, subjects
+from events import decode, subjects, topology
 from events.models import EventBase
 from events.topology import Role
 from runtime import jetstream
@@ -53,9 +53,10 @@ class ProcessRuntime:
 
     async def start(self) -> None:
         await self.endpoint.start()  # /healthz answers while the rest starts (slow model loads)
-        self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}")
+        options = jetstream.connect_options(self.settings)
+        self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}", **options)
         self.js = js = nc.jetstream()
-        await jetstream.ensure_topology(js, self.settings.retention_days, **self.settings.topology())
+        await jetstream.prepare_topology(js, self.settings, topology.role(self.role).durable)
         self._beat = asyncio.create_task(self._heartbeats())
 
     async def _heartbeats(self) -> None:

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,18 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("REDIS_URL", "ARENA_REDIS_URL"),
-        description="Redis for results, idempotency keys and conversation seeds.",
+        description="Redis for results, idempotency keys and conversation seeds; rediss:// for TLS "
+        "(e.g. rediss://host:6380/0?ssl_ca_certs=/etc/arena/tls/ca.crt).",
+    )
+    nats_user: str | None = Field(None, description="NATS user of this process (per-role permissions).")
+    nats_password: SecretStr | None = Field(None, description="Its password (from a Secret on Kubernetes).")
+    nats_tls_ca: str | None = Field(None, description="CA file that signed the NATS server's certificate: TLS on.")
+    nats_tls_cert: str | None = Field(None, description="Client certificate for NATS (with ARENA_NATS_TLS_KEY).")
+    nats_tls_key: str | None = Field(None, description="Key of the client certificate for NATS.")
+    manage_topology: bool = Field(
+        True,
+        description="Create or update the stream and the durables at start. Off where per-role NATS users may "
+        "not (then the operator creates them: `arena up`, `arena topology`) and the process waits for them.",
     )
     instance_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
@@ -63,6 +74,14 @@ class CommonSettings(BaseSettings):
         0, ge=0, le=65535, description="Consumer processes: /healthz, /readyz and /metrics; 0 picks a free port."
     )
     http_host: str = Field("127.0.0.1", description="Address of that endpoint (0.0.0.0 in a container).")
+
+    @model_validator(mode="after")
+    def _nats_tls(self) -> CommonSettings:
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError(
+                "a NATS client certificate needs its key: set both ARENA_NATS_TLS_CERT and ARENA_NATS_TLS_KEY"
+            )
+        return self
 
     def topology(self) -> dict:
         return {"ack_wait_s": self.ack_wait_s, "max_ack_pending": self.max_ack_pending}

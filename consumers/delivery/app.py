@@ -21,6 +21,7 @@ from prometheus_client import Counter
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
+from runtime import jetstream
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
 from runtime.redis import REDIS_DOWN, redis_client
 from runtime.settings import DeliverySettings
@@ -67,7 +68,7 @@ def build_app(
 ) -> FastStream:
     """The delivery process; `store` and `fanout` (core-NATS publish) are replaceable in tests."""
     settings = settings or DeliverySettings()
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
     runtime = ProcessRuntime(topology.DELIVERY.name, settings)
     store = store or ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
 

@@ -17,6 +17,7 @@ from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
+from runtime import jetstream
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull
 from runtime.settings import InferenceSettings
 
@@ -47,7 +48,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
     service = InferenceService(settings, pool, runtime.publish)
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
 
     # Micro-batches form in the engine, not in the fetch: continuous mode admits
     # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.

@@ -21,6 +21,7 @@ from consumers.leaderboard.projection import VoteProjection, config_of
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
+from runtime import jetstream
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
 from runtime.redis import redis_client
 from runtime.settings import LeaderboardSettings
@@ -48,7 +49,7 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
     projection = VoteProjection(config_of(settings))
     redis = redis_client(settings.redis_url)
     runtime = ProcessRuntime(role.name, settings, lambda: {"seq": projection.seq})
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG)
+    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
     dirty = asyncio.Event()
     tasks: list[asyncio.Task] = []
 

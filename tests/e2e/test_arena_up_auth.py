@@ -1,0 +1,107 @@
+"""`arena up` with its default per-role NATS users: every role runs under its own
+permissions without one violation, a stranger cannot connect, the operator's tools work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import nats
+import pytest
+
+from tests.conftest import REPO, SHARED
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def arena(*args, env, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args],
+        check=False,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_up_with_per_role_users_serves_and_refuses_strangers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
+    env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
+    state = tmp_path / "state"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        end = time.monotonic() + 150
+        while time.monotonic() < end:
+            lines.append(up.stdout.readline())
+            if "ready at" in lines[-1] or up.poll() is not None:
+                break
+        assert any("ready at" in line for line in lines), "".join(lines)
+        assert any("per-role users: True" in line for line in lines)
+        endpoints_file = state / "endpoints.json"
+        assert stat.S_IMODE(endpoints_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE((state / "nats-auth.conf").stat().st_mode) == 0o600
+        endpoints = json.loads(endpoints_file.read_text())
+        url, operator_url = endpoints["gateway_url"], endpoints["nats_url"]
+        assert "operator:" in operator_url
+
+        # Streaming: filter, inference (tokens, terminal, acks), delivery (live fan-out) and the gateway.
+        body = {
+            "model": "stories-260k",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Once upon a time"}],
+        }
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) > 2
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 200, r.text
+        rid = r.json()["x_arena"]["request_id"]
+
+        # A battle and a vote: the gateway's battle events, the leaderboard's durable.
+        client = httpx.Client(base_url=url, timeout=30)
+        bid = client.post("/arena/battles").json()["battle_id"]
+        with client.stream("POST", f"/arena/battles/{bid}/turns", json={"prompt": "A cat", "max_tokens": 8}) as t:
+            assert t.status_code == 200
+            list(t.iter_lines())
+        assert client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"}).status_code == 200
+        client.close()
+
+        # The operator's tools use the operator's URL from endpoints.json.
+        replay = arena("replay", "--request-id", rid, "--state-dir", str(state), env=env)
+        assert replay.returncode == 0 and "chat.completed" in replay.stdout, replay.stderr
+        models = arena("models", "list", "--state-dir", str(state), "--wait", "5", env=env)
+        assert models.returncode == 0 and "stories-260k" in models.stdout, models.stderr
+
+        async def stranger() -> None:
+            plain = operator_url.split("@", 1)[1]
+            await nats.connect(f"nats://{plain}", allow_reconnect=False, connect_timeout=2)
+
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            asyncio.run(stranger())
+        time.sleep(1.5)  # heartbeats and the leaderboard's pulls keep going
+        log = (state / "logs" / "nats-server.log").read_text()
+        assert "Permissions Violation" not in log, [x for x in log.splitlines() if "Permissions" in x][:5]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    assert up.returncode == 0
