@@ -11,7 +11,7 @@ from collections.abc import Callable
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS
 
-log = logging.getLogger("arena.inference")
+log = logging.getLogger(__name__)
 
 
 class EngineRunner:

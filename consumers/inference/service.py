@@ -38,7 +38,7 @@ from events.models import (
     Usage,
 )
 
-log = logging.getLogger("arena.inference")
+log = logging.getLogger(__name__)
 
 
 @dataclass
