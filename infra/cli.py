@@ -36,13 +36,15 @@ def run_role(role: str) -> int:
 
 
 def _reachable(url: str) -> bool:
-
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=1):
-            return True
-    except OSError:
-        return False
+    """Any of the servers in `url` (comma-separated for a cluster) answers on its port."""
+    for one in jetstream.servers(url):
+        parsed = urlparse(one)
+        try:
+            with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=1):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _endpoints(state_dir: str) -> dict:
@@ -59,7 +61,7 @@ async def _jetstream(args):
     server = None
     nc = None
     if url and _reachable(url):
-        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False)
+        nc = await nats.connect(jetstream.servers(url), connect_timeout=2, allow_reconnect=False)
     if nc is None:
         store = Path(args.state_dir) / "nats"
         if not store.exists():
@@ -174,7 +176,7 @@ async def _models(args) -> int:
     url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
-    nc = await nats.connect(url, allow_reconnect=False)
+    nc = await nats.connect(jetstream.servers(url), allow_reconnect=False)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subjects.ADMIN_MODELS, json.dumps(command).encode(), reply=inbox)
@@ -220,6 +222,13 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     up.add_argument("--max-batch-size", type=int, default=32)
     up.add_argument("--inference-replicas", type=int, default=1)
+    up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start an N-node JetStream cluster on loopback (stream at R3) instead of one server",
+    )
     up.add_argument("--state-dir", default=OperatorSettings().state_dir)
     up.add_argument("--ready-timeout", type=float, default=180.0)
     up.add_argument(

@@ -81,24 +81,81 @@ def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@dataclass(frozen=True)
+class ClusterNode:
+    """How one node of a local JetStream cluster joins the others."""
+
+    name: str
+    cluster_port: int
+    routes: tuple[int, ...]  # the other nodes' cluster ports
+
+
 def start_nats(
     store_dir: Path,
     port: int | None = None,
     log_file: Path | None = None,
     config: Path | None = None,
     tls: bool = False,
+    node: ClusterNode | None = None,
 ) -> LocalServer:
     """`config`: a configuration file for users and TLS (`infra.nats_auth.server_config`);
     without it the server takes any local connection. `tls`: the config has a `tls {}`
-    block, so the URL is tls://."""
+    block, so the URL is tls://. `node`: this server is one node of a cluster."""
     port = port or free_port()
     store_dir.mkdir(parents=True, exist_ok=True)
     cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir)]
     if config is not None:
         cmd += ["-c", str(config)]
+    if node is not None:
+        routes = ",".join(f"nats://127.0.0.1:{p}" for p in node.routes)
+        cmd += ["-n", node.name, "--cluster_name", "arena", "--cluster", f"nats://127.0.0.1:{node.cluster_port}"]
+        cmd += ["--routes", routes]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
     return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}")
+
+
+@dataclass
+class NatsCluster:
+    """A JetStream cluster on loopback: one process per node, own ports and store dirs."""
+
+    root: Path
+    nodes: list[ClusterNode]
+    ports: list[int]
+    servers: list[LocalServer]
+    config: Path | None = None
+    log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start_node(self, i: int) -> LocalServer:
+        """(Re)start node i on its own port and store (after a kill it catches up)."""
+        log = self.log_dir / f"nats-{self.nodes[i].name}.log" if self.log_dir else None
+        server = start_nats(self.root / self.nodes[i].name, self.ports[i], log, self.config, node=self.nodes[i])
+        self.servers[i] = server
+        return server
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def start_nats_cluster(
+    root: Path, size: int = 3, log_dir: Path | None = None, config: Path | None = None
+) -> NatsCluster:
+    ports = [free_port() for _ in range(size)]
+    cluster_ports = [free_port() for _ in range(size)]
+    nodes = [
+        ClusterNode(f"n{i}", cluster_ports[i], tuple(p for j, p in enumerate(cluster_ports) if j != i))
+        for i in range(size)
+    ]
+    cluster = NatsCluster(root, nodes, ports, [], config, log_dir)
+    cluster.servers = [None] * size  # type: ignore[list-item]  # filled right below
+    for i in range(size):
+        cluster.start_node(i)
+    return cluster
 
 
 def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None = None) -> LocalServer:

@@ -27,7 +27,7 @@ from prometheus_client import Counter, start_http_server
 
 from events import topology
 from infra import nats_auth
-from infra.servers import LocalServer, start_nats, start_redis
+from infra.servers import LocalServer, NatsCluster, start_nats, start_nats_cluster, start_redis
 from runtime import jetstream
 from runtime.net import free_port
 from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
@@ -70,7 +70,7 @@ class Child:
 class Stack:
     state: Path
     env: dict
-    servers: list[LocalServer] = field(default_factory=list)
+    servers: list[LocalServer | NatsCluster] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
 
     @property
@@ -160,13 +160,26 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         if getattr(args, "nats_auth", True):
             credentials = nats_auth.new_passwords()  # per run: a local process without them cannot connect
             config = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials))
-        server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log", config=config)
-        stack.servers.append(server)
-        nats_url = operator_url = server.url
+        nodes = getattr(args, "nats_cluster", 1) or 1
+        if nodes > 1:
+            cluster = start_nats_cluster(state / "nats-cluster", nodes, log_dir=state / "logs", config=config)
+            stack.servers.append(cluster)
+            nats_url = operator_url = cluster.url
+            env["ARENA_STREAM_REPLICAS"] = str(min(3, nodes))
+            where = f"a {nodes}-node cluster, stream at R{min(3, nodes)}, stores in {state / 'nats-cluster'}"
+        else:
+            server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log", config=config)
+            stack.servers.append(server)
+            nats_url = operator_url = server.url
+            where = f"store {state / 'nats'}"
         if credentials:
-            operator_url = with_credentials(server.url, nats_auth.OPERATOR, credentials[nats_auth.OPERATOR])
-            asyncio.run(create_topology(operator_url))  # the roles may not: they wait for it
-        print_fn(f"nats-server (JetStream) on {nats_url}, store {state / 'nats'}, per-role users: {bool(credentials)}")
+            operator_url = ",".join(
+                with_credentials(u, nats_auth.OPERATOR, credentials[nats_auth.OPERATOR])
+                for u in jetstream.servers(nats_url)
+            )
+            # the roles may not create it: they wait for it
+            asyncio.run(create_topology(operator_url, int(env.get("ARENA_STREAM_REPLICAS", "1"))))
+        print_fn(f"nats-server (JetStream) on {nats_url}, {where}, per-role users: {bool(credentials)}")
     if not redis_url:
         server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")
         stack.servers.append(server)
@@ -236,12 +249,14 @@ def with_credentials(url: str, user: str, password: str) -> str:
     return f"{scheme}://{user}:{password}@{rest}"
 
 
-async def create_topology(url: str) -> None:
+async def create_topology(url: str, replicas: int = 1) -> None:
     """The stream and the durables, created by the operator before any role starts."""
     settings = CommonSettings()
-    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    nc = await nats.connect(jetstream.servers(url), connect_timeout=5, allow_reconnect=False)
     try:
-        await jetstream.ensure_topology(nc.jetstream(), settings.retention_days, **settings.topology())
+        await jetstream.ensure_topology(
+            nc.jetstream(), settings.retention_days, **{**settings.topology(), "replicas": replicas}
+        )
     finally:
         await nc.close()
 

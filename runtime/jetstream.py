@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 
 import nats
 from faststream.nats.security import NatsSecurity, NatsUserPassword
@@ -22,7 +23,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from events import encode, subjects, topology
 
@@ -31,9 +32,15 @@ log = logging.getLogger(__name__)
 DAY_S = 86_400
 
 
-def stream_config(retention_days: float) -> StreamConfig:
+def servers(url: str) -> list[str]:
+    """NATS_URL may list several servers (a cluster), comma-separated."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+def stream_config(retention_days: float, replicas: int = 1) -> StreamConfig:
     return StreamConfig(
         name=subjects.STREAM,
+        num_replicas=replicas,  # 3 on a cluster: the stream survives the loss of a node
         subjects=list(subjects.STREAM_SUBJECTS),
         # Limits retention: acked events stay, so any request can be replayed.
         retention=RetentionPolicy.LIMITS,
@@ -60,13 +67,25 @@ def consumer_configs(ack_wait_s: float = 30.0, max_ack_pending: int = 256) -> li
     ]
 
 
-async def ensure_topology(js: JetStreamContext, retention_days: float = 7.0, **consumer_kw) -> None:
-    """Create or update the stream and the durable consumers; safe to run from every process."""
-    config = stream_config(retention_days)
-    try:
-        await js.update_stream(config)
-    except NotFoundError:
-        await js.add_stream(config)
+async def ensure_topology(js: JetStreamContext, retention_days: float = 7.0, replicas: int = 1, **consumer_kw) -> None:
+    """Create or update the stream and the durable consumers; safe to run from every process.
+
+    A cluster that is still electing its JetStream leader answers 503 for a while: that is
+    waited out (up to a minute), not fatal."""
+    config = stream_config(retention_days, replicas)
+    end = time.monotonic() + 60.0
+    while True:
+        try:
+            try:
+                await js.update_stream(config)
+            except NotFoundError:
+                await js.add_stream(config)
+            break
+        except (TimeoutError, ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+            if time.monotonic() > end:
+                raise
+            log.warning("JetStream not ready yet (%s); retrying", type(exc).__name__)
+            await asyncio.sleep(0.5)
     for cc in consumer_configs(**consumer_kw):
         try:
             await js.add_consumer(subjects.STREAM, cc)
@@ -102,7 +121,7 @@ def broker_security(settings) -> NatsSecurity | None:
 
 async def connect(url: str, name: str, **options) -> nats.NATS:
     """The one place a process connects to NATS; `options` from `connect_options`."""
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options)
+    return await nats.connect(servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options)
 
 
 async def prepare_topology(js: JetStreamContext, settings, durable: str | None = None) -> None:

@@ -70,6 +70,9 @@ class CommonSettings(BaseSettings):
         "send in-progress acks every third of it, so it can be a small part of the 15 s deadline.",
     )
     max_ack_pending: int = Field(256, ge=1, description="Most unacked requests the inference group holds.")
+    stream_replicas: int = Field(
+        1, ge=1, le=5, description="Replicas of the stream (and its consumers): 1 on one server, 3 on a cluster."
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Consumer processes: /healthz, /readyz and /metrics; 0 picks a free port."
     )
@@ -84,7 +87,11 @@ class CommonSettings(BaseSettings):
         return self
 
     def topology(self) -> dict:
-        return {"ack_wait_s": self.ack_wait_s, "max_ack_pending": self.max_ack_pending}
+        return {
+            "ack_wait_s": self.ack_wait_s,
+            "max_ack_pending": self.max_ack_pending,
+            "replicas": self.stream_replicas,
+        }
 
 
 class FilterSettings(CommonSettings):

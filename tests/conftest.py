@@ -32,6 +32,7 @@ if str(REPO) not in sys.path:
 from events.topology import role_names  # noqa: E402
 from infra.servers import start_nats, start_redis  # noqa: E402
 from infra.supervisor import Stack  # noqa: E402
+from runtime import jetstream  # noqa: E402
 from runtime.net import free_port  # noqa: E402
 
 ROLES = tuple(role_names())
@@ -55,7 +56,7 @@ def stored_events(nats_url: str, request_id: str) -> list:
     from runtime.stream import request_events
 
     async def go():
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(jetstream.servers(nats_url))
         try:
             return await request_events(nc.jetstream(), request_id)
         finally:

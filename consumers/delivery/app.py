@@ -68,7 +68,9 @@ def build_app(
 ) -> FastStream:
     """The delivery process; `store` and `fanout` (core-NATS publish) are replaceable in tests."""
     settings = settings or DeliverySettings()
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
+    broker = NatsBroker(
+        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
+    )
     runtime = ProcessRuntime(topology.DELIVERY.name, settings)
     store = store or ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
 

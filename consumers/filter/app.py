@@ -97,7 +97,9 @@ def build_app(
     """The filter process; `publish` (default: the runtime's, with dedupe keys) is replaceable in tests."""
     settings = settings or FilterSettings()
     config = config or filter_config(settings)
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
+    broker = NatsBroker(
+        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
+    )
     runtime = ProcessRuntime(topology.FILTER.name, settings)
     publish = publish or runtime.publish
     slot = _slot(config)  # loaded at build: a missing artifact stops the process at start

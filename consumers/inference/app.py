@@ -48,7 +48,9 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
     service = InferenceService(settings, pool, runtime.publish)
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
+    broker = NatsBroker(
+        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
+    )
 
     # Micro-batches form in the engine, not in the fetch: continuous mode admits
     # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.

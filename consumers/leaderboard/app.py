@@ -49,7 +49,9 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
     projection = VoteProjection(config_of(settings))
     redis = redis_client(settings.redis_url)
     runtime = ProcessRuntime(role.name, settings, lambda: {"seq": projection.seq})
-    broker = NatsBroker(settings.nats_url, log_level=logging.DEBUG, security=jetstream.broker_security(settings))
+    broker = NatsBroker(
+        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
+    )
     dirty = asyncio.Event()
     tasks: list[asyncio.Task] = []
 
