@@ -141,10 +141,17 @@ async def prepare_topology(js: JetStreamContext, settings, durable: str | None =
             await asyncio.sleep(1.0)
 
 
+#: How long a publish waits for the stream's acknowledgement. Short, because callers
+#: retry (the dedupe key makes a retry safe): an ack lost when a node dies or a client
+#: moves to another node costs this much, not nats-py's default of 5 s.
+PUBLISH_TIMEOUT_S = 1.5
+
+
 async def publish(js: JetStreamContext, event) -> None:
     """Publish an event with its dedupe key, so a repeated publish is dropped by the server."""
     await js.publish(
         subjects.subject_for(event),
         encode(event),
+        timeout=PUBLISH_TIMEOUT_S,
         headers={"Nats-Msg-Id": subjects.dedupe_key(event)},
     )

@@ -309,7 +309,7 @@ class InferenceService:
             async with self._room:
                 self._room.notify_all()
 
-    async def _publish_retrying(self, event, attempts: int = 5) -> None:
+    async def _publish_retrying(self, event, attempts: int = 6) -> None:
         for i in range(attempts):
             try:
                 await self.publish(event)
