@@ -25,6 +25,7 @@ from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
 from runtime import jetstream
+from runtime.recovery import recover_request
 from runtime.redis import redis_client
 from runtime.settings import GatewaySettings
 from runtime.stream import conversation_events, read_events
@@ -121,6 +122,15 @@ class Pipeline:
     async def history(self, request_id: str) -> list:
         """The request's output events already in the stream (chunks and terminal), in order."""
         return await read_events(self.js, subjects.output_filter(request_id))
+
+    async def recover(self, request_id: str) -> tuple[Any, dict | None]:
+        """A request Redis has forgotten (its data lost), rebuilt from the stream:
+        (terminal event or None, pending record or None); the read model is refilled."""
+        try:
+            return await recover_request(self.js, self.results, request_id)
+        except NATS_DOWN as exc:
+            log.warning("cannot read the stream: %s", exc, extra={"request_id": request_id})
+            return None, None
 
     async def conversation(self, conv_id: str) -> list:
         return await conversation_events(self.js, conv_id)

@@ -129,10 +129,12 @@ def router(chat: ChatService) -> APIRouter:
         try:
             stored = await results.get_result(request_id) if known else None
             record = await results.pending(request_id) if known and stored is None else None
+            terminal = decode(stored) if stored is not None else None
+            if known and stored is None and record is None:  # Redis lost it? The stream has it.
+                terminal, record = await chat.pipeline.recover(request_id)
         except REDIS_DOWN as exc:
             raise store_unavailable() from exc
-        if stored is not None:
-            terminal = decode(stored)
+        if terminal is not None:
             if terminal.type != "chat.completed":
                 return failed(request_id, failure(terminal))
             return completed(request_id, terminal)

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -17,11 +18,14 @@ import nats
 
 from consumers.filter.evaluate import main as filter_eval
 from events import subjects, topology
+from events.readmodel import ReadModel
 from infra.asyncapi import schema_json
 from infra.replay import audit_window, parse_window
 from infra.servers import start_nats
 from infra.supervisor import up
 from runtime import jetstream, logs
+from runtime.recovery import rebuild
+from runtime.redis import redis_client
 from runtime.settings import CommonSettings, OperatorSettings
 from runtime.stream import conversation_events, request_events
 
@@ -105,6 +109,22 @@ async def _replay(args) -> int:
     if not events:
         print("no events found", file=sys.stderr)
         return 1
+    return 0
+
+
+async def _rebuild(args) -> int:
+    """Refill Redis's read model (pending records, results) from the stream."""
+    url = args.redis_url or OperatorSettings().redis_url or _endpoints(args.state_dir).get("redis_url")
+    if not url:
+        raise SystemExit("no Redis to rebuild: pass --redis-url (or REDIS_URL), or run `arena up`")
+    store = ReadModel(redis_client(url), CommonSettings().result_ttl_s)
+    since = datetime.now(UTC) - parse_window(args.since)
+    try:
+        async with _jetstream(args) as js:
+            counts = await rebuild(js, store, since)
+    finally:
+        await store.redis.aclose()
+    print(f"rebuilt from the stream: {counts['requests']} requests, {counts['results']} results, into {url}")
     return 0
 
 
@@ -258,6 +278,12 @@ def parser() -> argparse.ArgumentParser:
         else:
             sp.add_argument("--since", default="1h", help="window, e.g. 30m, 1h, 2d")
 
+    rb = sub.add_parser("rebuild-readmodel", help="refill Redis's results and pending records from the stream")
+    rb.add_argument("--since", default="7d", help="window, e.g. 1h, 2d (default: the stream's retention)")
+    rb.add_argument("--nats-url", default=None)
+    rb.add_argument("--redis-url", default=None)
+    rb.add_argument("--state-dir", default=OperatorSettings().state_dir)
+
     fe = sub.add_parser("filter-eval", help="measure the prompt filter on a labelled JSONL file")
     fe.add_argument("file")
     fe.add_argument("--json", action="store_true")
@@ -305,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_topology())
     if args.cmd == "replay":
         return asyncio.run(_replay(args))
+    if args.cmd == "rebuild-readmodel":
+        return asyncio.run(_rebuild(args))
     if args.cmd == "audit":
         return asyncio.run(_audit(args))
     if args.cmd == "filter-eval":

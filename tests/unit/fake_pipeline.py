@@ -106,6 +106,9 @@ class FakePipeline(Pipeline):
     async def history(self, request_id: str) -> list:
         return [e for e in self.stream if getattr(e, "request_id", None) == request_id and e.type != "chat.requested"]
 
+    async def recover(self, request_id: str) -> tuple:
+        return None, None  # the fake's results never expire
+
     async def conversation(self, conv_id: str) -> list:
         return [e for e in self.stream if getattr(e, "conv_id", None) == conv_id]
 

@@ -1,0 +1,54 @@
+"""Rebuilding the Redis read model from the stream: the events are the truth, Redis only
+answers fast. Used by the gateway for one request when Redis has forgotten it (cheap: one
+filtered read), and by `arena rebuild-readmodel` for everything in a window."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from nats.js import JetStreamContext
+
+from events import encode
+from events.models import TERMINAL_TYPES
+from events.readmodel import ReadModel
+from runtime.stream import read_events, request_events
+
+
+async def restore(store: ReadModel, events: list[Any]) -> tuple[Any, dict | None]:
+    """Write one request's pending record and result from its events; returns its
+    terminal event (None while it runs) and its pending record (None if never requested)."""
+    requested = next((e for e in events if e.type == "chat.requested"), None)
+    terminal = next((e for e in events if e.type in TERMINAL_TYPES), None)
+    record = None
+    if requested is not None:
+        await store.record_pending(
+            requested.request_id, requested.conv_id, requested.turn_id, requested.model, requested.deadline_at
+        )
+        record = {
+            "conv_id": requested.conv_id,
+            "turn_id": requested.turn_id,
+            "model": requested.model,
+            "deadline_at": requested.deadline_at,
+        }
+    if terminal is not None:
+        await store.save_result(terminal.request_id, encode(terminal))
+    return terminal, record
+
+
+async def recover_request(js: JetStreamContext, store: ReadModel, request_id: str) -> tuple[Any, dict | None]:
+    return await restore(store, await request_events(js, request_id))
+
+
+async def rebuild(js: JetStreamContext, store: ReadModel, since: datetime | None = None) -> dict[str, int]:
+    """Every request's pending record and result from the stream (from `since` on)."""
+    by_request: dict[str, list[Any]] = {}
+    for event in await read_events(js, "arena.>", since=since, timeout=10.0):
+        rid = getattr(event, "request_id", None)
+        if rid is not None:
+            by_request.setdefault(rid, []).append(event)
+    results = 0
+    for events in by_request.values():
+        terminal, _ = await restore(store, events)
+        results += terminal is not None
+    return {"requests": len(by_request), "results": results}
