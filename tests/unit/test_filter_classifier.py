@@ -44,14 +44,14 @@ def test_features_are_stable_and_explainable():
 
 def test_training_is_reproducible():
     rows = _tiny_rows()
-    w1, b1, m1 = train(rows, bits=14, seed=3, evaluate=False, log=lambda _: None)
-    w2, b2, m2 = train(rows, bits=14, seed=3, evaluate=False, log=lambda _: None)
+    w1, b1, m1 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
+    w2, b2, m2 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
     assert np.array_equal(w1, w2) and b1 == b2
     assert m1["version"] == m2["version"] and m1["threshold"] == m2["threshold"]
 
 
 def test_artifact_round_trip_without_pickle(tmp_path, monkeypatch):
-    w, b, meta = train(_tiny_rows(), bits=14, evaluate=False, log=lambda _: None)
+    w, b, meta = train(_tiny_rows(), bits=14, evaluate_heldout=False, log=lambda _: None)
     path = tmp_path / "clf.npz"
     save_linear(path, w, b, meta)
 
@@ -98,7 +98,7 @@ def test_committed_artifact_scores_known_attacks_and_benign():
 def test_hot_reload_swaps_on_a_new_artifact_and_keeps_the_old_on_a_bad_one(tmp_path):
     rows = _tiny_rows()
     path = tmp_path / "clf.npz"
-    w, b, meta = train(rows, bits=14, seed=0, evaluate=False, log=lambda _: None)
+    w, b, meta = train(rows, bits=14, seed=0, evaluate_heldout=False, log=lambda _: None)
     save_linear(path, w, b, meta)
     now = [0.0]
     slot = ClassifierSlot(path, check_s=1.0, clock=lambda: now[0])
