@@ -1,4 +1,4 @@
-"""Policy modes of the filter (block / shadow / sanitize-only) through the pure `filter_request`, and the event contract."""
+"""Policy modes of the filter (block / shadow / sanitize-only) through the pure `filter_request`; the event contract."""
 
 from __future__ import annotations
 
