@@ -169,3 +169,23 @@ def test_filter_train_writes_an_artifact_filter_eval_reads(tmp_path, capsys):
 
 def test_paths_are_relative_to_the_repository():
     assert Path(DEFAULT_ARTIFACT).parts[-3:] == ("filter", "artifacts", "prompt-classifier.npz")
+
+
+def test_training_records_every_held_out_table():
+    # 2 attack and 2 benign families, so each protocol has something to hold out
+    rows = [
+        Row(f"{t} #{i}", a, src, family_of(src))
+        for i in range(6)
+        for t, a, src in (
+            (ATTACKS[i % 2], True, "atk-one:x"),
+            (ATTACKS[2], True, "atk-two:x"),
+            (BENIGN[i % 2], False, "ben-one:x"),
+            (BENIGN[2], False, "ben-two:x"),
+        )
+    ]
+    _, _, meta = train(rows, bits=12, dev=rows[:8], log=lambda _: None)
+    report = meta["report"]
+    assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold"} <= set(report)
+    assert set(report["loso_attack"]["families"]) == {"atk-one", "atk-two"}  # attack families only
+    assert report["threshold_from"] == "loso" and report["balance"] == "family"
+    assert meta["word_orders"] == [] and meta["char_orders"] == [3, 4, 5]
