@@ -6,8 +6,8 @@ Two kinds of figures:
   (rules, then classifier, mode block) per source family, at the artifact's
   threshold;
 * recorded at training (they need many trainings): leave-one-source-out per
-  family and mean, in-distribution k-fold, and the dev file, from the
-  artifact's metadata.
+  family and mean, attack families held out, in-distribution k-fold, and the
+  dev file, from the artifact's metadata (consumers/filter/heldout.py).
 """
 
 from __future__ import annotations
@@ -85,9 +85,14 @@ def classifier_tables(path: str, classifier: Classifier, config: FilterConfig | 
     out += _measured(path, measure(path, classifier, config))
     report = classifier.meta.get("report", {}) if isinstance(classifier, LinearClassifier) else {}
     titles = {
-        "loso": "recorded at training: leave-one-source-out (threshold on held-out benign sources)",
+        "loso": "recorded at training: leave-one-source-out, every family (threshold on held-out benign sources)",
+        "loso_attack": (
+            "recorded at training: attack families held out, benign always trained on"
+            " (threshold on a held-out benign fold)"
+        ),
         "in_distribution": "recorded at training: in-distribution, stratified 5-fold",
-        "dev": "recorded at training: dev file, final model at the LOSO threshold",
+        "dev": "recorded at training: dev file, final model at the LOSO threshold (the shipped one)",
+        "dev_at_attack_threshold": "recorded at training: dev file, final model at the attack-held-out threshold",
     }
     for key, title in titles.items():
         if key in report:

@@ -60,7 +60,7 @@ class Rates:
         return self.benign_flagged / self.benign if self.benign else None
 
     def plus(self, other: Rates, weight: float = 1.0) -> Rates:
-        return Rates(*(a + weight * b for a, b in zip(astuple(self), astuple(other), strict=False)))
+        return Rates(*(a + weight * b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def astuple(r: Rates) -> tuple[float, ...]:
@@ -236,8 +236,8 @@ def _pct(x: float | None) -> str:
 
 def _line(name: str, r: Rates) -> str:
     return (
-        f"{name[:72]:<72} {r.attacks:7.0f} {_pct(r.catch_rate):>7} "
-        f"{_pct(r.attacks_rejected / r.attacks if r.attacks else None):>7}"
+        f"{name[:72]:<72} {r.attacks:7.0f} {_pct(r.catch_rate):>7}"
+        f" {_pct(r.attacks_rejected / r.attacks if r.attacks else None):>7}"
         f" {r.benign:7.0f} {_pct(r.false_positive_rate):>7}"
     )
 

@@ -19,7 +19,7 @@ from consumers.filter.classifier import Classifier, load_classifier
 
 __all__ = ["ClassifierSlot"]
 
-log = logging.getLogger("arena.filter")
+log = logging.getLogger(__name__)
 
 
 class ClassifierSlot:

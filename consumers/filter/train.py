@@ -1,22 +1,22 @@
 """`arena filter-train`: fit the classifier stage and measure it honestly.
 
-Model: logistic regression (liblinear, dual, balanced class weights) over the
-hashed n-grams of features.py. Training is deterministic for a seed: features
-are hashes, and liblinear's coordinate order comes from ``random_state``.
+Model: logistic regression (liblinear, dual) over the hashed character 3-5-grams
+of features.py, C=10, with sample weights that give each class half the weight
+and each source family the same share of its class (heldout.family_weights).
+Training is deterministic for a seed: features are hashes, and liblinear's
+coordinate order comes from ``random_state``.
 
-Evaluation, written into the artifact's metadata and printed by `arena filter-eval`:
+Evaluation (consumers/filter/heldout.py), written into the artifact's metadata
+and printed by `arena filter-eval`, each at a threshold flagging at most 0.3% of
+benign prompts the model did not train on:
 
-* leave-one-source-out (LOSO): for each source family, a model trained on all
-  other families scores it. One threshold is then chosen on the pooled scores
-  of benign prompts *of held-out sources* (each scored by a model that never saw
-  its source) so that at most ``fp_cap`` of them are rejected; catch is reported
-  per attack family at that threshold, and their mean;
-* in-distribution: stratified k-fold over the training file, same threshold rule;
-* the dev file (JailbreakBench attacks, arena-hard benign): the final model at the
-  LOSO threshold, per family.
-
-The shipped threshold is the LOSO one: the cap then holds for benign sources the
-model has not seen, which is what production traffic is.
+* ``loso``: every source family held out in turn, benign families included; the
+  shipped threshold comes from these held-out benign scores;
+* ``loso_attack``: attack families held out, benign data always trained on (less
+  one fold, scored for the threshold): "an attack family never seen";
+* ``in_distribution``: stratified 5-fold;
+* ``dev``: the dev file (JailbreakBench attacks, arena-hard benign), final model,
+  at the LOSO threshold and at the attack-held-out one.
 
 scikit-learn is needed here only; serving scores the saved weights with numpy.
 """
@@ -33,13 +33,16 @@ from typing import Any
 
 import numpy as np
 
+from consumers.filter import heldout
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
 from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize
 
-__all__ = ["fit", "loso_scores", "main", "matrix", "threshold_at", "train"]
+__all__ = ["evaluate", "fit", "main", "matrix", "train"]
 
 FP_CAP = 0.003
+BITS = 18
+C = 10.0  # weak regularization: held-out catch rose from 1% (C=1) to 12% (C=10), see docs/filter.md
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 
@@ -54,14 +57,13 @@ def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=
     return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(rows), 1 << bits))
 
 
-def fit(x, y: np.ndarray, c: float, seed: int) -> tuple[np.ndarray, float]:
+def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """Weights and bias of a logistic regression; the same inputs and seed give the same weights."""
     from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
 
     # dual liblinear: fast when features far outnumber prompts, as here
-    model = LogisticRegression(C=c, class_weight="balanced", solver="liblinear", dual=True, max_iter=500)
-    model.set_params(random_state=seed)
-    model.fit(x, y)
+    model = LogisticRegression(C=c, solver="liblinear", dual=True, max_iter=1000, random_state=seed)
+    model.fit(x, y, sample_weight=sample_weight)
     return model.coef_[0].astype(np.float32), float(model.intercept_[0])
 
 
@@ -69,107 +71,97 @@ def _logits(x, w: np.ndarray, b: float) -> np.ndarray:
     return np.asarray(x @ w.astype(np.float64)).ravel() + b
 
 
-def loso_scores(rows: Sequence[Row], x, y: np.ndarray, c: float, seed: int) -> np.ndarray:
-    """Each row's logit from a model that never saw the row's source family."""
-    families = np.array([r.family for r in rows])
-    out = np.zeros(len(rows))
-    for fam in sorted(set(families)):
-        held = families == fam
-        w, b = fit(x[~held], y[~held], c, seed)
-        out[held] = _logits(x[held], w, b)
-    return out
+def _fitter(c: float, seed: int) -> heldout.Fit:
+    def fit_rows(x, y, sample_weight):
+        w, b = fit(x, y, c, seed, sample_weight)
+        return lambda xs: _logits(xs, w, b)
 
-
-def kfold_scores(x, y: np.ndarray, c: float, seed: int, k: int = 5) -> np.ndarray:
-    """Out-of-fold logits of a stratified k-fold split (in-distribution figure)."""
-    from sklearn.model_selection import StratifiedKFold  # noqa: PLC0415
-
-    out = np.zeros(len(y))
-    for train_idx, test_idx in StratifiedKFold(k, shuffle=True, random_state=seed).split(np.zeros(len(y)), y):
-        w, b = fit(x[train_idx], y[train_idx], c, seed)
-        out[test_idx] = _logits(x[test_idx], w, b)
-    return out
-
-
-def threshold_at(benign_logits: np.ndarray, fp_cap: float) -> float:
-    """Lowest logit threshold (score >= t flags) rejecting at most ``fp_cap`` of the benign prompts."""
-    ordered = np.sort(benign_logits)[::-1]
-    allowed = int(np.floor(fp_cap * len(ordered)))
-    if allowed >= len(ordered):
-        return float(ordered[-1])
-    return float(np.nextafter(ordered[allowed], np.inf))  # just above the first benign prompt not allowed
-
-
-def _table(rows: Sequence[Row], logits: np.ndarray, t: float) -> dict[str, Any]:
-    families = np.array([r.family for r in rows])
-    attack = np.array([r.attack for r in rows])
-    flagged = logits >= t
-    per = {}
-    for fam in sorted(set(families)):
-        sel = families == fam
-        n_att, n_ben = int((sel & attack).sum()), int((sel & ~attack).sum())
-        per[fam] = {
-            "attacks": n_att,
-            "caught": float(flagged[sel & attack].mean()) if n_att else None,
-            "benign": n_ben,
-            "fp": float(flagged[sel & ~attack].mean()) if n_ben else None,
-        }
-    catches = [v["caught"] for v in per.values() if v["caught"] is not None]
-    return {
-        "threshold": _prob(t),
-        "families": per,
-        "mean_catch": float(np.mean(catches)) if catches else None,
-        "pooled_catch": float(flagged[attack].mean()) if attack.any() else None,
-        "fp": float(flagged[~attack].mean()) if (~attack).any() else None,
-    }
+    return fit_rows
 
 
 def _prob(logit: float) -> float:
     return float(1.0 / (1.0 + np.exp(-logit)))
 
 
-def _logit(prob: float) -> float:
-    return float(np.log(prob / (1.0 - prob)))
+def evaluate(
+    rows: Sequence[Row],
+    x,
+    fit_rows: heldout.Fit,
+    *,
+    balance: str,
+    seed: int,
+    fp_cap: float,
+    dev: tuple[Sequence[Row], Callable[[], np.ndarray]] | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[dict[str, Any], float]:
+    """The held-out report (see :mod:`consumers.filter.heldout`) and the shipped threshold (a logit).
+
+    The shipped threshold is the leave-one-source-out one: the benign cap then holds
+    for benign sources the model never saw, which is what production traffic is.
+    """
+    y = np.array([r.attack for r in rows])
+    fam = np.array([r.family for r in rows])
+    report: dict[str, Any] = {}
+    log(f"leave-one-source-out over {len(set(fam))} families ...")
+    loso = heldout.loso_scores(x, y, fam, fit_rows, balance)
+    t = heldout.threshold_at(loso[~y], fp_cap)
+    report["loso"] = heldout.table(loso, y, fam, t, _prob)
+    log(f"attack families held out ({len(set(fam[y]))}), benign always trained on (one fold held out) ...")
+    att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed)
+    t_att = heldout.threshold_at(ben, fp_cap)
+    report["loso_attack"] = heldout.table(att, y, fam, t_att, _prob)
+    report["loso_attack"]["fp"] = float((ben >= t_att).mean())
+    log("in-distribution 5-fold ...")
+    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, seed=seed)
+    report["in_distribution"] = heldout.table(kf, y, fam, heldout.threshold_at(kf[~y], fp_cap), _prob)
+    if dev is not None:
+        dev_rows, dev_scores = dev
+        yd, fd, sd = np.array([r.attack for r in dev_rows]), np.array([r.family for r in dev_rows]), dev_scores()
+        report["dev"] = heldout.table(sd, yd, fd, t, _prob)
+        report["dev_at_attack_threshold"] = heldout.table(sd, yd, fd, t_att, _prob)
+    return report, t
 
 
 def train(
     rows: Sequence[Row],
     *,
-    bits: int = 18,
-    c: float = 1.0,
+    bits: int = BITS,
+    c: float = C,
     seed: int = 0,
-    evaluate: bool = True,
+    balance: str = "family",
+    char_orders: tuple[int, ...] = CHAR_ORDERS,
+    word_orders: tuple[int, ...] = (),
+    evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
     fp_cap: float = FP_CAP,
     log: Callable[[str], None] = print,
 ) -> tuple[np.ndarray, float, dict[str, Any]]:
-    """Fit on ``rows``; with ``evaluate``, also the LOSO / k-fold / dev figures. Returns weights, bias, meta."""
+    """Fit on ``rows``; with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
     y = np.array([r.attack for r in rows])
-    x = matrix(rows, bits)
-    w, b = fit(x, y, c, seed)
-    report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum())}
-    if evaluate:
-        log(f"leave-one-source-out over {len({r.family for r in rows})} families ...")
-        loso = loso_scores(rows, x, y, c, seed)
-        t = threshold_at(loso[~y], fp_cap)
-        report["loso"] = _table(rows, loso, t)
-        log("in-distribution 5-fold ...")
-        kf = kfold_scores(x, y, c, seed)
-        report["in_distribution"] = _table(rows, kf, threshold_at(kf[~y], fp_cap))
-        if dev:
-            report["dev"] = _table(dev, _logits(matrix(dev, bits), w, b), t)
+    fam = np.array([r.family for r in rows])
+    x = matrix(rows, bits, char_orders, word_orders)
+    w, b = fit(x, y, c, seed, heldout.family_weights(y, fam, balance))
+    report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum()), "balance": balance}
+    if evaluate_heldout:
+        dev_pair = (dev, lambda: _logits(matrix(dev, bits, char_orders, word_orders), w, b)) if dev else None
+        held, t = evaluate(rows, x, _fitter(c, seed), balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
+        report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
-        t = threshold_at(_logits(x, w, b)[~y], fp_cap)
-    report["threshold_from"] = "loso" if evaluate else "in-sample"
+        t = heldout.threshold_at(_logits(x, w, b)[~y], fp_cap)
+    report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
     digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:12]
     meta = {
         "version": f"ngram-lr-{digest}",
         "features": FEATURES_VERSION,
         "bits": bits,
-        "char_orders": list(CHAR_ORDERS),
-        "word_orders": list(WORD_ORDERS),
+        "char_orders": list(char_orders),
+        "word_orders": list(word_orders),
         "threshold": _prob(t),
-        "model": {"family": "logistic regression, liblinear dual", "C": c, "seed": seed},
+        "model": {
+            "family": "logistic regression, liblinear dual, class and family balanced",
+            "C": c,
+            "seed": seed,
+        },
         "report": report,
     }
     return w, b, meta
@@ -182,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dev", default=str(DEV_FILE), help="extra test file reported per family ('' to skip)")
     p.add_argument("--out", default=str(DEFAULT_ARTIFACT), help="artifact path (.npz)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bits", type=int, default=18, help="log2 of the hashed feature space")
-    p.add_argument("--C", type=float, default=1.0, dest="c", help="inverse regularization strength")
+    p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
+    p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
+    p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
+    p.add_argument("--words", action="store_true", help="add word 1-2-grams to the character 3-5-grams")
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
     args = p.parse_args(argv)
@@ -194,7 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    w, b, meta = train(rows, bits=args.bits, c=args.c, seed=args.seed, evaluate=not args.no_eval, dev=dev)
+    w, b, meta = train(
+        rows,
+        bits=args.bits,
+        c=args.c,
+        seed=args.seed,
+        balance=args.balance,
+        word_orders=WORD_ORDERS if args.words else (),
+        evaluate_heldout=not args.no_eval,
+        dev=dev,
+    )
     save_linear(args.out, w, b, meta)
     size = Path(args.out).stat().st_size
     print(f"wrote {args.out} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")

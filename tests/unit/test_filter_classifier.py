@@ -44,14 +44,14 @@ def test_features_are_stable_and_explainable():
 
 def test_training_is_reproducible():
     rows = _tiny_rows()
-    w1, b1, m1 = train(rows, bits=14, seed=3, evaluate=False, log=lambda _: None)
-    w2, b2, m2 = train(rows, bits=14, seed=3, evaluate=False, log=lambda _: None)
+    w1, b1, m1 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
+    w2, b2, m2 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
     assert np.array_equal(w1, w2) and b1 == b2
     assert m1["version"] == m2["version"] and m1["threshold"] == m2["threshold"]
 
 
 def test_artifact_round_trip_without_pickle(tmp_path, monkeypatch):
-    w, b, meta = train(_tiny_rows(), bits=14, evaluate=False, log=lambda _: None)
+    w, b, meta = train(_tiny_rows(), bits=14, evaluate_heldout=False, log=lambda _: None)
     path = tmp_path / "clf.npz"
     save_linear(path, w, b, meta)
 
@@ -98,7 +98,7 @@ def test_committed_artifact_scores_known_attacks_and_benign():
 def test_hot_reload_swaps_on_a_new_artifact_and_keeps_the_old_on_a_bad_one(tmp_path):
     rows = _tiny_rows()
     path = tmp_path / "clf.npz"
-    w, b, meta = train(rows, bits=14, seed=0, evaluate=False, log=lambda _: None)
+    w, b, meta = train(rows, bits=14, seed=0, evaluate_heldout=False, log=lambda _: None)
     save_linear(path, w, b, meta)
     now = [0.0]
     slot = ClassifierSlot(path, check_s=1.0, clock=lambda: now[0])
@@ -169,3 +169,23 @@ def test_filter_train_writes_an_artifact_filter_eval_reads(tmp_path, capsys):
 
 def test_paths_are_relative_to_the_repository():
     assert Path(DEFAULT_ARTIFACT).parts[-3:] == ("filter", "artifacts", "prompt-classifier.npz")
+
+
+def test_training_records_every_held_out_table():
+    # 2 attack and 2 benign families, so each protocol has something to hold out
+    rows = [
+        Row(f"{t} #{i}", a, src, family_of(src))
+        for i in range(6)
+        for t, a, src in (
+            (ATTACKS[i % 2], True, "atk-one:x"),
+            (ATTACKS[2], True, "atk-two:x"),
+            (BENIGN[i % 2], False, "ben-one:x"),
+            (BENIGN[2], False, "ben-two:x"),
+        )
+    ]
+    _, _, meta = train(rows, bits=12, dev=rows[:8], log=lambda _: None)
+    report = meta["report"]
+    assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold"} <= set(report)
+    assert set(report["loso_attack"]["families"]) == {"atk-one", "atk-two"}  # attack families only
+    assert report["threshold_from"] == "loso" and report["balance"] == "family"
+    assert meta["word_orders"] == [] and meta["char_orders"] == [3, 4, 5]

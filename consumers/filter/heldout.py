@@ -1,0 +1,148 @@
+"""Held-out evaluation protocols for the classifier stage (used by `arena filter-train`).
+
+Every protocol takes a feature matrix, labels, the source family of every row and
+a ``fit(x, y, sample_weight) -> score(x)`` function, and returns out-of-sample
+scores (logits; higher means attack):
+
+* :func:`loso_scores`, leave-one-source-out: each family (attack or benign) is
+  scored by a model that never saw it. A benign family that is held out is a new
+  language or task, which is a question about benign drift as much as about attacks;
+* :func:`loso_attack_scores`, attack families held out: each attack family is scored
+  by a model trained on every other attack family and on the benign data, less one
+  stratified benign fold that is scored for the threshold. This is the question
+  "does the filter catch an attack family it has never seen" at a benign false
+  positive rate measured on prompts it did not train on;
+* :func:`kfold_scores`, in-distribution: stratified k-fold, strata = family x label.
+
+:func:`family_weights` balances training: each class weighs half, and within a class
+every family weighs the same, so one large collection's style (1,200 SAP personas,
+1,460 awesome-chatgpt-prompts) does not decide what "attack" and "benign" look like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Fit",
+    "family_weights",
+    "kfold_scores",
+    "loso_attack_scores",
+    "loso_scores",
+    "table",
+    "threshold_at",
+]
+
+# fit(x, y, sample_weight) -> a scoring function over rows of x
+Fit = Callable[[Any, np.ndarray, np.ndarray], Callable[[Any], np.ndarray]]
+
+
+def family_weights(y: np.ndarray, families: np.ndarray, balance: str = "family") -> np.ndarray:
+    """Sample weights averaging 1: each class half; within a class, per family (``family``) or per row (``row``)."""
+    w = np.ones(len(y))
+    for cls in (True, False):
+        sel = y == cls
+        if not sel.any():
+            continue
+        if balance == "family":
+            fams = np.unique(families[sel])
+            for fam in fams:
+                s = sel & (families == fam)
+                w[s] = 1.0 / (len(fams) * s.sum())
+        else:
+            w[sel] = 1.0 / sel.sum()
+    return w * len(y) / w.sum()
+
+
+def _fit_on(fit: Fit, x, y, families, rows: np.ndarray, balance: str):
+    return fit(x[rows], y[rows], family_weights(y[rows], families[rows], balance))
+
+
+def loso_scores(x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family") -> np.ndarray:
+    """Each row's score from a model that never saw the row's family."""
+    out = np.zeros(len(y))
+    for fam in np.unique(families):
+        held = families == fam
+        out[held] = _fit_on(fit, x, y, families, np.flatnonzero(~held), balance)(x[held])
+    return out
+
+
+def benign_folds(y: np.ndarray, families: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """Fold number of every benign row (stratified by family); -1 for attacks."""
+    rng = np.random.default_rng(seed)
+    fold = np.full(len(y), -1)
+    for fam in np.unique(families[~y]):
+        idx = np.flatnonzero(~y & (families == fam))
+        fold[idx[rng.permutation(len(idx))]] = np.arange(len(idx)) % k
+    return fold
+
+
+def loso_attack_scores(
+    x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family", k: int = 5, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attack rows scored with their family held out, and the benign scores that set the threshold.
+
+    Attack family ``i`` is held out together with benign fold ``i mod k``; the
+    returned benign scores pool every held-out fold (a benign row is scored by
+    each model that left its fold out, so it may appear more than once).
+    """
+    fold = benign_folds(y, families, k, seed)
+    attack_scores = np.full(len(y), np.nan)
+    benign: list[np.ndarray] = []
+    for i, fam in enumerate(np.unique(families[y])):
+        held_attack, held_benign = y & (families == fam), fold == i % k
+        score = _fit_on(fit, x, y, families, np.flatnonzero(~held_attack & ~held_benign), balance)
+        attack_scores[held_attack] = score(x[held_attack])
+        benign.append(score(x[held_benign]))
+    return attack_scores, np.concatenate(benign)
+
+
+def kfold_scores(x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family", k: int = 5, seed: int = 0):
+    """Out-of-fold scores of a k-fold split stratified by family and label."""
+    from sklearn.model_selection import StratifiedKFold  # noqa: PLC0415
+
+    strata = np.array([f"{f}|{a}" for f, a in zip(families, y, strict=True)])
+    _, counts = np.unique(strata, return_counts=True)
+    if counts.min() < k:  # tiny strata (a 3-prompt family): fold by label only
+        strata = y
+    out = np.zeros(len(y))
+    for train, test in StratifiedKFold(k, shuffle=True, random_state=seed).split(np.zeros(len(y)), strata):
+        out[test] = _fit_on(fit, x, y, families, train, balance)(x[test])
+    return out
+
+
+def threshold_at(benign_scores: np.ndarray, fp_cap: float) -> float:
+    """Lowest threshold (score >= t flags) flagging at most ``fp_cap`` of the benign scores."""
+    ordered = np.sort(benign_scores)[::-1]
+    allowed = int(np.floor(fp_cap * len(ordered)))
+    if allowed >= len(ordered):
+        return float(ordered[-1])
+    return float(np.nextafter(ordered[allowed], np.inf))  # just above the first benign score not allowed
+
+
+def table(scores: np.ndarray, y: np.ndarray, families: np.ndarray, t: float, prob: Callable[[float], float]):
+    """Per family: attacks and share caught, benign and share flagged, at threshold ``t``; means and pooled."""
+    scored = ~np.isnan(scores)
+    flagged = scores >= t
+    per: dict[str, dict[str, Any]] = {}
+    for fam in np.unique(families[scored]):
+        sel = scored & (families == fam)
+        n_att, n_ben = int((sel & y).sum()), int((sel & ~y).sum())
+        per[str(fam)] = {
+            "attacks": n_att,
+            "caught": float(flagged[sel & y].mean()) if n_att else None,
+            "benign": n_ben,
+            "fp": float(flagged[sel & ~y].mean()) if n_ben else None,
+        }
+    catches = [v["caught"] for v in per.values() if v["caught"] is not None]
+    attacks, benign = scored & y, scored & ~y
+    return {
+        "threshold": prob(t),
+        "families": per,
+        "mean_catch": float(np.mean(catches)) if catches else None,
+        "pooled_catch": float(flagged[attacks].mean()) if attacks.any() else None,
+        "fp": float(flagged[benign].mean()) if benign.any() else None,
+    }
