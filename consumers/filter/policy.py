@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from consumers.filter.classifier import Classifier
 from consumers.filter.config import DEFAULT, FilterConfig
 from consumers.filter.sanitize import sanitize, skeleton
-from consumers.filter.scoring import decide, score
+from consumers.filter.scoring import Action, decide, score
 from consumers.filter.stage import ClassifierOutcome, classify, strongest
 
 __all__ = ["FilterVerdict", "inspect_messages", "inspect_prompt"]
 
-Action = Literal["pass", "sanitized", "reject"]
 
 
 @dataclass(frozen=True)
