@@ -121,10 +121,6 @@ class ChatService:
             raise APIError(404, f"model '{model}' is not served; see GET /v1/models", "model_not_found", "model")
         if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
             raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
-        if not any(m.role == "user" and m.text().strip() for m in req.messages):
-            raise APIError(
-                400, "messages: at least one non-empty user message is required", "invalid_value", "messages"
-            )
         chars = sum(len(m.text()) for m in req.messages)
         if chars > self.settings.max_prompt_chars:
             raise APIError(

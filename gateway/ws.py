@@ -33,10 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from events import subjects
 from events.models import FAILURE_TYPES, MAX_TOKENS_LIMIT, ChatMessage, new_id
+from gateway import errors
+from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, Temperature
+from gateway.protocol import ChatCompletionRequest, Deadline, Integer, Temperature, Text
 from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -53,12 +55,12 @@ class TurnFrame(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["turn"]
-    content: str = Field(min_length=1)
-    system: str | None = Field(None, description="System message; used only on a conversation's first turn.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    content: Text = Field(min_length=1)
+    system: Text | None = Field(None, description="System message; used only on a conversation's first turn.")
+    max_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: Temperature | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+    seed: Integer | None = Field(None, ge=0, le=2**63 - 1)
+    deadline_s: Deadline | None = None
 
 
 @dataclass
@@ -162,10 +164,11 @@ class Session:
                 await self.error(APIError(500, f"internal error: {type(task.exception()).__name__}", "internal_error"))
 
     async def handle(self, text: str) -> None:
+        settings = self.deps.chat.settings
         try:
-            data = json.loads(text)
-        except ValueError:
-            return await self.error(APIError(400, "frame is not valid JSON", "invalid_json"))
+            data = parse_frame(text, settings.max_ws_frame_bytes, settings.max_json_depth)
+        except FrameError as exc:
+            return await self.error(APIError(400, str(exc), "invalid_json"))
         kind = data.get("type") if isinstance(data, dict) else None
         if kind == "ping":
             return await self.send({"type": "pong"})
@@ -175,7 +178,7 @@ class Session:
             frame = TurnFrame.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = errors.loc(first["loc"]) or None
             return await self.error(APIError(400, f"{param}: {first['msg']}", "invalid_value", param))
         await self.turn(frame)
 

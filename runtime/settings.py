@@ -110,7 +110,15 @@ class GatewaySettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535)
     deadline_s: float = Field(15.0, gt=0, description="Default time budget of a request.")
     max_deadline_s: float = Field(120.0, gt=0, description="Longest deadline a client may ask for.")
-    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body (counted as it is read).")
+    body_timeout_s: float = Field(10.0, gt=0, description="A request body must arrive within this (else 408).")
+    header_timeout_s: float = Field(10.0, gt=0, description="A request head must arrive within this (else 408).")
+    keep_alive_s: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
+    max_connections: int = Field(
+        4096, ge=16, description="Open connections and tasks before uvicorn answers 503 (slow clients cannot pile up)."
+    )
+    max_ws_frame_bytes: int = Field(256 * 1024, ge=1024, description="Largest WebSocket frame.")
+    max_json_depth: int = Field(32, ge=2, le=512, description="Deepest JSON nesting accepted in a WebSocket frame.")
     max_queue_per_model: int = Field(256, ge=1, description="Requests in flight per model before 429.")
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
     arena_weights: dict[str, float] = Field(

@@ -11,9 +11,9 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from events.arena_readmodel import load_leaderboard
 from gateway.arena.pairing import PairPolicy
-from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest, errors
+from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest
 from gateway.arena.service import ArenaService, view
-from gateway.errors import APIError
+from gateway.errors import APIError, errors
 from gateway.serving import ChatService
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
