@@ -5,7 +5,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    WithJsonSchema,
+    field_validator,
+)
 
 from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
 
@@ -24,7 +33,14 @@ def _encodable(v: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 #: JSON numbers and integers as the schema says: `true` is not 1.
 Number = Annotated[float, Strict()]
-Integer = Annotated[int, Strict()]
+#: JSON Schema's integers include 1.0; booleans and strings are not integers.
+_integral = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
+#: The largest seed: JSON numbers past 2**53 lose precision in most clients and validators.
+MAX_SEED = 2**53 - 1
+# Integer fields, with their bounds inside (outside, the schema would lose them).
+Tokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_LIMIT), _integral]
+Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED), _integral]
+TurnId = Annotated[int, Strict(), Field(ge=0), _integral]
 #: A conversation id, as the schema declares it.
 ConvId = Annotated[Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -85,16 +101,16 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1, description="Empty contents are accepted (OpenAI does too).")
     temperature: Temperature = DEFAULT_TEMPERATURE
     top_p: Number = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
-    max_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description=f"Default {DEFAULT_MAX_TOKENS}.")
-    max_completion_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: Tokens | None = Field(None, description=f"Default {DEFAULT_MAX_TOKENS}.")
+    max_completion_tokens: Tokens | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
-    seed: Integer | None = Field(None, ge=0, le=2**63 - 1)
-    n: Integer = Field(1, ge=1, le=1, description="Only one choice per request is served.")
+    seed: Seed | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=1), _integral] = Field(1, description="Only one choice is served.")
     stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
-    turn_id: Integer | None = Field(None, ge=0, description="Turn index inside the conversation.")
+    turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
     deadline_s: Deadline | None = None
 
     @field_validator("stop")

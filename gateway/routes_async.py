@@ -22,10 +22,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
-from events.models import MAX_TOKENS_LIMIT
 from gateway.errors import APIError, errors
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Integer, Temperature, Text
+from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
 from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 
@@ -42,10 +41,10 @@ class ChatTask(BaseModel):
     system: Text | None = Field(None, description="An optional system message before the prompt.")
     model: Text | None = Field(None, description="Served model name; default: the gateway's default model.")
     conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
-    turn_id: Integer | None = Field(None, ge=0, description="Turn index; with conv_id, a retry is idempotent.")
+    turn_id: TurnId | None = Field(None, description="Turn index; with conv_id, a retry is idempotent.")
     temperature: Temperature | None = None
-    max_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    seed: Integer | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: Tokens | None = None
+    seed: Seed | None = None
     deadline_s: Deadline | None = None
 
     def to_chat(self) -> ChatCompletionRequest:

@@ -17,6 +17,7 @@ from typing import Any
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
+from gateway import admission
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
@@ -109,6 +110,7 @@ class ChatService:
         self.settings = settings
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
+        self.local = admission.LocalAdmissions()
 
     # ---- admission -------------------------------------------------------------------
 
@@ -129,7 +131,7 @@ class ChatService:
                 "prompt_too_long",
                 "messages",
             )
-        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:
+        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
             METRICS.rejections.labels(reason="overloaded").inc()
             raise APIError(
                 429,
@@ -138,7 +140,31 @@ class ChatService:
                 None,
                 headers={"Retry-After": "1"},
             )
+        self._in_time(model, req)
         return model
+
+    def budget_s(self, req: ChatCompletionRequest) -> float:
+        return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
+
+    def _in_time(self, model: str, req: ChatCompletionRequest) -> None:
+        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline."""
+        est = admission.estimate(
+            self.local.queue(model, self.pipeline.queue(model), self.pipeline.stream_state),
+            req.token_limit(),
+            self.settings.admission_overhead_s,
+            self.settings.admission_margin,
+        )
+        budget = self.budget_s(req)
+        if est is None or est.finish_s <= budget:
+            return
+        METRICS.rejections.labels(reason="deadline_unreachable").inc()
+        raise APIError(
+            429,
+            f"model '{model}' cannot answer within {budget:g} s now (estimated {est.finish_s:.1f} s); retry later",
+            "overloaded",
+            None,
+            headers={"Retry-After": str(admission.retry_after_s(est, budget))},
+        )
 
     async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request; the event to publish is None when it attaches to an earlier one."""
@@ -147,7 +173,7 @@ class ChatService:
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0
-        budget = min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
+        budget = self.budget_s(req)
         key = idem_key or (f"turn:{req.conv_id}:{req.turn_id}" if req.conv_id and req.turn_id is not None else None)
         ticket = Ticket(request_id, conv_id, turn_id, model, time.time() + budget, attached=False, key=key)
         seed = req.seed if req.seed is not None else random.getrandbits(31)
@@ -164,6 +190,8 @@ class ChatService:
             raise store_unavailable() from exc
         # Counted from here, with no await since the queue check, so a burst sees itself.
         ticket.release = self.reserve(model)
+        if event is not None:
+            self.local.admitted(model, req.token_limit())
         return ticket, event
 
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:

@@ -32,13 +32,13 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from events import subjects
-from events.models import FAILURE_TYPES, MAX_TOKENS_LIMIT, ChatMessage, new_id
+from events.models import FAILURE_TYPES, ChatMessage, new_id
 from gateway import errors
 from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, Deadline, Integer, Temperature, Text
+from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
 from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -57,9 +57,9 @@ class TurnFrame(BaseModel):
     type: Literal["turn"]
     content: Text = Field(min_length=1)
     system: Text | None = Field(None, description="System message; used only on a conversation's first turn.")
-    max_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: Tokens | None = None
     temperature: Temperature | None = None
-    seed: Integer | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     deadline_s: Deadline | None = None
 
 

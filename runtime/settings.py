@@ -119,7 +119,15 @@ class GatewaySettings(CommonSettings):
     )
     max_ws_frame_bytes: int = Field(256 * 1024, ge=1024, description="Largest WebSocket frame.")
     max_json_depth: int = Field(32, ge=2, le=512, description="Deepest JSON nesting accepted in a WebSocket frame.")
-    max_queue_per_model: int = Field(256, ge=1, description="Requests in flight per model before 429.")
+    max_queue_per_model: int = Field(
+        256, ge=1, description="Backstop: requests in flight per model and gateway before 429."
+    )
+    admission_overhead_s: float = Field(
+        0.3, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
+    )
+    admission_margin: float = Field(
+        1.2, ge=1, description="Admission: measured step times are multiplied by this (safety margin)."
+    )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
     arena_weights: dict[str, float] = Field(
         default_factory=dict, description="Arena pair sampling weight per model; empty: uniform."

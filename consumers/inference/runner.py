@@ -32,6 +32,10 @@ class EngineRunner:
         self.name = engine.loaded.spec.name
         self._wake = threading.Event()
         self._stop = False
+        #: Measured decode step time (EMA, seconds) at small and at near-full batches: the
+        #: gateway's admission estimates how long a new request would take from them.
+        self.step_s: float | None = None
+        self.full_step_s: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -66,6 +70,7 @@ class EngineRunner:
                 continue
             self._first_wait = None
             batch = self.engine.running
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception:  # a broken step must not kill the thread silently
@@ -73,11 +78,29 @@ class EngineRunner:
                 outputs = self.engine.fail_all()
             if batch:
                 METRICS.batch_size.labels(self.name).observe(batch)
+                self._measure(batch, time.perf_counter() - started)
             METRICS.steps.labels(self.name).inc()
             METRICS.running.labels(self.name).set(self.engine.running)
             METRICS.waiting.labels(self.name).set(self.engine.waiting)
             if outputs:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def _measure(self, batch: int, took: float) -> None:
+        if batch * 2 >= self.engine.max_batch_size:
+            self.full_step_s = took if self.full_step_s is None else 0.9 * self.full_step_s + 0.1 * took
+        else:
+            self.step_s = took if self.step_s is None else 0.9 * self.step_s + 0.1 * took
+
+    def load(self) -> dict:
+        """What this engine holds and how fast it steps (for heartbeats)."""
+        e = self.engine
+        return {
+            "running": e.running,
+            "waiting": e.waiting,
+            "max_batch": e.max_batch_size,
+            "step_s": self.step_s,
+            "full_step_s": self.full_step_s,
+        }
 
     def stop(self) -> None:
         self._stop = True

@@ -50,6 +50,7 @@ class Job:
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     seq: int = 0
+    generated: int = 0  # tokens so far
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     text: str = ""
@@ -175,6 +176,23 @@ class InferenceService:
         self.jobs.pop(rid, None)
         await pin.aclose()
 
+    def load(self) -> dict:
+        """Per model: requests held, their remaining token budgets, and the engine's
+        measured step times; heartbeats carry it to the gateways' admission control."""
+        out: dict[str, dict] = {}
+        for runner in self.runners.values():
+            entry = out.setdefault(runner.name, {"running": 0, "waiting": 0, "max_batch": 0, "tokens": 0})
+            load = runner.load()
+            for k in ("running", "waiting", "max_batch"):
+                entry[k] += load[k]
+            for k in ("step_s", "full_step_s"):
+                if load[k] is not None:
+                    entry[k] = max(entry.get(k) or 0.0, load[k])
+        for job in self.jobs.values():
+            if job.runner.name in out and not job.closed:
+                out[job.runner.name]["tokens"] += max(0, job.event.params.max_tokens - job.generated)
+        return out
+
     def cancel(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job:
@@ -200,6 +218,7 @@ class InferenceService:
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = now
             job.pending_ids += out.new_token_ids
+            job.generated += len(out.new_token_ids)
             job.pending_text += out.new_text
             # The first chunk goes out at once (time to first token); then every
             # chunk_tokens tokens. Boundaries depend on token counts only, so a request

@@ -7,15 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from events.battles import Choice
-from events.models import MAX_TOKENS_LIMIT
-from gateway.protocol import Integer, Text
+from gateway.protocol import Text, Tokens
 
 
 class TurnRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Text = Field(min_length=1, description="The user's message; both models answer it.")
-    max_tokens: Integer | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="Default: the model's own default.")
+    max_tokens: Tokens | None = Field(None, description="Default: the model's own default.")
 
 
 class VoteRequest(BaseModel):
