@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -16,16 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 
 from gateway import errors, routes_async, routes_openai, ws
+from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, head_timeout_protocol
-from gateway.errors import APIError
-from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from runtime.settings import GatewaySettings
-
-#: Paths under these prefixes need an API key when keys are configured.
-GUARDED = ("/v1", "/chat")
 
 
 def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None = None) -> FastAPI:
@@ -42,13 +39,14 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings
     errors.install(app)
-    app.middleware("http")(guard(settings))
     app.include_router(ops_router(settings, pipeline))
     app.include_router(routes_openai.router(chat))
     app.include_router(routes_async.router(chat))
     app.include_router(ws.router(chat, settings))
     app.include_router(arena_routes.router(chat, settings))
     app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
+    # Added last, so it runs first: no body is read for a caller without a key.
+    app.add_middleware(KeyGuard, access=Access(settings, pipeline.keys.redis))
     app.openapi = lambda: openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -85,22 +83,6 @@ def _error_schemas() -> dict:
     return defs["$defs"]
 
 
-def guard(settings: GatewaySettings):
-    """API keys, checked before a route runs (the body's limits are BodyGuard's)."""
-
-    async def middleware(request: Request, call_next):
-        if request.url.path.startswith(GUARDED) and settings.api_keys:
-            auth = request.headers.get("authorization", "")
-            if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
-                METRICS.rejections.labels(reason="unauthorized").inc()
-                return APIError(
-                    401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key"
-                ).response()
-        return await call_next(request)
-
-    return middleware
-
-
 def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
     r = APIRouter(tags=["operations"])
 
@@ -110,10 +92,13 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
         return {"status": "ok"}
 
     @r.get("/readyz", responses={503: {"description": "Not ready; the body says what is missing"}})
-    async def readyz() -> JSONResponse:
-        """200 only when every required role has a live process and the default model is resident."""
+    async def readyz(request: Request) -> JSONResponse:
+        """200 only when every required role has a live process and the default model is
+        resident; the details (instances, models) only for a caller with a valid key."""
         ok, fleet = pipeline.ready(settings.default_model)
-        body = {"ready": ok, "default_model": settings.default_model, **fleet}
+        body: dict[str, Any] = {"ready": ok}
+        if request.state.principal is not None:
+            body.update({"default_model": settings.default_model, **fleet})
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}})

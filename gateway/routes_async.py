@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
+from gateway.access import principal_of
 from gateway.errors import APIError, errors
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
@@ -104,7 +105,7 @@ def router(chat: ChatService) -> APIRouter:
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
         started = time.perf_counter()
-        ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"))
+        ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"), principal_of(request))
         try:
             await results.record_pending(
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
@@ -128,10 +129,12 @@ def router(chat: ChatService) -> APIRouter:
             **errors(400, 404, 429, 499, 500, 503, 504),
         },
     )
-    async def result(request_id: str) -> JSONResponse:
-        """The request's answer, `pending` while it runs, or its failure."""
+    async def result(request_id: str, request: Request) -> JSONResponse:
+        """The request's answer, `pending` while it runs, or its failure (404 to anyone
+        but the principal that created it)."""
         known = subjects.is_valid_token(request_id)
         try:
+            known = known and await chat.pipeline.keys.owner("req", request_id) == principal_of(request)
             stored = await results.get_result(request_id) if known else None
             record = await results.pending(request_id) if known and stored is None else None
         except REDIS_DOWN as exc:

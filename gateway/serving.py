@@ -18,6 +18,7 @@ from typing import Any
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
 from gateway import admission
+from gateway.access import not_found
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
@@ -166,9 +167,24 @@ class ChatService:
             headers={"Retry-After": str(admission.retry_after_s(est, budget))},
         )
 
-    async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
-        """Admit a request; the event to publish is None when it attaches to an earlier one."""
+    async def admit(
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str
+    ) -> tuple[Ticket, ChatRequested | None]:
+        """Admit a request for `principal`; the event to publish is None when it attaches
+        to an earlier one. A conversation another principal started is 404 (not 403)."""
         model = self._check(req)
+        # Counted from here, with no await since the queue check, so a burst sees itself.
+        release = self.reserve(model)
+        self.local.admitted(model, req.token_limit())
+        try:
+            return await self._admit(req, idem_key, principal, model, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _admit(
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
+    ) -> tuple[Ticket, ChatRequested | None]:
         req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model, {}))
         request_id = new_id()
         conv_id = req.conv_id or request_id
@@ -179,6 +195,11 @@ class ChatService:
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         event: ChatRequested | None = None
         try:
+            if await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
+                METRICS.rejections.labels(reason="not_owner").inc()
+                raise not_found("conversation", conv_id, "conv_id")
+            key = f"{principal}:{key}" if key else None  # one caller's key never meets another's
+            ticket.key = key
             if key and (earlier := await self._claim(key, req, ticket)) is not None:
                 ticket = earlier
             else:
@@ -188,10 +209,7 @@ class ChatService:
         except REDIS_DOWN as exc:
             log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
             raise store_unavailable() from exc
-        # Counted from here, with no await since the queue check, so a burst sees itself.
-        ticket.release = self.reserve(model)
-        if event is not None:
-            self.local.admitted(model, req.token_limit())
+        ticket.release = release
         return ticket, event
 
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:

@@ -129,6 +129,12 @@ class GatewaySettings(CommonSettings):
         1.2, ge=1, description="Admission: measured step times are multiplied by this (safety margin)."
     )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
+    open_paths: list[str] = Field(
+        default_factory=lambda: ["/healthz", "/readyz"],
+        description="Paths served without a key when keys are on (a trailing '*' matches a prefix), e.g. "
+        '\'["/healthz", "/readyz", "/docs", "/openapi.json", "/metrics", "/arena*"]\'. /readyz shows details '
+        "only to a caller with a key.",
+    )
     arena_weights: dict[str, float] = Field(
         default_factory=dict, description="Arena pair sampling weight per model; empty: uniform."
     )

@@ -179,7 +179,7 @@ def test_fuzzed_bodies_never_break_the_server(api, payload):
 
 
 def test_client_disconnect_cancels_generation(api):
-    with httpx.stream("POST", api.url + CHAT, json=body(max_tokens=450, stream=True), timeout=30) as r:
+    with httpx.stream("POST", api.url + CHAT, json=body(max_tokens=450, stream=True, deadline_s=60), timeout=30) as r:
         rid = r.headers["x-request-id"]
         for line in r.iter_lines():
             if '"content": "' in line and '"content": ""' not in line:
