@@ -21,6 +21,7 @@ from events.arena_readmodel import arena_secret
 from gateway.arena.identity import keyed
 from gateway.errors import APIError
 from gateway.metrics import METRICS
+from gateway.ratelimit import Limits
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -43,6 +44,11 @@ def not_found(kind: str, ident: str, param: str) -> APIError:
     return APIError(404, f"no {kind} '{ident}' is known here", f"{kind}_not_found", param)
 
 
+def limits_of(conn: Any) -> Limits | None:
+    """The rate limits KeyGuard found for the caller's key (or the default)."""
+    return getattr(conn.state, "limits", None)
+
+
 def principal_of(conn: Any) -> str:
     """The principal KeyGuard found for a request or WebSocket (anonymous on a route the
     operator left open, for a caller without a key)."""
@@ -53,6 +59,13 @@ class Access:
     def __init__(self, settings: GatewaySettings, redis: Any):
         self.settings, self.redis = settings, redis
         self._secret: bytes | None = None
+        self.default_limits = Limits(rpm=settings.rate_limit_rpm, tpm=settings.rate_limit_tpm)
+        self.key_limits = {
+            key: self.default_limits.model_copy(update=limits) for key, limits in settings.rate_limits.items()
+        }
+
+    def limits(self, api_key: str | None) -> Limits:
+        return self.key_limits.get(api_key, self.default_limits) if api_key else self.default_limits
 
     async def secret(self) -> bytes:
         if self._secret is None:
@@ -83,6 +96,7 @@ class KeyGuard:
             return await self.app(scope, receive, send)
         err: APIError | None = None
         principal: str | None = None
+        api_key = bearer(scope["headers"])
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
         if any(name.lower() in KEY_PARAMS for name, _ in query):
             err = APIError(
@@ -90,13 +104,13 @@ class KeyGuard:
             )
         else:
             try:
-                principal = await self.access.principal(bearer(scope["headers"]))
+                principal = await self.access.principal(api_key)
             except REDIS_DOWN:
                 err = APIError(503, "the key store is unavailable; retry shortly", "store_unavailable")
             if principal is None and err is None and not self.access.is_open(scope["path"]):
                 METRICS.rejections.labels(reason="unauthorized").inc()
                 err = unauthorized()
-        scope.setdefault("state", {})["principal"] = principal
+        scope.setdefault("state", {}).update(principal=principal, limits=self.access.limits(api_key))
         if err is not None and scope["type"] == "http":
             response = err.response()
             await response(scope, receive, send)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
-from gateway.access import principal_of
+from gateway.access import limits_of, principal_of
 from gateway.errors import APIError, errors
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
@@ -105,7 +105,9 @@ def router(chat: ChatService) -> APIRouter:
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
         started = time.perf_counter()
-        ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"), principal_of(request))
+        ticket, event = await chat.admit(
+            task.to_chat(), request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+        )
         try:
             await results.record_pending(
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
@@ -120,7 +122,9 @@ def router(chat: ChatService) -> APIRouter:
             task_ = asyncio.create_task(watch(ticket, output, started))
             watchers.add(task_)
             task_.add_done_callback(watchers.discard)
-        return pending(ticket.request_id)
+        response = pending(ticket.request_id)
+        response.headers.update(ticket.headers)
+        return response
 
     @r.get(
         "/chat/result/{request_id}",

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway.access import principal_of
+from gateway.access import limits_of, principal_of
 from gateway.errors import errors
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
@@ -84,8 +84,10 @@ def router(chat: ChatService) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         """A chat completion; `stream: true` answers with server-sent events."""
         started = time.perf_counter()
-        ticket, event = await chat.admit(req, request.headers.get("idempotency-key"), principal_of(request))
-        headers = {"x-request-id": ticket.request_id}
+        ticket, event = await chat.admit(
+            req, request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+        )
+        headers = {"x-request-id": ticket.request_id, **ticket.headers}
         if req.stream:
             output = await chat.start(ticket, event)  # published before the response head
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

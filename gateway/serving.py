@@ -17,12 +17,13 @@ from typing import Any
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
-from gateway import admission
+from gateway import admission, ratelimit
 from gateway.access import not_found
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
 from gateway.protocol import ChatCompletionRequest
+from gateway.ratelimit import Limits
 from gateway.variants import model_defaults, with_model_defaults
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -55,6 +56,8 @@ class Ticket:
     key: str | None = None  # the idempotency key bound to it, if any
     #: Gives back the request's place in its model's queue (see ChatService.reserve); idempotent.
     release: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: The caller's `x-ratelimit-*` headers (empty without limits).
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def until(self) -> float:
@@ -112,6 +115,7 @@ class ChatService:
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
         self.local = admission.LocalAdmissions()
+        self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -168,19 +172,29 @@ class ChatService:
         )
 
     async def admit(
-        self, req: ChatCompletionRequest, idem_key: str | None, principal: str
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None = None
     ) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request for `principal`; the event to publish is None when it attaches
-        to an earlier one. A conversation another principal started is 404 (not 403)."""
+        to an earlier one. A conversation another principal started is 404 (not 403);
+        over the caller's rate `limits`, 429."""
         model = self._check(req)
         # Counted from here, with no await since the queue check, so a burst sees itself.
         release = self.reserve(model)
         self.local.admitted(model, req.token_limit())
         try:
-            return await self._admit(req, idem_key, principal, model, release)
+            verdict = None
+            if limits is not None and not limits.off:
+                cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())
+                try:
+                    verdict = await self.limiter.take(principal, limits, cost)
+                except REDIS_DOWN as exc:
+                    raise store_unavailable() from exc
+            ticket, event = await self._admit(req, idem_key, principal, model, release)
         except BaseException:
             release()
             raise
+        ticket.headers = verdict.headers() if verdict else {}
+        return ticket, event
 
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from events import subjects
 from events.models import FAILURE_TYPES, ChatMessage, new_id
 from gateway import errors
-from gateway.access import not_found, principal_of
+from gateway.access import limits_of, not_found, principal_of
 from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
@@ -109,6 +109,7 @@ class Session:
     def __init__(self, ws: WebSocket, deps: Deps, conv_id: str, model: str | None, grace_s: float, principal: str):
         self.ws, self.deps, self.conv_id, self.model, self.grace_s = ws, deps, conv_id, model, grace_s
         self.principal = principal
+        self.limits = limits_of(ws)
         self.token = new_id()  # names this session as a request's holder
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.current: asyncio.Task | None = None
@@ -211,7 +212,7 @@ class Session:
         """Admit and publish in one step that a client leaving cannot cut in half: a
         claimed idempotency key with no request behind it would hang the turn's retry."""
         chat = self.deps.chat
-        ticket, event = await chat.admit(req, key, self.principal)
+        ticket, event = await chat.admit(req, key, self.principal, self.limits)
         try:
             await chat.pipeline.results.record_pending(
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at

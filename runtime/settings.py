@@ -129,6 +129,14 @@ class GatewaySettings(CommonSettings):
         1.2, ge=1, description="Admission: measured step times are multiplied by this (safety margin)."
     )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
+    rate_limit_rpm: int = Field(0, ge=0, description="Default requests per minute per key (0: unlimited).")
+    rate_limit_tpm: int = Field(
+        0, ge=0, description="Default tokens per minute per key (prompt chars / 4 + max_tokens; 0: unlimited)."
+    )
+    rate_limits: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description='Per-key limits over the defaults, e.g. \'{"sk-a": {"rpm": 600, "tpm": 200000}}\'.',
+    )
     open_paths: list[str] = Field(
         default_factory=lambda: ["/healthz", "/readyz"],
         description="Paths served without a key when keys are on (a trailing '*' matches a prefix), e.g. "
@@ -142,6 +150,14 @@ class GatewaySettings(CommonSettings):
     arena_targets: dict[str, list[str]] = Field(
         default_factory=dict, description="Arena model -> rivals it should mostly meet."
     )
+
+    @field_validator("rate_limits")
+    @classmethod
+    def _rate_limits(cls, v: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        for key, limits in v.items():
+            if set(limits) - {"rpm", "tpm"} or any(n < 0 for n in limits.values()):
+                raise ValueError(f"ARENA_RATE_LIMITS: key ...{key[-4:]} takes only rpm and tpm, each >= 0")
+        return v
 
     @model_validator(mode="after")
     def _deadlines(self) -> GatewaySettings:

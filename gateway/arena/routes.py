@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from events.arena_readmodel import load_leaderboard
-from gateway.access import principal_of
+from gateway.access import limits_of, principal_of
 from gateway.arena.pairing import PairPolicy
 from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest
 from gateway.arena.service import ArenaService, view
@@ -63,7 +63,7 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         with `finish_reason: "error"` when a side failed), and the stream ends with `[DONE]`.
         Each side keeps its own conversation, so later turns see that side's earlier answers."""
         battle = await load(battle_id, request)
-        n, sides = await arena.open_turn(battle, body, principal_of(request))
+        n, sides = await arena.open_turn(battle, body, principal_of(request), limits_of(request))
         return StreamingResponse(arena.stream_turn(battle, n, sides), media_type="text/event-stream", headers=NO_STORE)
 
     @r.post("/battles/{battle_id}/vote", response_model=BattleView, responses=errors(400, 404, 409, 503))
