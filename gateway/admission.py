@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from events.models import DEFAULT_MAX_TOKENS
@@ -33,6 +32,7 @@ class ModelQueue:
     tokens: int  # their remaining token budgets
     step_s: float | None  # decode step time at a small batch (None: never measured)
     full_step_s: float | None  # ... at a batch of half the slots or more
+    measured_at: float = 0.0  # when the newest of those steps ran
 
 
 @dataclass(frozen=True)
@@ -61,30 +61,41 @@ def combine(
     requests = stream.ahead + held + local_requests
     unknown = max(0, requests - workers.requests - local_requests)
     tokens = workers.tokens + local_tokens + round(unknown * mean_budget)
-    return ModelQueue(workers.slots, requests, tokens, workers.step_s, workers.full_step_s)
+    return ModelQueue(workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at)
 
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
-    """Step time at a batch size: from the small-batch time up to the near-full one,
-    linearly, reached at half the slots (where near-full measurements start)."""
+    """Step time at a batch size, linear from the small-batch time (at 1) to the
+    near-full one (at all the slots)."""
     small = q.step_s if q.step_s is not None else q.full_step_s
     full = q.full_step_s if q.full_step_s is not None else small
     if small is None or full is None:
         return None
-    half = max(2, q.slots // 2)
-    share = min(1.0, max(0.0, (batch - 1) / (half - 1)))
+    share = min(1.0, max(0.0, (batch - 1) / max(1, q.slots - 1)))
     return max(small, small + (full - small) * share)
 
 
-def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0) -> Estimate | None:
-    """When a request of `budget` tokens would finish; None when nothing was measured yet."""
+#: An idle fleet whose step times are older than this is probed with one request instead
+#: of judged by them: a slow spell measured once must not refuse everything forever.
+STALE_S = 10.0
+
+
+def estimate(
+    q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None
+) -> Estimate | None:
+    """When a request of `budget` tokens would finish; None when it cannot be told
+    (nothing measured yet, or an idle fleet with stale measurements): admit."""
     if q.slots <= 0:
+        return None
+    if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
         return None
     batch = min(q.slots, q.requests + 1)
     step = step_at(q, batch)
     if step is None:
         return None
-    step *= margin
+    # An idle fleet is judged without the margin: refused there, a request would never
+    # run, and nothing would refresh the measurements that refused it.
+    step *= margin if q.requests else 1.0
     beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
     wait_s = 0.0
     if beyond > 0 and q.requests:
@@ -98,23 +109,42 @@ def retry_after_s(est: Estimate, deadline_s: float) -> int:
     return max(1, math.ceil(est.finish_s - deadline_s))
 
 
-class LocalAdmissions:
-    """What this gateway admitted lately: the stream state, read every fraction of a
-    second, does not show those yet, and a burst must see itself."""
+# Every gateway's admissions of the last seconds, in one sorted set per model (score:
+# Redis's clock). Adding one and reading those since the stream state was read is one
+# atomic step, so gateways admitting a burst together each see the others at once.
+RECENT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local keep = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - keep)
+local own = ARGV[1] .. ':' .. ARGV[2]
+local n, tokens = 0, 0
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf')) do
+  n = n + 1
+  tokens = tokens + tonumber(string.match(m, ':(%d+)$'))
+end
+redis.call('ZADD', KEYS[1], now, own)
+redis.call('EXPIRE', KEYS[1], math.ceil(keep))
+return {n, tokens}
+"""
+RECENT_KEY = "arena:admitted:{}"
 
-    def __init__(self, keep_s: float = 10.0):
-        self.keep_s = keep_s
-        self.recent: dict[str, deque[tuple[float, int]]] = {}
+
+class FleetAdmissions:
+    """What every gateway admitted lately: the stream state, read every fraction of a
+    second, does not show those yet, and a burst must see itself, on every gateway."""
+
+    def __init__(self, redis, keep_s: float = 10.0):
+        self.redis, self.keep_s = redis, keep_s
+        self.script = redis.register_script(RECENT)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
 
-    def admitted(self, model: str, tokens: int, now: float | None = None) -> None:
-        self.recent.setdefault(model, deque()).append((now or time.time(), tokens))
+    async def add(self, model: str, member: str, tokens: int, since: float) -> tuple[int, int]:
+        """Record an admission; the requests and tokens admitted before it since `since`."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
+        since = max(since, 0.0)
+        n, total = await self.script(keys=[RECENT_KEY.format(model)], args=[member, tokens, repr(since), self.keep_s])
+        return int(n), int(total)
 
-    def queue(self, model: str, workers: ModelQueue, stream: StreamState) -> ModelQueue:
-        """The model's queue with this gateway's admissions since `stream` was read."""
-        recent = self.recent.setdefault(model, deque())
-        horizon = max(stream.read_at, time.time() - self.keep_s)
-        while recent and recent[0][0] < horizon:
-            recent.popleft()
-        return combine(workers, stream, len(recent), sum(t for _, t in recent), self.mean_budget)
+    async def remove(self, model: str, member: str, tokens: int) -> None:
+        await self.redis.zrem(RECENT_KEY.format(model), f"{member}:{tokens}")

@@ -4,7 +4,7 @@
   arrive: over `max_body_bytes` is 413 whatever the framing (Content-Length or chunked),
   and a body that does not arrive within `body_timeout_s` (shorter than its
   Content-Length, or trickled) is 408. The route then reads the buffered body.
-- `HeadTimeoutProtocol` (uvicorn's h11 protocol) closes a connection whose request head
+- `HeadTimeoutProtocol` (uvicorn's HTTP protocol) closes a connection whose request head
   does not arrive within `header_timeout_s`: a slow-loris client holds nothing for long.
 - `parse_frame` parses a WebSocket frame with bounded size and nesting depth.
 
@@ -18,6 +18,11 @@ import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # the faster parser, when installed (uvicorn[standard])
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as FastProtocol
+except ImportError:  # pragma: no cover
+    FastProtocol = H11Protocol  # type: ignore[misc,assignment]
 
 from gateway.errors import APIError
 from gateway.metrics import METRICS
@@ -98,8 +103,8 @@ class _TooLarge(Exception):
     pass
 
 
-class HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a deadline for each request head.
+class HeadTimeoutProtocol(FastProtocol):
+    """uvicorn's HTTP protocol (httptools, else h11), plus a deadline for each request head.
 
     uvicorn times out idle keep-alive connections but waits forever for a head that
     trickles in (or never comes) on a fresh connection; this closes such a connection

@@ -118,6 +118,7 @@ class Pipeline:
         slots = requests = tokens = 0
         step_s: float | None = None
         full_step_s: float | None = None
+        measured_at = 0.0
         for beat in self.live_beats():
             if beat["role"] != topology.INFERENCE.name or model not in beat.get("resident", []):
                 continue
@@ -127,11 +128,12 @@ class Pipeline:
             slots += load["max_batch"]
             requests += load["running"] + load["waiting"] + beat.get("held", 0)
             tokens += load["tokens"]
+            measured_at = max(measured_at, load.get("measured_at", 0.0))
             if load.get("step_s") is not None:
                 step_s = max(step_s or 0.0, load["step_s"])
             if load.get("full_step_s") is not None:
                 full_step_s = max(full_step_s or 0.0, load["full_step_s"])
-        return ModelQueue(slots, requests, tokens, step_s, full_step_s)
+        return ModelQueue(slots, requests, tokens, step_s, full_step_s, measured_at)
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()

@@ -114,7 +114,7 @@ class ChatService:
         self.settings = settings
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
-        self.local = admission.LocalAdmissions()
+        self.recent = admission.FleetAdmissions(pipeline.keys.redis)
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
 
     # ---- admission -------------------------------------------------------------------
@@ -145,23 +145,24 @@ class ChatService:
                 None,
                 headers={"Retry-After": "1"},
             )
-        self._in_time(model, req)
         return model
 
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
 
-    def _in_time(self, model: str, req: ChatCompletionRequest) -> None:
-        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline."""
-        est = admission.estimate(
-            self.local.queue(model, self.pipeline.queue(model), self.pipeline.stream_state),
-            req.token_limit(),
-            self.settings.admission_overhead_s,
-            self.settings.admission_margin,
-        )
+    async def _in_time(self, model: str, req: ChatCompletionRequest) -> None:
+        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline.
+
+        The request is added to the fleet's recent admissions first, atomically with
+        reading the others', so concurrent admissions on any gateway see each other."""
+        stream, tokens, member = self.pipeline.stream_state, req.token_limit(), new_id()
+        n, ahead_tokens = await self.recent.add(model, member, tokens, stream.read_at)
+        queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
+        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
         budget = self.budget_s(req)
         if est is None or est.finish_s <= budget:
             return
+        await self.recent.remove(model, member, tokens)
         METRICS.rejections.labels(reason="deadline_unreachable").inc()
         raise APIError(
             429,
@@ -180,8 +181,11 @@ class ChatService:
         model = self._check(req)
         # Counted from here, with no await since the queue check, so a burst sees itself.
         release = self.reserve(model)
-        self.local.admitted(model, req.token_limit())
         try:
+            try:
+                await self._in_time(model, req)
+            except REDIS_DOWN as exc:
+                raise store_unavailable() from exc
             verdict = None
             if limits is not None and not limits.off:
                 cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())

@@ -126,7 +126,10 @@ class GatewaySettings(CommonSettings):
         0.3, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
     )
     admission_margin: float = Field(
-        1.2, ge=1, description="Admission: measured step times are multiplied by this (safety margin)."
+        1.5,
+        ge=1,
+        description="Admission: measured step times are multiplied by this (a safety margin: a burst itself "
+        "slows the steps it is measured by).",
     )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
     rate_limit_rpm: int = Field(0, ge=0, description="Default requests per minute per key (0: unlimited).")

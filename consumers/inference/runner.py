@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
@@ -32,10 +34,11 @@ class EngineRunner:
         self.name = engine.loaded.spec.name
         self._wake = threading.Event()
         self._stop = False
-        #: Measured decode step time (EMA, seconds) at small and at near-full batches: the
-        #: gateway's admission estimates how long a new request would take from them.
-        self.step_s: float | None = None
-        self.full_step_s: float | None = None
+        #: Recent decode step times (seconds) at small and at near-full batches: the
+        #: gateway's admission estimates how long a new request would take from their medians.
+        self._small: deque[float] = deque(maxlen=64)
+        self._full: deque[float] = deque(maxlen=64)
+        self.measured_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -70,6 +73,7 @@ class EngineRunner:
                 continue
             self._first_wait = None
             batch = self.engine.running
+            joining = self.engine.waiting  # a step that admits newcomers also runs their prefill
             started = time.perf_counter()
             try:
                 outputs = self.engine.step()
@@ -78,7 +82,8 @@ class EngineRunner:
                 outputs = self.engine.fail_all()
             if batch:
                 METRICS.batch_size.labels(self.name).observe(batch)
-                self._measure(batch, time.perf_counter() - started)
+                if not joining:
+                    self._measure(batch, time.perf_counter() - started)
             METRICS.steps.labels(self.name).inc()
             METRICS.running.labels(self.name).set(self.engine.running)
             METRICS.waiting.labels(self.name).set(self.engine.waiting)
@@ -86,10 +91,9 @@ class EngineRunner:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)
 
     def _measure(self, batch: int, took: float) -> None:
-        if batch * 2 >= self.engine.max_batch_size:
-            self.full_step_s = took if self.full_step_s is None else 0.9 * self.full_step_s + 0.1 * took
-        else:
-            self.step_s = took if self.step_s is None else 0.9 * self.step_s + 0.1 * took
+        """A decode-only step's time (prefill steps would overstate the per-token time)."""
+        (self._full if batch * 2 >= self.engine.max_batch_size else self._small).append(took)
+        self.measured_at = time.time()
 
     def load(self) -> dict:
         """What this engine holds and how fast it steps (for heartbeats)."""
@@ -98,8 +102,10 @@ class EngineRunner:
             "running": e.running,
             "waiting": e.waiting,
             "max_batch": e.max_batch_size,
-            "step_s": self.step_s,
-            "full_step_s": self.full_step_s,
+            # Medians: a slow first step (warm-up, a long prefill) does not skew them.
+            "step_s": statistics.median(self._small) if self._small else None,
+            "full_step_s": statistics.median(self._full) if self._full else None,
+            "measured_at": self.measured_at,
         }
 
     def stop(self) -> None:

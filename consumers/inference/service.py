@@ -185,6 +185,7 @@ class InferenceService:
             load = runner.load()
             for k in ("running", "waiting", "max_batch"):
                 entry[k] += load[k]
+            entry["measured_at"] = max(entry.get("measured_at", 0.0), load["measured_at"])
             for k in ("step_s", "full_step_s"):
                 if load[k] is not None:
                     entry[k] = max(entry.get(k) or 0.0, load[k])
