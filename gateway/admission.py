@@ -91,8 +91,8 @@ def estimate(
         return None
     batch = min(q.slots, q.requests + 1)
     step = step_at(q, batch)
-    if step is None:
-        return None
+    if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
+        return None if q.requests < q.slots else Estimate(math.inf, math.inf)
     # An idle fleet is judged without the margin: refused there, a request would never
     # run, and nothing would refresh the measurements that refused it.
     step *= margin if q.requests else 1.0
@@ -106,7 +106,7 @@ def estimate(
 
 def retry_after_s(est: Estimate, deadline_s: float) -> int:
     """Whole seconds until the work ahead would have drained enough to fit (at least 1)."""
-    return max(1, math.ceil(est.finish_s - deadline_s))
+    return 1 if math.isinf(est.finish_s) else max(1, math.ceil(est.finish_s - deadline_s))
 
 
 # Every gateway's admissions of the last seconds, in one sorted set per model (score:

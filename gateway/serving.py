@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -85,7 +86,8 @@ def failure(terminal: Any) -> APIError:
     """The client error for a terminal event that is not an answer."""
     if terminal.type == "prompt.rejected":
         return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
-    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code)
+    headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
+    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code, headers=headers)
 
 
 def outcome(terminal: Any) -> APIError | None:
@@ -166,7 +168,9 @@ class ChatService:
         METRICS.rejections.labels(reason="deadline_unreachable").inc()
         raise APIError(
             429,
-            f"model '{model}' cannot answer within {budget:g} s now (estimated {est.finish_s:.1f} s); retry later",
+            f"model '{model}' cannot answer within {budget:g} s now (estimated {est.finish_s:.1f} s); retry later"
+            if not math.isinf(est.finish_s)
+            else f"model '{model}' is being measured; retry shortly",
             "overloaded",
             None,
             headers={"Retry-After": str(admission.retry_after_s(est, budget))},

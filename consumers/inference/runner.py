@@ -73,7 +73,6 @@ class EngineRunner:
                 continue
             self._first_wait = None
             batch = self.engine.running
-            joining = self.engine.waiting  # a step that admits newcomers also runs their prefill
             started = time.perf_counter()
             try:
                 outputs = self.engine.step()
@@ -82,8 +81,7 @@ class EngineRunner:
                 outputs = self.engine.fail_all()
             if batch:
                 METRICS.batch_size.labels(self.name).observe(batch)
-                if not joining:
-                    self._measure(batch, time.perf_counter() - started)
+                self._measure(batch, time.perf_counter() - started)
             METRICS.steps.labels(self.name).inc()
             METRICS.running.labels(self.name).set(self.engine.running)
             METRICS.waiting.labels(self.name).set(self.engine.waiting)
@@ -91,9 +89,19 @@ class EngineRunner:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)
 
     def _measure(self, batch: int, took: float) -> None:
-        """A decode-only step's time (prefill steps would overstate the per-token time)."""
+        """A step's time (with the prefill of requests joining it: under a steady load
+        most steps admit someone, and that is the speed requests see)."""
         (self._full if batch * 2 >= self.engine.max_batch_size else self._small).append(took)
         self.measured_at = time.time()
+
+    def finish_at(self, tokens: int) -> float | None:
+        """When a request joining now would end, at worst (all `tokens`, at the step time
+        measured for the batch it joins); None before anything was measured."""
+        full = self.engine.running * 2 >= self.engine.max_batch_size
+        recent = (self._full or self._small) if full else (self._small or self._full)
+        if not recent:
+            return None
+        return time.time() + tokens * statistics.median(recent)
 
     def load(self) -> dict:
         """What this engine holds and how fast it steps (for heartbeats)."""

@@ -152,6 +152,13 @@ class InferenceService:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             runner = self._runner_for(loaded)
+            if (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at:
+                # It waited too long to finish in time at the speed measured now: refuse it
+                # before spending steps on it (429, retry) rather than end it at its deadline.
+                await self._drop(rid, pin)
+                METRICS.deadline_misses.labels(event.model).inc()
+                await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
+                return
             self.jobs[rid] = Job(event, msg, runner, pin)
             runner.add(GenRequest(request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at, params=params))
         except UnknownModel as exc:

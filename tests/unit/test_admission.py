@@ -20,8 +20,11 @@ def test_an_idle_fleet_answers_in_the_budget_times_a_step():
     assert est.finish_s == pytest.approx(0.1 + 100 * 0.01)
 
 
-def test_nothing_measured_means_no_estimate():
+def test_nothing_measured_lets_one_wave_through():
     assert estimate(q(step_s=None, full_step_s=None), 100, 0.1) is None
+    assert estimate(q(requests=31, step_s=None, full_step_s=None), 100, 0.1) is None
+    unknown = estimate(q(requests=32, step_s=None, full_step_s=None), 100, 0.1)
+    assert unknown.finish_s == float("inf") and retry_after_s(unknown, 15) == 1
     assert estimate(q(slots=0), 100, 0.1) is None
 
 
