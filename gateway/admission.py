@@ -83,16 +83,19 @@ STALE_S = 10.0
 def estimate(
     q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None
 ) -> Estimate | None:
-    """When a request of `budget` tokens would finish; None when it cannot be told
-    (nothing measured yet, or an idle fleet with stale measurements): admit."""
+    """When a request of `budget` tokens would finish; None when no worker holds the
+    model. Without step times (nothing measured yet, or an idle fleet with stale
+    measurements) only the fixed overhead is counted: the request is let through, unless
+    its deadline is shorter than that."""
     if q.slots <= 0:
         return None
+    probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
     if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
-        return None
+        return probe
     batch = min(q.slots, q.requests + 1)
     step = step_at(q, batch)
     if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
-        return None if q.requests < q.slots else Estimate(math.inf, math.inf)
+        return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
     # An idle fleet is judged without the margin: refused there, a request would never
     # run, and nothing would refresh the measurements that refused it.
     step *= margin if q.requests else 1.0

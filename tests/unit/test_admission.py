@@ -21,8 +21,8 @@ def test_an_idle_fleet_answers_in_the_budget_times_a_step():
 
 
 def test_nothing_measured_lets_one_wave_through():
-    assert estimate(q(step_s=None, full_step_s=None), 100, 0.1) is None
-    assert estimate(q(requests=31, step_s=None, full_step_s=None), 100, 0.1) is None
+    assert estimate(q(step_s=None, full_step_s=None), 100, 0.1).finish_s == pytest.approx(0.1)
+    assert estimate(q(requests=31, step_s=None, full_step_s=None), 100, 0.1).finish_s == pytest.approx(0.1)
     unknown = estimate(q(requests=32, step_s=None, full_step_s=None), 100, 0.1)
     assert unknown.finish_s == float("inf") and retry_after_s(unknown, 15) == 1
     assert estimate(q(slots=0), 100, 0.1) is None
@@ -30,7 +30,7 @@ def test_nothing_measured_lets_one_wave_through():
 
 def test_an_idle_fleet_with_stale_measurements_is_probed():
     slow = q(step_s=1.0, full_step_s=1.0, measured_at=time.time() - 60)
-    assert estimate(slow, 100, 0.1) is None  # admitted: its answer measures the fleet anew
+    assert estimate(slow, 100, 0.1).finish_s == pytest.approx(0.1)  # admitted: its answer measures anew
     assert estimate(q(requests=1, tokens=10, step_s=1.0, full_step_s=1.0, measured_at=0), 100, 0.1).finish_s > 100
 
 
