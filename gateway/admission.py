@@ -80,16 +80,13 @@ def step_at(q: ModelQueue, batch: int) -> float | None:
 STALE_S = 10.0
 
 
-def estimate(
-    q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None
-) -> Estimate | None:
-    """When a request of `budget` tokens would finish; None when no worker holds the
-    model. Without step times (nothing measured yet, or an idle fleet with stale
-    measurements) only the fixed overhead is counted: the request is let through, unless
-    its deadline is shorter than that."""
-    if q.slots <= 0:
-        return None
+def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None) -> Estimate:
+    """When a request of `budget` tokens would finish. Without step times (nothing
+    measured yet, or an idle fleet with stale measurements) only the fixed overhead is
+    counted: the request is let through, unless its deadline is shorter than that."""
     probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
+    if q.slots <= 0:  # no worker reported a load for the model yet (it has not run)
+        return probe
     if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
         return probe
     batch = min(q.slots, q.requests + 1)

@@ -162,7 +162,7 @@ class ChatService:
         queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
         est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
         budget = self.budget_s(req)
-        if est is None or est.finish_s <= budget:
+        if est.finish_s <= budget:
             return
         await self.recent.remove(model, member, tokens)
         METRICS.rejections.labels(reason="deadline_unreachable").inc()

@@ -123,7 +123,7 @@ class GatewaySettings(CommonSettings):
         256, ge=1, description="Backstop: requests in flight per model and gateway before 429."
     )
     admission_overhead_s: float = Field(
-        0.3, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
+        0.5, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
     )
     admission_margin: float = Field(
         1.5,
