@@ -128,6 +128,8 @@ redis.call('EXPIRE', KEYS[1], math.ceil(keep))
 return {n, tokens}
 """
 RECENT_KEY = "arena:admitted:{}"
+#: How long an admission may take to show in the consumers' state (publish, then poll).
+VISIBILITY_LAG_S = 1.5
 
 
 class FleetAdmissions:

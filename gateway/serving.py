@@ -158,7 +158,11 @@ class ChatService:
         The request is added to the fleet's recent admissions first, atomically with
         reading the others', so concurrent admissions on any gateway see each other."""
         stream, tokens, member = self.pipeline.stream_state, req.token_limit(), new_id()
-        n, ahead_tokens = await self.recent.add(model, member, tokens, stream.read_at)
+        # Admitted requests reach the stream state only once published and polled: during
+        # a burst that takes a while, so admissions are counted a lag before the last read
+        # too (counted twice rather than missed).
+        since = stream.read_at - admission.VISIBILITY_LAG_S
+        n, ahead_tokens = await self.recent.add(model, member, tokens, since)
         queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
         est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
         budget = self.budget_s(req)
