@@ -7,22 +7,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic.json_schema import models_json_schema
 
 from gateway import errors, routes_async, routes_openai, ws
+from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
-from gateway.errors import APIError
-from gateway.metrics import METRICS
+from gateway.edge import BodyGuard, head_timeout_protocol
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from runtime.settings import GatewaySettings
-
-#: Paths under these prefixes need an API key when keys are configured.
-GUARDED = ("/v1", "/chat")
 
 
 def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None = None) -> FastAPI:
@@ -39,34 +39,48 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings
     errors.install(app)
-    app.middleware("http")(guard(settings))
     app.include_router(ops_router(settings, pipeline))
     app.include_router(routes_openai.router(chat))
     app.include_router(routes_async.router(chat))
     app.include_router(ws.router(chat, settings))
     app.include_router(arena_routes.router(chat, settings))
+    app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
+    # Added last, so it runs first: no body is read for a caller without a key.
+    app.add_middleware(KeyGuard, access=Access(settings, pipeline.keys.redis))
+    app.openapi = lambda: openapi(app)  # type: ignore[method-assign]
     return app
 
 
-def guard(settings: GatewaySettings):
-    """API keys and the body-size limit, checked before a route runs."""
+def openapi(app: FastAPI) -> dict:
+    """FastAPI's document, with the statuses the edge and the error handlers add: 400 in
+    place of FastAPI's 422 (validation errors are answered 400), and 408/413 wherever a
+    body is read."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    doc.setdefault("components", {}).setdefault("schemas", {})
+    doc["components"]["schemas"].update(
+        {name: schema for name, schema in _error_schemas().items() if name not in doc["components"]["schemas"]}
+    )
+    for item in doc["paths"].values():
+        for op in item.values():
+            responses = op.setdefault("responses", {})
+            had_422 = responses.pop("422", None) is not None
+            statuses = ["400"] if had_422 or op.get("parameters") else []
+            if "requestBody" in op:
+                statuses += ["400", "408", "413"]
+            for status in statuses:
+                responses.setdefault(status, {"description": errors.STATUS_TEXT[int(status)], **error_ref})
+    doc["components"]["schemas"].pop("HTTPValidationError", None)
+    doc["components"]["schemas"].pop("ValidationError", None)
+    app.openapi_schema = doc
+    return doc
 
-    async def middleware(request: Request, call_next):
-        if request.url.path.startswith(GUARDED):
-            if settings.api_keys:
-                auth = request.headers.get("authorization", "")
-                if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
-                    METRICS.rejections.labels(reason="unauthorized").inc()
-                    return APIError(
-                        401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key"
-                    ).response()
-            length = request.headers.get("content-length")
-            if length and length.isdigit() and int(length) > settings.max_body_bytes:
-                METRICS.rejections.labels(reason="body_too_large").inc()
-                return APIError(413, f"request body over {settings.max_body_bytes} bytes", "body_too_large").response()
-        return await call_next(request)
 
-    return middleware
+def _error_schemas() -> dict:
+    _, defs = models_json_schema([(errors.ErrorBody, "validation")], ref_template="#/components/schemas/{model}")
+    return defs["$defs"]
 
 
 def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
@@ -77,14 +91,17 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
         """The process is up."""
         return {"status": "ok"}
 
-    @r.get("/readyz")
-    async def readyz() -> JSONResponse:
-        """200 only when every required role has a live process and the default model is resident."""
+    @r.get("/readyz", responses={503: {"description": "Not ready; the body says what is missing"}})
+    async def readyz(request: Request) -> JSONResponse:
+        """200 only when every required role has a live process and the default model is
+        resident; the details (instances, models) only for a caller with a valid key."""
         ok, fleet = pipeline.ready(settings.default_model)
-        body = {"ready": ok, "default_model": settings.default_model, **fleet}
+        body: dict[str, Any] = {"ready": ok}
+        if request.state.principal is not None:
+            body.update({"default_model": settings.default_model, **fleet})
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @r.get("/metrics")
+    @r.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}})
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -94,5 +111,15 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
 def main() -> None:
     settings = GatewaySettings()
     uvicorn.run(
-        build_app(settings), host=settings.host, port=settings.port, log_config=None, timeout_graceful_shutdown=10
+        build_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+        # Slow and idle clients: a head must arrive within header_timeout_s (HeadTimeout),
+        # a body within body_timeout_s (BodyGuard), an idle keep-alive connection closes.
+        http=head_timeout_protocol(settings.header_timeout_s),
+        timeout_keep_alive=settings.keep_alive_s,
+        limit_concurrency=settings.max_connections,
+        ws_max_size=settings.max_ws_frame_bytes,
     )

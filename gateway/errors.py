@@ -7,12 +7,15 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     401: "authentication_error",
     404: "not_found_error",
     409: "conflict_error",
@@ -23,6 +26,40 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
     504: "timeout_error",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, as every arenaflow endpoint answers errors."""
+
+    error: ErrorDetail
+
+
+def errors(*statuses: int) -> dict:
+    """OpenAPI `responses` for these error statuses, each with the error schema."""
+    return {s: {"model": ErrorBody, "description": STATUS_TEXT.get(s, "Error")} for s in statuses}
+
+
+STATUS_TEXT = {
+    400: "Invalid request (the field is named in `param`)",
+    401: "Missing or invalid API key",
+    404: "Not found (or not yours)",
+    405: "Method not allowed (see `Allow`)",
+    408: "The request body did not arrive in time",
+    409: "Idempotency conflict, or the resource is not in a state for this",
+    413: "Request body too large",
+    429: "Refused now: rate limit, or the model cannot answer within the deadline (see `Retry-After`)",
+    499: "Cancelled",
+    500: "Internal error",
+    503: "A backing service is unavailable; retry shortly",
+    504: "No answer before the deadline",
 }
 
 
@@ -48,9 +85,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def _loc(loc) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+def loc(loc) -> str:
+    # Union members show up in the location as type tags ("str", "list[TextPart]"): not fields.
+    parts = [str(p) for p in loc if p != "body" and not _type_tag(p)]
     return ".".join(parts) or "body"
+
+
+def _type_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
 def install(app: FastAPI) -> None:
@@ -61,7 +103,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
-        param = _loc(first.get("loc", ()))
+        param = loc(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return APIError(400, "request body is not valid JSON", "invalid_json", None).response()
         msg = f"{param}: {first.get('msg')}"
@@ -75,4 +117,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), None, None).response()
+        # Keeps the exception's headers: a 405 names what is allowed (`Allow`).
+        return APIError(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {})).response()

@@ -6,6 +6,11 @@ Key layout (all with the read model's TTL):
   arena:holder:{request_id}      the WebSocket session that last followed the request; a session
                                  that lost its client cancels the request only if no other
                                  session resumed it since
+  arena:owner:req:{request_id}   the principal that created the request (gateway/access.py)
+  arena:owner:conv:{conv_id}     the principal that started the conversation (the first one wins)
+
+Idempotency keys are stored under the caller's principal: two callers using the same
+key never meet.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from redis.asyncio import Redis
 IDEM = "arena:idem:{}"
 SEED = "arena:seed:{}:{}"
 HOLDER = "arena:holder:{}"
+OWNER = "arena:owner:{}:{}"
 
 
 class GatewayKeys:
@@ -50,4 +56,19 @@ class GatewayKeys:
 
     async def holder(self, request_id: str) -> str | None:
         raw = await self.redis.get(HOLDER.format(request_id))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    async def bind_owner(self, request_id: str, conv_id: str, principal: str) -> str:
+        """Record the request's principal and claim the conversation for it (the first
+        claim holds); returns the conversation's owner, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(OWNER.format("req", request_id), principal, ex=self.ttl_s)
+            pipe.set(OWNER.format("conv", conv_id), principal, nx=True, ex=self.ttl_s)
+            pipe.get(OWNER.format("conv", conv_id))
+            *_, owner = await pipe.execute()
+        return owner.decode() if isinstance(owner, bytes) else owner
+
+    async def owner(self, kind: str, ident: str) -> str | None:
+        """The principal that created a request (`req`) or a conversation (`conv`)."""
+        raw = await self.redis.get(OWNER.format(kind, ident))
         return raw.decode() if isinstance(raw, bytes) else raw

@@ -21,6 +21,7 @@ from nats.errors import Error as NatsError
 from events import decode, subjects, topology
 from events.models import ChatCancelled, RequestEvent
 from events.readmodel import ReadModel
+from gateway.admission import ModelQueue, StreamState
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
@@ -39,6 +40,8 @@ QUIET_MAX_S = 8.0
 #: How long a publish is retried while NATS is unreachable, at most.
 PUBLISH_RETRY_S = 5.0
 NATS_DOWN = (NatsError, asyncio.TimeoutError, OSError)
+#: How often the consumers' state is read for admission control.
+STREAM_POLL_S = 0.25
 
 
 def stream_unavailable() -> APIError:
@@ -56,6 +59,9 @@ class Pipeline:
         self.results = ReadModel(redis, settings.result_ttl_s)
         self.keys = GatewayKeys(redis, settings.result_ttl_s)
         self.beats: dict[tuple[str, str], dict] = {}
+        #: The consumers' state (requests ahead of and held by the inference workers).
+        self.stream_state = StreamState()
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         options = jetstream.connect_options(self.settings)
@@ -63,8 +69,11 @@ class Pipeline:
         self.js = self.nc.jetstream()
         await jetstream.prepare_topology(self.js, self.settings)
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
+        self._tasks.append(asyncio.create_task(self._watch_stream()))
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
         await self.results.redis.aclose()
@@ -94,6 +103,39 @@ class Pipeline:
                     served.setdefault(name, set()).add(b["instance"])
         out["models"] = {name: sorted(insts) for name, insts in served.items()}
         return out
+
+    async def _watch_stream(self) -> None:
+        """Poll the consumers' state: the requests still ahead of the inference workers
+        (being filtered, or waiting in the stream for a worker to pull them)."""
+        while True:
+            with suppress(*NATS_DOWN):
+                filt = await self.js.consumer_info(subjects.STREAM, topology.FILTER.durable)
+                inf = await self.js.consumer_info(subjects.STREAM, topology.INFERENCE.durable)
+                ahead = filt.num_pending + filt.num_ack_pending + inf.num_pending
+                self.stream_state = StreamState(ahead, inf.num_ack_pending, time.time())
+            await asyncio.sleep(STREAM_POLL_S)
+
+    def queue(self, model: str) -> ModelQueue:
+        """What the inference workers holding the model report in their heartbeats."""
+        slots = requests = tokens = 0
+        step_s: float | None = None
+        full_step_s: float | None = None
+        measured_at = 0.0
+        for beat in self.live_beats():
+            if beat["role"] != topology.INFERENCE.name or model not in beat.get("resident", []):
+                continue
+            load = beat.get("load", {}).get(model)
+            if load is None:
+                continue
+            slots += load["max_batch"]
+            requests += load["running"] + load["waiting"] + beat.get("held", 0)
+            tokens += load["tokens"]
+            measured_at = max(measured_at, load.get("measured_at", 0.0))
+            if load.get("step_s") is not None:
+                step_s = max(step_s or 0.0, load["step_s"])
+            if load.get("full_step_s") is not None:
+                full_step_s = max(full_step_s or 0.0, load["full_step_s"])
+        return ModelQueue(slots, requests, tokens, step_s, full_step_s, measured_at)
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()

@@ -5,9 +5,44 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    WithJsonSchema,
+    field_validator,
+)
 
 from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+
+
+def _encodable(v: str) -> str:
+    # JSON may carry lone surrogates ("\\ud800") that no UTF-8 encoder accepts: refuse them
+    # here, with the field's name, instead of failing when the event is published.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (a lone surrogate cannot be encoded)") from None
+    return v
+
+
+#: Every client string: valid Unicode, or 400 naming the field.
+Text = Annotated[str, AfterValidator(_encodable)]
+#: JSON numbers and integers as the schema says: `true` is not 1.
+Number = Annotated[float, Strict()]
+#: JSON Schema's integers include 1.0; booleans and strings are not integers.
+_integral = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
+#: The largest seed: JSON numbers past 2**53 lose precision in most clients and validators.
+MAX_SEED = 2**53 - 1
+# Integer fields, with their bounds inside (outside, the schema would lose them).
+Tokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_LIMIT), _integral]
+Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED), _integral]
+TurnId = Annotated[int, Strict(), Field(ge=0), _integral]
+#: A conversation id, as the schema declares it.
+ConvId = Annotated[Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 def _sampleable(v: float) -> float:
@@ -19,19 +54,33 @@ def _sampleable(v: float) -> float:
 
 
 #: The temperature every transport accepts.
-Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(_sampleable)]
+Temperature = Annotated[
+    float,
+    Strict(),
+    Field(ge=0.0, le=2.0),
+    AfterValidator(_sampleable),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "number", "enum": [0]}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 2.0}],
+            "description": f"0 (greedy) or from {MIN_TEMPERATURE} to 2.",
+        }
+    ),
+]
+#: A time budget in seconds (strict: `true` is not a number).
+Deadline = Annotated[float, Strict(), Field(gt=0, description="Time budget in seconds; default 15, at most 120.")]
+StopText = Annotated[Text, Field(min_length=1)]
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -40,7 +89,7 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Annotated[bool, Strict()] = False
 
 
 class ChatCompletionRequest(BaseModel):
@@ -48,31 +97,26 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
-    messages: list[Message] = Field(min_length=1)
+    model: Text | None = Field(None, description="Served model name; default: the gateway's default model.")
+    messages: list[Message] = Field(min_length=1, description="Empty contents are accepted (OpenAI does too).")
     temperature: Temperature = DEFAULT_TEMPERATURE
-    top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description=f"Default {DEFAULT_MAX_TOKENS}.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is served.")
-    stream: bool = False
+    top_p: Number = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
+    max_tokens: Tokens | None = Field(None, description=f"Default {DEFAULT_MAX_TOKENS}.")
+    max_completion_tokens: Tokens | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    seed: Seed | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=1), _integral] = Field(1, description="Only one choice is served.")
+    stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    conv_id: str | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
-    turn_id: int | None = Field(None, ge=0, description="Turn index inside the conversation.")
-    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+    user: Text | None = None
+    conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
+    turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
+    deadline_s: Deadline | None = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return [v] if isinstance(v, str) else (v or [])
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])

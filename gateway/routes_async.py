@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
-from events.models import MAX_TOKENS_LIMIT
-from gateway.errors import APIError
+from gateway.access import limits_of, principal_of
+from gateway.errors import APIError, errors
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, Temperature
+from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
 from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 
@@ -38,15 +38,15 @@ class ChatTask(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt: str = Field(min_length=1, description="The user message.")
-    system: str | None = Field(None, description="An optional system message before the prompt.")
-    model: str | None = Field(None, description="Served model name; default: the gateway's default model.")
-    conv_id: str | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
-    turn_id: int | None = Field(None, ge=0, description="Turn index; with conv_id, a retry is idempotent.")
+    prompt: Text = Field(min_length=1, description="The user message.")
+    system: Text | None = Field(None, description="An optional system message before the prompt.")
+    model: Text | None = Field(None, description="Served model name; default: the gateway's default model.")
+    conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
+    turn_id: TurnId | None = Field(None, description="Turn index; with conv_id, a retry is idempotent.")
     temperature: Temperature | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+    max_tokens: Tokens | None = None
+    seed: Seed | None = None
+    deadline_s: Deadline | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -101,11 +101,13 @@ def router(chat: ChatService) -> APIRouter:
         terminal = await chat.finish(ticket, output)
         chat.record(ticket.model, outcome(terminal), started)
 
-    @r.post("/chat", status_code=202)
+    @r.post("/chat", status_code=202, responses=errors(400, 404, 409, 429, 503))
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
         started = time.perf_counter()
-        ticket, event = await chat.admit(task.to_chat(), request.headers.get("idempotency-key"))
+        ticket, event = await chat.admit(
+            task.to_chat(), request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+        )
         try:
             await results.record_pending(
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
@@ -120,13 +122,23 @@ def router(chat: ChatService) -> APIRouter:
             task_ = asyncio.create_task(watch(ticket, output, started))
             watchers.add(task_)
             task_.add_done_callback(watchers.discard)
-        return pending(ticket.request_id)
+        response = pending(ticket.request_id)
+        response.headers.update(ticket.headers)
+        return response
 
-    @r.get("/chat/result/{request_id}")
-    async def result(request_id: str) -> JSONResponse:
-        """The request's answer, `pending` while it runs, or its failure."""
+    @r.get(
+        "/chat/result/{request_id}",
+        responses={
+            202: {"description": "Still running; poll again after `Retry-After`"},
+            **errors(400, 404, 429, 499, 500, 503, 504),
+        },
+    )
+    async def result(request_id: str, request: Request) -> JSONResponse:
+        """The request's answer, `pending` while it runs, or its failure (404 to anyone
+        but the principal that created it)."""
         known = subjects.is_valid_token(request_id)
         try:
+            known = known and await chat.pipeline.keys.owner("req", request_id) == principal_of(request)
             stored = await results.get_result(request_id) if known else None
             record = await results.pending(request_id) if known and stored is None else None
             terminal = decode(stored) if stored is not None else None

@@ -11,6 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from gateway.access import limits_of, principal_of
+from gateway.errors import errors
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
@@ -69,12 +71,23 @@ def router(chat: ChatService) -> APIRouter:
         ]
         return {"object": "list", "data": data}
 
-    @r.post("/v1/chat/completions")
+    @r.post(
+        "/v1/chat/completions",
+        responses={
+            200: {
+                "description": "The completion (JSON), or with `stream: true` server-sent events",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            },
+            **errors(400, 404, 409, 429, 499, 500, 503, 504),
+        },
+    )
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         """A chat completion; `stream: true` answers with server-sent events."""
         started = time.perf_counter()
-        ticket, event = await chat.admit(req, request.headers.get("idempotency-key"))
-        headers = {"x-request-id": ticket.request_id}
+        ticket, event = await chat.admit(
+            req, request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+        )
+        headers = {"x-request-id": ticket.request_id, **ticket.headers}
         if req.stream:
             output = await chat.start(ticket, event)  # published before the response head
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

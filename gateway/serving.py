@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -17,10 +18,13 @@ from typing import Any
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
+from gateway import admission, ratelimit
+from gateway.access import not_found
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
 from gateway.protocol import ChatCompletionRequest
+from gateway.ratelimit import Limits
 from gateway.variants import model_defaults, with_model_defaults
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -53,6 +57,8 @@ class Ticket:
     key: str | None = None  # the idempotency key bound to it, if any
     #: Gives back the request's place in its model's queue (see ChatService.reserve); idempotent.
     release: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: The caller's `x-ratelimit-*` headers (empty without limits).
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def until(self) -> float:
@@ -80,7 +86,8 @@ def failure(terminal: Any) -> APIError:
     """The client error for a terminal event that is not an answer."""
     if terminal.type == "prompt.rejected":
         return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
-    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code)
+    headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
+    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code, headers=headers)
 
 
 def outcome(terminal: Any) -> APIError | None:
@@ -109,6 +116,8 @@ class ChatService:
         self.settings = settings
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
+        self.recent = admission.FleetAdmissions(pipeline.keys.redis)
+        self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -121,10 +130,6 @@ class ChatService:
             raise APIError(404, f"model '{model}' is not served; see GET /v1/models", "model_not_found", "model")
         if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
             raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
-        if not any(m.role == "user" and m.text().strip() for m in req.messages):
-            raise APIError(
-                400, "messages: at least one non-empty user message is required", "invalid_value", "messages"
-            )
         chars = sum(len(m.text()) for m in req.messages)
         if chars > self.settings.max_prompt_chars:
             raise APIError(
@@ -133,7 +138,7 @@ class ChatService:
                 "prompt_too_long",
                 "messages",
             )
-        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:
+        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
             METRICS.rejections.labels(reason="overloaded").inc()
             raise APIError(
                 429,
@@ -144,19 +149,83 @@ class ChatService:
             )
         return model
 
-    async def admit(self, req: ChatCompletionRequest, idem_key: str | None) -> tuple[Ticket, ChatRequested | None]:
-        """Admit a request; the event to publish is None when it attaches to an earlier one."""
+    def budget_s(self, req: ChatCompletionRequest) -> float:
+        return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
+
+    async def _in_time(self, model: str, req: ChatCompletionRequest) -> None:
+        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline.
+
+        The request is added to the fleet's recent admissions first, atomically with
+        reading the others', so concurrent admissions on any gateway see each other."""
+        stream, tokens, member = self.pipeline.stream_state, req.token_limit(), new_id()
+        # Admitted requests reach the stream state only once published and polled: during
+        # a burst that takes a while, so admissions are counted a lag before the last read
+        # too (counted twice rather than missed).
+        since = stream.read_at - admission.VISIBILITY_LAG_S
+        n, ahead_tokens = await self.recent.add(model, member, tokens, since)
+        queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
+        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
+        budget = self.budget_s(req)
+        if est.finish_s <= budget:
+            return
+        await self.recent.remove(model, member, tokens)
+        METRICS.rejections.labels(reason="deadline_unreachable").inc()
+        raise APIError(
+            429,
+            f"model '{model}' cannot answer within {budget:g} s now (estimated {est.finish_s:.1f} s); retry later"
+            if not math.isinf(est.finish_s)
+            else f"model '{model}' is being measured; retry shortly",
+            "overloaded",
+            None,
+            headers={"Retry-After": str(admission.retry_after_s(est, budget))},
+        )
+
+    async def admit(
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None = None
+    ) -> tuple[Ticket, ChatRequested | None]:
+        """Admit a request for `principal`; the event to publish is None when it attaches
+        to an earlier one. A conversation another principal started is 404 (not 403);
+        over the caller's rate `limits`, 429."""
         model = self._check(req)
+        # Counted from here, with no await since the queue check, so a burst sees itself.
+        release = self.reserve(model)
+        try:
+            try:
+                await self._in_time(model, req)
+            except REDIS_DOWN as exc:
+                raise store_unavailable() from exc
+            verdict = None
+            if limits is not None and not limits.off:
+                cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())
+                try:
+                    verdict = await self.limiter.take(principal, limits, cost)
+                except REDIS_DOWN as exc:
+                    raise store_unavailable() from exc
+            ticket, event = await self._admit(req, idem_key, principal, model, release)
+        except BaseException:
+            release()
+            raise
+        ticket.headers = verdict.headers() if verdict else {}
+        return ticket, event
+
+    async def _admit(
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
+    ) -> tuple[Ticket, ChatRequested | None]:
         req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model, {}))
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0
-        budget = min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
+        budget = self.budget_s(req)
         key = idem_key or (f"turn:{req.conv_id}:{req.turn_id}" if req.conv_id and req.turn_id is not None else None)
         ticket = Ticket(request_id, conv_id, turn_id, model, time.time() + budget, attached=False, key=key)
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         event: ChatRequested | None = None
         try:
+            if await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
+                METRICS.rejections.labels(reason="not_owner").inc()
+                raise not_found("conversation", conv_id, "conv_id")
+            key = f"{principal}:{key}" if key else None  # one caller's key never meets another's
+            ticket.key = key
             if key and (earlier := await self._claim(key, req, ticket)) is not None:
                 ticket = earlier
             else:
@@ -166,8 +235,7 @@ class ChatService:
         except REDIS_DOWN as exc:
             log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
             raise store_unavailable() from exc
-        # Counted from here, with no await since the queue check, so a burst sees itself.
-        ticket.release = self.reserve(model)
+        ticket.release = release
         return ticket, event
 
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:

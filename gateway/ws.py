@@ -32,11 +32,14 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from events import subjects
-from events.models import FAILURE_TYPES, MAX_TOKENS_LIMIT, ChatMessage, new_id
+from events.models import FAILURE_TYPES, ChatMessage, new_id
+from gateway import errors
+from gateway.access import limits_of, not_found, principal_of
+from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, Temperature
+from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
 from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -53,12 +56,12 @@ class TurnFrame(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["turn"]
-    content: str = Field(min_length=1)
-    system: str | None = Field(None, description="System message; used only on a conversation's first turn.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    content: Text = Field(min_length=1)
+    system: Text | None = Field(None, description="System message; used only on a conversation's first turn.")
+    max_tokens: Tokens | None = None
     temperature: Temperature | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    deadline_s: float | None = Field(None, gt=0, description="Time budget; default 15 s.")
+    seed: Seed | None = None
+    deadline_s: Deadline | None = None
 
 
 @dataclass
@@ -103,8 +106,10 @@ class Session:
     """One socket: reads frames in a task of its own, so a client leaving mid-turn is
     noticed at once and the running turn is stopped."""
 
-    def __init__(self, ws: WebSocket, deps: Deps, conv_id: str, model: str | None, grace_s: float):
+    def __init__(self, ws: WebSocket, deps: Deps, conv_id: str, model: str | None, grace_s: float, principal: str):
         self.ws, self.deps, self.conv_id, self.model, self.grace_s = ws, deps, conv_id, model, grace_s
+        self.principal = principal
+        self.limits = limits_of(ws)
         self.token = new_id()  # names this session as a request's holder
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.current: asyncio.Task | None = None
@@ -162,10 +167,11 @@ class Session:
                 await self.error(APIError(500, f"internal error: {type(task.exception()).__name__}", "internal_error"))
 
     async def handle(self, text: str) -> None:
+        settings = self.deps.chat.settings
         try:
-            data = json.loads(text)
-        except ValueError:
-            return await self.error(APIError(400, "frame is not valid JSON", "invalid_json"))
+            data = parse_frame(text, settings.max_ws_frame_bytes, settings.max_json_depth)
+        except FrameError as exc:
+            return await self.error(APIError(400, str(exc), "invalid_json"))
         kind = data.get("type") if isinstance(data, dict) else None
         if kind == "ping":
             return await self.send({"type": "pong"})
@@ -175,7 +181,7 @@ class Session:
             frame = TurnFrame.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = errors.loc(first["loc"]) or None
             return await self.error(APIError(400, f"{param}: {first['msg']}", "invalid_value", param))
         await self.turn(frame)
 
@@ -206,7 +212,7 @@ class Session:
         """Admit and publish in one step that a client leaving cannot cut in half: a
         claimed idempotency key with no request behind it would hang the turn's retry."""
         chat = self.deps.chat
-        ticket, event = await chat.admit(req, key)
+        ticket, event = await chat.admit(req, key, self.principal, self.limits)
         try:
             await chat.pipeline.results.record_pending(
                 ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
@@ -226,10 +232,8 @@ class Session:
     async def resume(self, request_id: str, last_seq: int) -> None:
         pipeline = self.deps.chat.pipeline
         record = await pipeline.results.pending(request_id) if subjects.is_valid_token(request_id) else None
-        if record is None:
-            return await self.error(
-                APIError(404, f"no request '{request_id}' is known here", "request_not_found", "resume_request_id")
-            )
+        if record is None or await pipeline.keys.owner("req", request_id) != self.principal:
+            return await self.error(not_found("request", request_id, "resume_request_id"))
         if record["conv_id"] != self.conv_id:
             return await self.error(
                 APIError(
@@ -292,10 +296,8 @@ class Session:
 
 def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
     q = ws.query_params
-    if settings.api_keys:
-        auth = ws.headers.get("authorization", "")
-        if not auth.startswith("Bearer ") or auth[7:] not in settings.api_keys:
-            return {}, APIError(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    if (refused := ws.scope.get("state", {}).get("access_error")) is not None:
+        return {}, refused  # KeyGuard's verdict, answered as a frame
     conv_id = q.get("conv_id")
     if conv_id is not None and not subjects.is_valid_token(conv_id):
         return {}, APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
@@ -331,11 +333,17 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
                 await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
                 await ws.close(code=1008)
                 return
+            principal = principal_of(ws)
             conv_id = args["conv_id"]
             if conv_id is None and args["resume"] and subjects.is_valid_token(args["resume"]):
                 record = await chat.pipeline.results.pending(args["resume"])
                 conv_id = record["conv_id"] if record else None
-            session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"])
+            if conv_id is not None and await chat.pipeline.keys.owner("conv", conv_id) not in (None, principal):
+                err = not_found("conversation", conv_id, "conv_id")
+                await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
+                await ws.close(code=1008)
+                return
+            session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"], principal)
             await session.send(
                 {"type": "session", "conv_id": session.conv_id, "model": args["model"] or settings.default_model}
             )

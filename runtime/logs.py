@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 _FIELDS = ("request_id", "conv_id", "model", "event", "count", "seconds", "component")
+
+
+#: Credentials never reach a log: a key in a query string (an access log line) or a header.
+_SECRETS = re.compile(r"(?i)\b(api[_-]?key|access_token|token|key)=[^&\s\"']+|(bearer\s+)[^\s\"']+")
+
+
+def redact(text: str) -> str:
+    return _SECRETS.sub(lambda m: f"{m.group(1)}=[redacted]" if m.group(1) else f"{m.group(2)}[redacted]", text)
 
 
 class JsonFormatter(logging.Formatter):
@@ -16,7 +25,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(time.time(), 3),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact(record.getMessage()),
         }
         for key in _FIELDS:
             value = getattr(record, key, None)

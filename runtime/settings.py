@@ -136,9 +136,42 @@ class GatewaySettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535)
     deadline_s: float = Field(15.0, gt=0, description="Default time budget of a request.")
     max_deadline_s: float = Field(120.0, gt=0, description="Longest deadline a client may ask for.")
-    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body.")
-    max_queue_per_model: int = Field(256, ge=1, description="Requests in flight per model before 429.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body (counted as it is read).")
+    body_timeout_s: float = Field(10.0, gt=0, description="A request body must arrive within this (else 408).")
+    header_timeout_s: float = Field(10.0, gt=0, description="A request head must arrive within this (else 408).")
+    keep_alive_s: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
+    max_connections: int = Field(
+        4096, ge=16, description="Open connections and tasks before uvicorn answers 503 (slow clients cannot pile up)."
+    )
+    max_ws_frame_bytes: int = Field(256 * 1024, ge=1024, description="Largest WebSocket frame.")
+    max_json_depth: int = Field(32, ge=2, le=512, description="Deepest JSON nesting accepted in a WebSocket frame.")
+    max_queue_per_model: int = Field(
+        256, ge=1, description="Backstop: requests in flight per model and gateway before 429."
+    )
+    admission_overhead_s: float = Field(
+        0.5, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
+    )
+    admission_margin: float = Field(
+        1.5,
+        ge=1,
+        description="Admission: measured step times are multiplied by this (a safety margin: a burst itself "
+        "slows the steps it is measured by).",
+    )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
+    rate_limit_rpm: int = Field(0, ge=0, description="Default requests per minute per key (0: unlimited).")
+    rate_limit_tpm: int = Field(
+        0, ge=0, description="Default tokens per minute per key (prompt chars / 4 + max_tokens; 0: unlimited)."
+    )
+    rate_limits: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description='Per-key limits over the defaults, e.g. \'{"sk-a": {"rpm": 600, "tpm": 200000}}\'.',
+    )
+    open_paths: list[str] = Field(
+        default_factory=lambda: ["/healthz", "/readyz"],
+        description="Paths served without a key when keys are on (a trailing '*' matches a prefix), e.g. "
+        '\'["/healthz", "/readyz", "/docs", "/openapi.json", "/metrics", "/arena*"]\'. /readyz shows details '
+        "only to a caller with a key.",
+    )
     arena_weights: dict[str, float] = Field(
         default_factory=dict, description="Arena pair sampling weight per model; empty: uniform."
     )
@@ -146,6 +179,14 @@ class GatewaySettings(CommonSettings):
     arena_targets: dict[str, list[str]] = Field(
         default_factory=dict, description="Arena model -> rivals it should mostly meet."
     )
+
+    @field_validator("rate_limits")
+    @classmethod
+    def _rate_limits(cls, v: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        for key, limits in v.items():
+            if set(limits) - {"rpm", "tpm"} or any(n < 0 for n in limits.values()):
+                raise ValueError(f"ARENA_RATE_LIMITS: key ...{key[-4:]} takes only rpm and tpm, each >= 0")
+        return v
 
     @model_validator(mode="after")
     def _deadlines(self) -> GatewaySettings:

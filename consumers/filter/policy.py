@@ -19,7 +19,6 @@ from consumers.filter.stage import ClassifierOutcome, classify, strongest
 __all__ = ["FilterVerdict", "inspect_messages", "inspect_prompt"]
 
 
-
 @dataclass(frozen=True)
 class FilterVerdict:
     """What the filter decided about one user prompt."""

@@ -43,6 +43,8 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "resident": pool.resident(),
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
+            "held": len(service.holding),
+            "load": service.load(),
             "engine": settings.engine,
         }
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
@@ -32,6 +34,11 @@ class EngineRunner:
         self.name = engine.loaded.spec.name
         self._wake = threading.Event()
         self._stop = False
+        #: Recent decode step times (seconds) at small and at near-full batches: the
+        #: gateway's admission estimates how long a new request would take from their medians.
+        self._small: deque[float] = deque(maxlen=64)
+        self._full: deque[float] = deque(maxlen=64)
+        self.measured_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -66,6 +73,7 @@ class EngineRunner:
                 continue
             self._first_wait = None
             batch = self.engine.running
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception:  # a broken step must not kill the thread silently
@@ -73,11 +81,40 @@ class EngineRunner:
                 outputs = self.engine.fail_all()
             if batch:
                 METRICS.batch_size.labels(self.name).observe(batch)
+                self._measure(batch, time.perf_counter() - started)
             METRICS.steps.labels(self.name).inc()
             METRICS.running.labels(self.name).set(self.engine.running)
             METRICS.waiting.labels(self.name).set(self.engine.waiting)
             if outputs:
                 self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def _measure(self, batch: int, took: float) -> None:
+        """A step's time (with the prefill of requests joining it: under a steady load
+        most steps admit someone, and that is the speed requests see)."""
+        (self._full if batch * 2 >= self.engine.max_batch_size else self._small).append(took)
+        self.measured_at = time.time()
+
+    def finish_at(self, tokens: int) -> float | None:
+        """When a request joining now would end, at worst (all `tokens`, at the step time
+        measured for the batch it joins); None before anything was measured."""
+        full = self.engine.running * 2 >= self.engine.max_batch_size
+        recent = (self._full or self._small) if full else (self._small or self._full)
+        if not recent:
+            return None
+        return time.time() + tokens * statistics.median(recent)
+
+    def load(self) -> dict:
+        """What this engine holds and how fast it steps (for heartbeats)."""
+        e = self.engine
+        return {
+            "running": e.running,
+            "waiting": e.waiting,
+            "max_batch": e.max_batch_size,
+            # Medians: a slow first step (warm-up, a long prefill) does not skew them.
+            "step_s": statistics.median(self._small) if self._small else None,
+            "full_step_s": statistics.median(self._full) if self._full else None,
+            "measured_at": self.measured_at,
+        }
 
     def stop(self) -> None:
         self._stop = True

@@ -50,6 +50,7 @@ class Job:
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     seq: int = 0
+    generated: int = 0  # tokens so far
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     text: str = ""
@@ -151,6 +152,13 @@ class InferenceService:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             runner = self._runner_for(loaded)
+            if (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at:
+                # It waited too long to finish in time at the speed measured now: refuse it
+                # before spending steps on it (429, retry) rather than end it at its deadline.
+                await self._drop(rid, pin)
+                METRICS.deadline_misses.labels(event.model).inc()
+                await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
+                return
             self.jobs[rid] = Job(event, msg, runner, pin)
             runner.add(GenRequest(request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at, params=params))
         except UnknownModel as exc:
@@ -174,6 +182,24 @@ class InferenceService:
     async def _drop(self, rid: str, pin: AsyncExitStack) -> None:
         self.jobs.pop(rid, None)
         await pin.aclose()
+
+    def load(self) -> dict:
+        """Per model: requests held, their remaining token budgets, and the engine's
+        measured step times; heartbeats carry it to the gateways' admission control."""
+        out: dict[str, dict] = {}
+        for runner in self.runners.values():
+            entry = out.setdefault(runner.name, {"running": 0, "waiting": 0, "max_batch": 0, "tokens": 0})
+            load = runner.load()
+            for k in ("running", "waiting", "max_batch"):
+                entry[k] += load[k]
+            entry["measured_at"] = max(entry.get("measured_at", 0.0), load["measured_at"])
+            for k in ("step_s", "full_step_s"):
+                if load[k] is not None:
+                    entry[k] = max(entry.get(k) or 0.0, load[k])
+        for job in self.jobs.values():
+            if job.runner.name in out and not job.closed:
+                out[job.runner.name]["tokens"] += max(0, job.event.params.max_tokens - job.generated)
+        return out
 
     def cancel(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
@@ -200,6 +226,7 @@ class InferenceService:
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = now
             job.pending_ids += out.new_token_ids
+            job.generated += len(out.new_token_ids)
             job.pending_text += out.new_text
             # The first chunk goes out at once (time to first token); then every
             # chunk_tokens tokens. Boundaries depend on token counts only, so a request

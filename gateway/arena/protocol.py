@@ -7,31 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from events.battles import Choice
-from events.models import MAX_TOKENS_LIMIT
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error shape, as every arenaflow endpoint answers errors."""
-
-    error: ErrorDetail
-
-
-def errors(*statuses: int) -> dict:
-    return {s: {"model": ErrorBody} for s in statuses}
+from gateway.protocol import Text, Tokens
 
 
 class TurnRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, description="The user's message; both models answer it.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="Default: the model's own default.")
+    prompt: Text = Field(min_length=1, description="The user's message; both models answer it.")
+    max_tokens: Tokens | None = Field(None, description="Default: the model's own default.")
 
 
 class VoteRequest(BaseModel):

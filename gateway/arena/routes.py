@@ -10,10 +10,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from events.arena_readmodel import load_leaderboard
+from gateway.access import limits_of, principal_of
 from gateway.arena.pairing import PairPolicy
-from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest, errors
+from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest
 from gateway.arena.service import ArenaService, view
-from gateway.errors import APIError
+from gateway.errors import APIError, errors
 from gateway.serving import ChatService
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
@@ -41,6 +42,9 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     arena = ArenaService(chat, PairPolicy(settings.arena_weights, tuple(settings.arena_boost), settings.arena_targets))
     r = APIRouter(prefix="/arena", tags=["arena"])
 
+    async def load(battle_id: str, request: Request):
+        return await arena.load_own(battle_id, _api_key(request), request.client.host if request.client else None)
+
     @r.post("/battles", response_model=BattleView, status_code=201, responses=errors(503))
     async def start_battle(request: Request) -> BattleView:
         """Start a blind battle between two served models, drawn by the pair sampling policy."""
@@ -51,26 +55,26 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         "/battles/{battle_id}/turns",
         responses={200: {"content": {"text/event-stream": {}}}, **errors(400, 404, 409, 429, 503)},
     )
-    async def battle_turn(battle_id: str, body: TurnRequest) -> StreamingResponse:
+    async def battle_turn(battle_id: str, body: TurnRequest, request: Request) -> StreamingResponse:
         """Both models answer the prompt, streamed together as server-sent events.
 
         Each event is `{"object": "arena.battle.chunk", "battle_id", "turn_id", "side": "a"|"b",
         "model": "model_a"|"model_b", "delta": {"content"}, "finish_reason"}` (an `error` object
         with `finish_reason: "error"` when a side failed), and the stream ends with `[DONE]`.
         Each side keeps its own conversation, so later turns see that side's earlier answers."""
-        battle = await arena.load(battle_id)
-        n, sides = await arena.open_turn(battle, body)
+        battle = await load(battle_id, request)
+        n, sides = await arena.open_turn(battle, body, principal_of(request), limits_of(request))
         return StreamingResponse(arena.stream_turn(battle, n, sides), media_type="text/event-stream", headers=NO_STORE)
 
     @r.post("/battles/{battle_id}/vote", response_model=BattleView, responses=errors(400, 404, 409, 503))
-    async def vote(battle_id: str, body: VoteRequest) -> BattleView:
+    async def vote(battle_id: str, body: VoteRequest, request: Request) -> BattleView:
         """Store the vote and reveal both models. 409 until both sides of the last turn completed."""
-        return view(await arena.vote(await arena.load(battle_id), body.choice))
+        return view(await arena.vote(await load(battle_id, request), body.choice))
 
     @r.get("/battles/{battle_id}", response_model=BattleView, responses=errors(404, 503))
-    async def get_battle(battle_id: str) -> BattleView:
+    async def get_battle(battle_id: str, request: Request) -> BattleView:
         """The battle; its models are named only once its vote is stored."""
-        return view(await arena.load(battle_id))
+        return view(await load(battle_id, request))
 
     @r.get(
         "/leaderboard",

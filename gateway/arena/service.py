@@ -30,6 +30,7 @@ from gateway.arena.state import Battle, fold
 from gateway.errors import APIError
 from gateway.pipeline import NATS_DOWN, Output, stream_unavailable
 from gateway.protocol import ChatCompletionRequest
+from gateway.ratelimit import Limits
 from gateway.serving import ChatService, Ticket, outcome
 from gateway.variants import model_defaults
 from gateway.ws import conversation_state
@@ -98,6 +99,15 @@ class ArenaService:
             raise APIError(404, f"no battle '{battle_id}'", "battle_not_found", "battle_id")
         return battle
 
+    async def load_own(self, battle_id: str, api_key: str | None, address: str | None) -> Battle:
+        """The battle, if this voter started it; with API keys on, 404 to anyone else."""
+        battle = await self.load(battle_id)
+        if self.chat.settings.api_keys and battle.started.voter != voter_pseudonym(
+            await self.secret(), api_key, address
+        ):
+            raise APIError(404, f"no battle '{battle_id}'", "battle_not_found", "battle_id")
+        return battle
+
     # ---- starting --------------------------------------------------------------------
 
     async def start(self, api_key: str | None, address: str | None) -> Battle:
@@ -138,7 +148,9 @@ class ArenaService:
         turn = battle.turns[-1]
         return await self.terminal(turn.request_a), await self.terminal(turn.request_b)
 
-    async def open_turn(self, battle: Battle, req: TurnRequest) -> tuple[int, list[Side]]:
+    async def open_turn(
+        self, battle: Battle, req: TurnRequest, principal: str, limits: Limits | None = None
+    ) -> tuple[int, list[Side]]:
         """Admit and publish both sides of the next turn; errors come back without names."""
         if battle.vote is not None:
             raise APIError(409, "this battle has been voted on; start a new one", "battle_closed")
@@ -158,7 +170,7 @@ class ArenaService:
                     stream=True,
                     **({"max_tokens": req.max_tokens} if req.max_tokens else {}),
                 )
-                ticket, event = await self.chat.admit(creq, None)
+                ticket, event = await self.chat.admit(creq, None, principal, limits)
                 sides.append(Side(side, ticket, event))
                 if ticket.attached:
                     raise APIError(409, "this turn is already running", "turn_running")

@@ -16,6 +16,7 @@ import fakeredis
 
 from events.models import ChatCompleted, ChatFailed, ChatRequested, Timings, TokensGenerated, Usage
 from events.readmodel import ReadModel
+from gateway.admission import StreamState
 from gateway.keys import GatewayKeys
 from gateway.pipeline import Pipeline, stream_unavailable
 from runtime.settings import GatewaySettings
@@ -52,6 +53,7 @@ class FakePipeline(Pipeline):
         self.fail_publish = False
         self.silent = False  # accept requests but never answer (deadline tests)
         self.beats: dict = {}
+        self.stream_state = StreamState()
 
     async def start(self) -> None:
         return None

@@ -70,7 +70,7 @@ def test_failure_maps_to_status_and_error_shape():
 
 
 def test_deadline_gives_504_and_is_counted():
-    client, pipeline = client_for()
+    client, pipeline = client_for(admission_overhead_s=0)  # admitted, then the fleet stays silent
     pipeline.silent = True
     with client:
         before = metric(client, 'arena_req_total{model="stories-260k",status="504"}')
@@ -184,7 +184,7 @@ def test_unexpected_error_is_json_500():
 
 
 async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
-    s = settings(max_queue_per_model=2)
+    s = settings(max_queue_per_model=2, admission_overhead_s=0)  # the backstop under test, not the estimate
     pipeline = FakePipeline(s)
     pipeline.silent = True
     app = build_app(s, pipeline)

@@ -1,0 +1,152 @@
+"""Deadline-aware admission (pure logic): would a new request finish before its deadline?
+
+The queue a model has is the fleet's, not one gateway's: the inference heartbeats say
+what each worker holds (running and waiting requests, their remaining token budgets) and
+how long its decode steps take; JetStream's consumer state says how many requests are
+still in the stream ahead of the workers (filter and inference consumers); and this
+gateway adds what it admitted since that state was read. Every gateway reads the same
+state, so adding gateways does not multiply the queue.
+
+Continuous batching serves `slots` requests at once (the workers' batch sizes): a new
+request waits for the work ahead of it beyond those slots to drain, then decodes its own
+token budget, one token per step. Budgets are upper bounds (a request may stop
+early), so the estimate errs towards refusing: an admitted request must be served within
+its deadline, and a refused one is told when to retry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from events.models import DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class ModelQueue:
+    """A model's fleet-wide queue, as the gateway sees it now."""
+
+    slots: int  # requests decoded at once (sum of max batch sizes of the workers holding it)
+    requests: int  # ahead of a new request: running, waiting, and still in the stream
+    tokens: int  # their remaining token budgets
+    step_s: float | None  # decode step time at a small batch (None: never measured)
+    full_step_s: float | None  # ... at a batch of half the slots or more
+    measured_at: float = 0.0  # when the newest of those steps ran
+
+
+@dataclass(frozen=True)
+class Estimate:
+    finish_s: float  # from now until the request's last token, at worst
+    wait_s: float  # of which waiting for a slot
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """The consumers' state, read from JetStream (every gateway reads the same)."""
+
+    ahead: int = 0  # not yet held by a worker: being filtered, or waiting to be pulled
+    held: int = 0  # delivered to inference workers and not yet acked (every model's)
+    read_at: float = 0.0
+
+
+def combine(
+    workers: ModelQueue, stream: StreamState, local_requests: int, local_tokens: int, mean_budget: float
+) -> ModelQueue:
+    """The queue a new request joins: the stream's requests (fresh, counted by the
+    consumers' state), the workers' token budgets and step times (heartbeats, up to a
+    beat old), and what this gateway admitted since the stream state was read. Requests
+    whose budgets no heartbeat reported yet count `mean_budget` tokens each."""
+    held = max(stream.held, workers.requests)
+    requests = stream.ahead + held + local_requests
+    unknown = max(0, requests - workers.requests - local_requests)
+    tokens = workers.tokens + local_tokens + round(unknown * mean_budget)
+    return ModelQueue(workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at)
+
+
+def step_at(q: ModelQueue, batch: int) -> float | None:
+    """Step time at a batch size, linear from the small-batch time (at 1) to the
+    near-full one (at all the slots)."""
+    small = q.step_s if q.step_s is not None else q.full_step_s
+    full = q.full_step_s if q.full_step_s is not None else small
+    if small is None or full is None:
+        return None
+    share = min(1.0, max(0.0, (batch - 1) / max(1, q.slots - 1)))
+    return max(small, small + (full - small) * share)
+
+
+#: An idle fleet whose step times are older than this is probed with one request instead
+#: of judged by them: a slow spell measured once must not refuse everything forever.
+STALE_S = 10.0
+
+
+def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None) -> Estimate:
+    """When a request of `budget` tokens would finish. Without step times (nothing
+    measured yet, or an idle fleet with stale measurements) only the fixed overhead is
+    counted: the request is let through, unless its deadline is shorter than that."""
+    probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
+    if q.slots <= 0:  # no worker reported a load for the model yet (it has not run)
+        return probe
+    if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
+        return probe
+    batch = min(q.slots, q.requests + 1)
+    step = step_at(q, batch)
+    if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
+        return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
+    # An idle fleet is judged without the margin: refused there, a request would never
+    # run, and nothing would refresh the measurements that refused it.
+    step *= margin if q.requests else 1.0
+    beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
+    wait_s = 0.0
+    if beyond > 0 and q.requests:
+        mean_tokens = q.tokens / q.requests
+        wait_s = math.ceil(beyond / q.slots) * mean_tokens * step
+    return Estimate(overhead_s + wait_s + budget * step, wait_s)
+
+
+def retry_after_s(est: Estimate, deadline_s: float) -> int:
+    """Whole seconds until the work ahead would have drained enough to fit (at least 1)."""
+    return 1 if math.isinf(est.finish_s) else max(1, math.ceil(est.finish_s - deadline_s))
+
+
+# Every gateway's admissions of the last seconds, in one sorted set per model (score:
+# Redis's clock). Adding one and reading those since the stream state was read is one
+# atomic step, so gateways admitting a burst together each see the others at once.
+RECENT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local keep = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - keep)
+local own = ARGV[1] .. ':' .. ARGV[2]
+local n, tokens = 0, 0
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf')) do
+  n = n + 1
+  tokens = tokens + tonumber(string.match(m, ':(%d+)$'))
+end
+redis.call('ZADD', KEYS[1], now, own)
+redis.call('EXPIRE', KEYS[1], math.ceil(keep))
+return {n, tokens}
+"""
+RECENT_KEY = "arena:admitted:{}"
+#: How long an admission may take to show in the consumers' state (publish, then poll).
+VISIBILITY_LAG_S = 1.5
+
+
+class FleetAdmissions:
+    """What every gateway admitted lately: the stream state, read every fraction of a
+    second, does not show those yet, and a burst must see itself, on every gateway."""
+
+    def __init__(self, redis, keep_s: float = 10.0):
+        self.redis, self.keep_s = redis, keep_s
+        self.script = redis.register_script(RECENT)
+        self.mean_budget = float(DEFAULT_MAX_TOKENS)
+
+    async def add(self, model: str, member: str, tokens: int, since: float) -> tuple[int, int]:
+        """Record an admission; the requests and tokens admitted before it since `since`."""
+        self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
+        since = max(since, 0.0)
+        n, total = await self.script(keys=[RECENT_KEY.format(model)], args=[member, tokens, repr(since), self.keep_s])
+        return int(n), int(total)
+
+    async def remove(self, model: str, member: str, tokens: int) -> None:
+        await self.redis.zrem(RECENT_KEY.format(model), f"{member}:{tokens}")

@@ -1,0 +1,183 @@
+"""The edge of the gateway: what a request must get right before any route sees it.
+
+- `BodyGuard` (ASGI middleware) reads each HTTP body itself, counting bytes as they
+  arrive: over `max_body_bytes` is 413 whatever the framing (Content-Length or chunked),
+  and a body that does not arrive within `body_timeout_s` (shorter than its
+  Content-Length, or trickled) is 408. The route then reads the buffered body.
+- `HeadTimeoutProtocol` (uvicorn's HTTP protocol) closes a connection whose request head
+  does not arrive within `header_timeout_s`: a slow-loris client holds nothing for long.
+- `parse_frame` parses a WebSocket frame with bounded size and nesting depth.
+
+Every refusal is in the API's error shape (gateway/errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # the faster parser, when installed (uvicorn[standard])
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as FastProtocol
+except ImportError:  # pragma: no cover
+    FastProtocol = H11Protocol  # type: ignore[misc,assignment]
+
+from gateway.errors import APIError
+from gateway.metrics import METRICS
+
+Scope = dict[str, Any]
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body over {limit} bytes", "body_too_large", headers={"connection": "close"})
+
+
+def too_slow(timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"the request body did not arrive within {timeout_s:g} s",
+        "request_timeout",
+        headers={"connection": "close"},
+    )
+
+
+async def _reply(send, err: APIError) -> None:
+    response = err.response()
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class BodyGuard:
+    """Buffers each HTTP request body within a size and a time limit (see the module doc)."""
+
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, max_body_bytes, body_timeout_s
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            METRICS.rejections.labels(reason="body_too_large").inc()
+            return await _reply(send, too_large(self.limit))
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except TimeoutError:
+            METRICS.rejections.labels(reason="body_timeout").inc()
+            return await _reply(send, too_slow(self.timeout_s))
+        except _TooLarge:
+            METRICS.rejections.labels(reason="body_too_large").inc()
+            return await _reply(send, too_large(self.limit))
+        if body is None:  # the client left before its body was complete
+            return None
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> bytes | None:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise _TooLarge
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class HeadTimeoutProtocol(FastProtocol):
+    """uvicorn's HTTP protocol (httptools, else h11), plus a deadline for each request head.
+
+    uvicorn times out idle keep-alive connections but waits forever for a head that
+    trickles in (or never comes) on a fresh connection; this closes such a connection
+    after `HEADER_TIMEOUT_S` with a 408."""
+
+    HEADER_TIMEOUT_S = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._head_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._head_timer.cancel()  # a head arrived: the body has BodyGuard's timeout
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_timer.cancel()
+        if not self.transport.is_closing():
+            self._arm()  # the next head on this keep-alive connection gets the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_timeout(self) -> None:
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        METRICS.rejections.labels(reason="header_timeout").inc()
+        body = json.dumps(too_slow(self.HEADER_TIMEOUT_S).body()).encode()
+        head = (
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        self.transport.write(head + body.replace(b"request body", b"request head"))
+        self.transport.close()
+
+
+def head_timeout_protocol(timeout_s: float) -> type[HeadTimeoutProtocol]:
+    return type("HeadTimeout", (HeadTimeoutProtocol,), {"HEADER_TIMEOUT_S": timeout_s})
+
+
+class FrameError(ValueError):
+    """A WebSocket frame that is too large, too deep or not JSON."""
+
+
+def parse_frame(text: str, max_bytes: int, max_depth: int) -> Any:
+    """json.loads with bounds: size first, then nesting depth (scanned without recursion,
+    so a deeply nested frame is refused instead of raising RecursionError)."""
+    if len(text) > max_bytes:
+        raise FrameError(f"frame over {max_bytes} characters")
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise FrameError(f"frame nested deeper than {max_depth} levels")
+        elif ch in "]}":
+            depth -= 1
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise FrameError("frame is not valid JSON") from exc

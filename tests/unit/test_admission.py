@@ -1,0 +1,95 @@
+"""The deadline-aware admission estimator (pure logic)."""
+
+from __future__ import annotations
+
+import time
+
+import fakeredis
+import pytest
+
+from gateway.admission import FleetAdmissions, ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
+
+
+def q(requests=0, tokens=0, slots=32, step_s=0.01, full_step_s=0.02, measured_at=None) -> ModelQueue:
+    return ModelQueue(slots, requests, tokens, step_s, full_step_s, time.time() if measured_at is None else measured_at)
+
+
+def test_an_idle_fleet_answers_in_the_budget_times_a_step():
+    est = estimate(q(), budget=100, overhead_s=0.1)
+    assert est is not None and est.wait_s == 0
+    assert est.finish_s == pytest.approx(0.1 + 100 * 0.01)
+
+
+def test_nothing_measured_lets_one_wave_through():
+    assert estimate(q(step_s=None, full_step_s=None), 100, 0.1).finish_s == pytest.approx(0.1)
+    assert estimate(q(requests=31, step_s=None, full_step_s=None), 100, 0.1).finish_s == pytest.approx(0.1)
+    unknown = estimate(q(requests=32, step_s=None, full_step_s=None), 100, 0.1)
+    assert unknown.finish_s == float("inf") and retry_after_s(unknown, 15) == 1
+    assert estimate(q(slots=0), 100, 0.1).finish_s == pytest.approx(0.1)  # no worker ran it yet
+
+
+def test_an_idle_fleet_with_stale_measurements_is_probed():
+    slow = q(step_s=1.0, full_step_s=1.0, measured_at=time.time() - 60)
+    assert estimate(slow, 100, 0.1).finish_s == pytest.approx(0.1)  # admitted: its answer measures anew
+    assert estimate(q(requests=1, tokens=10, step_s=1.0, full_step_s=1.0, measured_at=0), 100, 0.1).finish_s > 100
+
+
+def test_step_time_grows_from_small_to_full_batches():
+    queue = q(slots=32)
+    assert step_at(queue, 1) == pytest.approx(0.01)
+    assert step_at(queue, 16) == pytest.approx(0.01 + 0.01 * 15 / 31)
+    assert step_at(queue, 32) == pytest.approx(0.02)
+    assert step_at(q(step_s=None), 1) == pytest.approx(0.02)  # only near-full measured: use it
+
+
+def test_work_beyond_the_slots_is_waited_for_in_waves():
+    # 64 requests of 128 tokens ahead, 32 slots: this one waits for 2 waves (33 beyond / 32 slots, rounded up).
+    est = estimate(q(requests=64, tokens=64 * 128), budget=128, overhead_s=0)
+    assert est is not None
+    assert est.wait_s == pytest.approx(2 * 128 * 0.02)
+    assert est.finish_s == pytest.approx(3 * 128 * 0.02)
+
+
+def test_the_estimate_grows_with_the_queue_and_the_margin():
+    finishes = [estimate(q(requests=n, tokens=n * 128), 128, 0.1).finish_s for n in (0, 31, 32, 100, 400)]
+    assert finishes == sorted(finishes) and finishes[-1] > finishes[0] * 5
+    assert estimate(q(requests=1, tokens=10, full_step_s=0.01), 100, 0.0, margin=1.5).finish_s == pytest.approx(1.5)
+    assert estimate(q(), 100, 0.0, margin=1.5).finish_s == pytest.approx(1.0)  # idle: no margin, so it runs
+
+
+def test_retry_after_is_the_overshoot_in_whole_seconds():
+    est = estimate(q(requests=400, tokens=400 * 128), 128, 0.1)
+    assert retry_after_s(est, 15.0) == int(est.finish_s - 15.0) + 1
+    assert retry_after_s(estimate(q(), 10, 0.0), 15.0) == 1
+
+
+def test_combine_counts_the_stream_and_fresh_admissions_once():
+    workers = q(requests=10, tokens=1000)
+    merged = combine(workers, StreamState(ahead=5, held=20, read_at=1.0), 3, 300, mean_budget=64)
+    # held 20 per the consumer, of which 10 with budgets known from heartbeats; 5 ahead; 3 admitted here since.
+    assert merged.requests == 5 + 20 + 3
+    assert merged.tokens == 1000 + 300 + (5 + 10) * 64
+
+
+async def test_fleet_admissions_are_seen_by_every_gateway_at_once():
+    redis = fakeredis.FakeAsyncRedis()
+    one, two = FleetAdmissions(redis), FleetAdmissions(redis)  # two gateways, one Redis
+    since = time.time() - 1
+    assert await one.add("m", "r1", 128, since) == (0, 0)
+    assert await two.add("m", "r2", 64, since) == (1, 128)
+    assert await one.add("m", "r3", 32, since) == (2, 192)
+    await two.remove("m", "r3", 32)  # refused after all
+    assert await two.add("m", "r4", 8, time.time() + 1) == (0, 0)  # read after: the stream shows them
+    assert await one.add("other", "r5", 8, since) == (0, 0)
+
+
+def test_a_burst_is_refused_beyond_what_fits_in_the_deadline():
+    """400 requests of 128 tokens against 32 slots at 20 ms a step (2.56 s a wave): the
+    first few waves fit in 15 s, the rest is refused."""
+    admitted = tokens = 0
+    for _ in range(400):
+        queue = combine(q(), StreamState(), admitted, tokens, 128)
+        est = estimate(queue, 128, 0.3, 1.2)
+        if est.finish_s <= 15.0:
+            admitted, tokens = admitted + 1, tokens + 128
+    assert 32 * 3 <= admitted <= 32 * 5

@@ -1,0 +1,182 @@
+"""Hostile input at the gateway's edge (fake pipeline, no servers): body limits while
+reading, read timeouts, unencodable strings, bounded WebSocket frames, 405 with Allow,
+strict number types, and the OpenAPI document's declared statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import build_app
+from gateway.edge import FrameError, parse_frame
+from tests.unit.fake_pipeline import FakePipeline, settings
+
+LONE = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+
+
+def client_for(**overrides) -> TestClient:
+    s = settings(**overrides)
+    return TestClient(build_app(s, FakePipeline(s)))
+
+
+def chat(content: str = "Once upon a time", **fields) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def assert_error(r, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if code:
+        assert err["code"] == code
+    if param:
+        assert err["param"] == param
+    return err
+
+
+def test_chunked_body_over_the_limit_is_413():
+    with client_for(max_body_bytes=4096) as client:
+        chunks = (b"x" * 1024 for _ in range(64))  # no Content-Length: chunked transfer
+        r = client.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
+        assert_error(r, 413, "body_too_large")
+        assert client.get("/healthz").status_code == 200
+
+
+def test_declared_length_over_the_limit_is_413_before_reading():
+    with client_for(max_body_bytes=4096) as client:
+        r = client.post("/chat", content=b"{}", headers={"content-length": "99999999"})
+        assert_error(r, 413, "body_too_large")
+
+
+async def _call_raw(app, receive) -> tuple[int, dict]:
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body)
+
+
+async def test_body_shorter_than_its_length_or_trickling_is_408():
+    s = settings(body_timeout_s=0.3)
+    app = build_app(s, FakePipeline(s))
+    parts = [b'{"messages": ', b"[{"]  # then nothing more: the rest of Content-Length never comes
+
+    async def receive():
+        if parts:
+            await asyncio.sleep(0.05)
+            return {"type": "http.request", "body": parts.pop(0), "more_body": True}
+        await asyncio.sleep(3600)
+
+    status, body = await asyncio.wait_for(_call_raw(app, receive), 5)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize(
+    "path,payload,param",
+    [
+        ("/v1/chat/completions", LONE, "messages.0.content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "user": "\\udfff"}', "user"),
+        ("/chat", '{"prompt": "x\\ud800"}', "prompt"),
+        ("/chat", '{"prompt": "hi", "system": "\\ud800"}', "system"),
+    ],
+)
+def test_lone_surrogates_are_400_naming_the_field(path, payload, param):
+    with client_for() as client:
+        r = client.post(path, content=payload, headers={"content-type": "application/json"})
+        assert_error(r, 400, "invalid_value", param)
+
+
+def test_lone_surrogate_in_a_websocket_turn_is_an_error_frame():
+    with client_for() as client, client.websocket_connect("/v1/ws") as ws:
+        ws.receive_json()
+        ws.send_text('{"type": "turn", "content": "\\ud800"}')
+        frame = ws.receive_json()
+        assert frame["type"] == "error" and frame["status"] == 400 and frame["error"]["param"] == "content"
+        ws.send_json({"type": "ping"})
+        assert ws.receive_json()["type"] == "pong"  # the socket stays usable
+
+
+def test_deeply_nested_websocket_frame_is_400_not_recursion_error():
+    with client_for() as client, client.websocket_connect("/v1/ws") as ws:
+        ws.receive_json()
+        ws.send_text("[" * 100_000 + "]" * 100_000)
+        frame = ws.receive_json()
+        assert frame["type"] == "error" and frame["status"] == 400 and "deeper" in frame["error"]["message"]
+        ws.send_text('{"type": "turn", "content": "' + "x" * 300_000 + '"}')
+        frame = ws.receive_json()
+        assert frame["status"] == 400 and "frame over" in frame["error"]["message"]
+
+
+def test_deeply_nested_http_body_is_400():
+    with client_for() as client:
+        r = client.post("/v1/chat/completions", content="[" * 50_000, headers={"content-type": "application/json"})
+        assert_error(r, 400)
+
+
+def test_parse_frame_bounds():
+    assert parse_frame('{"a": "[[[[[["}', 100, 2) == {"a": "[[[[[["}  # brackets inside strings do not count
+    with pytest.raises(FrameError):
+        parse_frame("[[[1]]]", 100, 2)
+    with pytest.raises(FrameError):
+        parse_frame("x" * 101, 100, 2)
+
+
+@pytest.mark.parametrize("field", ["deadline_s", "temperature", "max_tokens", "top_p", "seed"])
+def test_booleans_are_not_numbers(field):
+    with client_for() as client:
+        r = client.post("/v1/chat/completions", json=chat(**{field: True}))
+        assert_error(r, 400, "invalid_value", field)
+
+
+def test_empty_content_is_accepted_as_the_schema_says():
+    with client_for() as client:
+        r = client.post("/v1/chat/completions", json=chat(""))
+        assert r.status_code == 200, r.text
+
+
+def test_405_names_the_allowed_methods():
+    with client_for() as client:
+        r = client.delete("/v1/chat/completions")
+        assert_error(r, 405)
+        assert r.headers["allow"] == "POST"
+
+
+def test_openapi_declares_each_status_with_the_error_schema():
+    with client_for() as client:
+        doc = client.get("/openapi.json").json()
+    ref = {"$ref": "#/components/schemas/ErrorBody"}
+    declared = {
+        ("/v1/chat/completions", "post"): {"400", "404", "408", "409", "413", "429", "503", "504"},
+        ("/chat", "post"): {"400", "404", "408", "409", "413", "429", "503"},
+        ("/chat/result/{request_id}", "get"): {"400", "404", "499", "503", "504"},
+        ("/arena/battles/{battle_id}/turns", "post"): {"400", "404", "409", "413", "429", "503"},
+    }
+    for (path, method), statuses in declared.items():
+        responses = doc["paths"][path][method]["responses"]
+        assert "422" not in responses
+        for status in statuses:
+            assert responses[status]["content"]["application/json"]["schema"] == ref, (path, status)
+    deadline = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["deadline_s"]
+    assert "number" in json.dumps(deadline) and "boolean" not in json.dumps(deadline)
