@@ -151,6 +151,9 @@ class ChatRequested(RequestEvent):
     received_at: float = Field(default_factory=time.time, description="Epoch seconds of the gateway's receipt.")
     stream: bool = False
     idempotency_key: str | None = None
+    principal: str | None = Field(
+        None, description="Who asked: a keyed hash of the caller's API key (never the key); restores ownership."
+    )
 
 
 class PromptAccepted(RequestEvent):

@@ -8,6 +8,8 @@ Key layout:
   arena:chunk:{request_id}:{seq} set once a chunk was fanned out (drops a regenerated copy)
   arena:pending:{request_id}     JSON {conv_id, turn_id, model, deadline_at}: the request was
                                  accepted, so an id without a result is pending, not unknown
+  arena:owner:{kind}:{id}        the principal that created a request (`req`) or conversation
+                                 (`conv`); the gateway writes it, recovery restores `req` ones
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.asyncio import Redis
 RESULT = "arena:result:{}"
 CHUNK = "arena:chunk:{}:{}"
 PENDING = "arena:pending:{}"
+OWNER = "arena:owner:{}:{}"
 
 
 class ReadModel:
@@ -42,6 +45,10 @@ class ReadModel:
         """Remember an accepted request; the first record of an id holds (a retry keeps it)."""
         body = {"conv_id": conv_id, "turn_id": turn_id, "model": model, "deadline_at": deadline_at}
         await self.redis.set(PENDING.format(request_id), json.dumps(body), nx=True, ex=self.ttl_s)
+
+    async def restore_owner(self, request_id: str, principal: str) -> None:
+        """Ownership of a request rebuilt from its ChatRequested (the first record holds)."""
+        await self.redis.set(OWNER.format("req", request_id), principal, nx=True, ex=self.ttl_s)
 
     async def pending(self, request_id: str) -> dict | None:
         """The record of an accepted request, or None for an id never accepted (or expired)."""

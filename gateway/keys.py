@@ -19,10 +19,11 @@ import json
 
 from redis.asyncio import Redis
 
+from events.readmodel import OWNER
+
 IDEM = "arena:idem:{}"
 SEED = "arena:seed:{}:{}"
 HOLDER = "arena:holder:{}"
-OWNER = "arena:owner:{}:{}"
 
 
 class GatewayKeys:

@@ -138,12 +138,18 @@ def router(chat: ChatService) -> APIRouter:
         but the principal that created it)."""
         known = subjects.is_valid_token(request_id)
         try:
-            known = known and await chat.pipeline.keys.owner("req", request_id) == principal_of(request)
-            stored = await results.get_result(request_id) if known else None
-            record = await results.pending(request_id) if known and stored is None else None
-            terminal = decode(stored) if stored is not None else None
-            if known and stored is None and record is None:  # Redis lost it? The stream has it.
+            owner = await chat.pipeline.keys.owner("req", request_id) if known else None
+            terminal, record = None, None
+            if known and owner is None:  # Redis lost it (or never knew it)? The stream has it.
                 terminal, record = await chat.pipeline.recover(request_id)
+                owner = record.get("principal") if record else None
+            known = known and owner == principal_of(request)
+            if known and terminal is None:
+                stored = await results.get_result(request_id)
+                terminal = decode(stored) if stored is not None else None
+                record = record or (await results.pending(request_id) if terminal is None else None)
+            elif not known:
+                terminal, record = None, None
         except REDIS_DOWN as exc:
             raise store_unavailable() from exc
         if terminal is not None:

@@ -231,7 +231,7 @@ class ChatService:
             else:
                 if req.conv_id and req.seed is None:
                     seed = await self.pipeline.keys.seed_for(conv_id, turn_id, seed)
-                event = self._event(req, ticket, seed, idem_key)
+                event = self._event(req, ticket, seed, idem_key, principal)
         except REDIS_DOWN as exc:
             log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
             raise store_unavailable() from exc
@@ -258,7 +258,9 @@ class ChatService:
         )
 
     @staticmethod
-    def _event(req: ChatCompletionRequest, ticket: Ticket, seed: int, idem_key: str | None) -> ChatRequested:
+    def _event(
+        req: ChatCompletionRequest, ticket: Ticket, seed: int, idem_key: str | None, principal: str
+    ) -> ChatRequested:
         return ChatRequested(
             request_id=ticket.request_id,
             conv_id=ticket.conv_id,
@@ -277,6 +279,7 @@ class ChatService:
             deadline_at=ticket.deadline_at,
             stream=req.stream,
             idempotency_key=idem_key,
+            principal=principal,
         )
 
     # ---- running ---------------------------------------------------------------------

@@ -30,7 +30,10 @@ async def restore(store: ReadModel, events: list[Any]) -> tuple[Any, dict | None
             "turn_id": requested.turn_id,
             "model": requested.model,
             "deadline_at": requested.deadline_at,
+            "principal": requested.principal,
         }
+        if requested.principal is not None:  # the events record who asked: ownership comes back too
+            await store.restore_owner(requested.request_id, requested.principal)
     if terminal is not None:
         await store.save_result(terminal.request_id, encode(terminal))
     return terminal, record
