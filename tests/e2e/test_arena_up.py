@@ -3,56 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import REPO, SHARED
+from tests.arena_up import ArenaUp, arena
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def arena(*args, env, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
-    env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
-    state = tmp_path / "state"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = ArenaUp(tmp_path, ready_s=150)
+    state, env, url = up.state, up.env, up.url
     try:
-        lines = []
-        end = time.monotonic() + 150
-        while time.monotonic() < end:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "ready at" in line or up.poll() is not None:
-                break
-        assert any("ready at" in line for line in lines), "".join(lines)
-        url = json.loads((state / "endpoints.json").read_text())["gateway_url"]
-        children = psutil.Process(up.pid).children(recursive=True)
+        children = psutil.Process(up.proc.pid).children(recursive=True)
         assert len(children) >= 6  # nats, redis, filter, delivery, inference, gateway
 
         r = httpx.post(
@@ -78,9 +43,8 @@ def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
         report = json.loads(audit.stdout)
         assert audit.returncode == 0 and report["ok"] and report["requests"] == 1
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(60)
-    assert up.returncode == 0
+        code = up.stop()
+    assert code == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "left processes behind"
 
     # The stream outlives the stack: replay reads the store it left.

@@ -5,55 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import stat
-import subprocess
-import sys
 import time
 
 import httpx
 import nats
 import pytest
 
-from tests.conftest import REPO, SHARED
+from tests.arena_up import ArenaUp, arena
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def arena(*args, env, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args],
-        check=False,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_up_with_per_role_users_serves_and_refuses_strangers(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
-    env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
-    state = tmp_path / "state"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = ArenaUp(tmp_path, ready_s=150)
+    state, env = up.state, up.env
     try:
-        lines = []
-        end = time.monotonic() + 150
-        while time.monotonic() < end:
-            lines.append(up.stdout.readline())
-            if "ready at" in lines[-1] or up.poll() is not None:
-                break
-        assert any("ready at" in line for line in lines), "".join(lines)
-        assert any("per-role users: True" in line for line in lines)
+        assert any("per-role users: True" in line for line in up.lines)
         endpoints_file = state / "endpoints.json"
         assert stat.S_IMODE(endpoints_file.stat().st_mode) == 0o600
         assert stat.S_IMODE((state / "nats-auth.conf").stat().st_mode) == 0o600
@@ -102,6 +70,5 @@ def test_up_with_per_role_users_serves_and_refuses_strangers(tmp_path):
         log = (state / "logs" / "nats-server.log").read_text()
         assert "Permissions Violation" not in log, [x for x in log.splitlines() if "Permissions" in x][:5]
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(60)
-    assert up.returncode == 0
+        code = up.stop()
+    assert code == 0

@@ -6,67 +6,22 @@ Every figure a test measures is printed (run with -s to see it)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
-import psutil
 import pytest
 
 from infra.servers import start_nats, start_redis
-from tests.conftest import REPO, SHARED, stored_events
+from tests.arena_up import ArenaUp
+from tests.conftest import stored_events
 from tests.streams import Stream, audit_of, post_one, prompt, stream_one
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 # ---- kill -9 of an inference replica under `arena up` ----------------------------------
-
-
-class ArenaUp:
-    def __init__(self, tmp_path, *args: str):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
-        env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
-        self.state = tmp_path / "state"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(self.state), *args],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline()
-            self.lines.append(line)
-            if "ready at" in line or self.proc.poll() is not None:
-                break
-        assert any("ready at" in line for line in self.lines), "".join(self.lines)
-        endpoints = json.loads((self.state / "endpoints.json").read_text())
-        self.url, self.nats_url = endpoints["gateway_url"], endpoints["nats_url"]
-
-    def inference_pids(self) -> list[int]:
-        out = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if "inference" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
-                    out.append(child.pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):

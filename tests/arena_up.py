@@ -1,0 +1,80 @@
+"""`arena up` run as a user runs it, for the tests that drive the whole command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.conftest import REPO, SHARED
+
+
+def user_env() -> dict:
+    """The environment of a user's shell: none of the test stacks' ARENA_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
+    env.update({"ARENA_MODELS_DIR": str(SHARED / "models"), "HF_HUB_OFFLINE": "1"})
+    return env
+
+
+def arena(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    """One `arena` command, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+class ArenaUp:
+    """`arena up --port 0` in a state dir of its own, waited until it says it is ready."""
+
+    def __init__(self, tmp_path, *args: str, ready_s: float = 180):
+        self.env = user_env()
+        self.state = tmp_path / "state"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(self.state), *args],
+            env=self.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.lines: list[str] = []
+        end = time.monotonic() + ready_s
+        while time.monotonic() < end:
+            self.lines.append(self.proc.stdout.readline())
+            if "ready at" in self.lines[-1] or self.proc.poll() is not None:
+                break
+        assert any("ready at" in line for line in self.lines), "".join(self.lines)
+        self.endpoints = json.loads((self.state / "endpoints.json").read_text())
+        self.url, self.nats_url = self.endpoints["gateway_url"], self.endpoints["nats_url"]
+
+    def inference_pids(self) -> list[int]:
+        out = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "inference" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                    out.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM, as Ctrl-C would; killed if it does not stop in time. Its exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode
