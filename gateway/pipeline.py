@@ -241,21 +241,21 @@ class Output:
             log.warning("cannot read the stream: %s", exc, extra={"request_id": self.request_id})
             return []
 
+    def _deliverable(self, events: list) -> list:
+        """The chunks these events make deliverable, in order, past the client's last seq."""
+        return [c for e in events for c in self.assembler.add(e) if c.seq > self.after_seq]
+
     async def __aiter__(self) -> AsyncIterator:
         asm = self.assembler
         incoming = await self._stored() if self.replay else []
         quiet = QUIET_S
         while True:
-            for event in incoming:
-                for chunk in asm.add(event):
-                    if chunk.seq > self.after_seq:
-                        yield chunk
+            for chunk in self._deliverable(incoming):
+                yield chunk
             if asm.terminal is not None:
                 if not asm.done:  # the terminal overtook chunks: the stream has them all
-                    for event in await self._stored():
-                        for chunk in asm.add(event):
-                            if chunk.seq > self.after_seq:
-                                yield chunk
+                    for chunk in self._deliverable(await self._stored()):
+                        yield chunk
                 return
             left = self.until - time.time()
             if left <= 0:
