@@ -108,13 +108,7 @@ def router(chat: ChatService) -> APIRouter:
         ticket, event = await chat.admit(
             task.to_chat(), request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
         )
-        try:
-            await results.record_pending(
-                ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
-            )
-        except REDIS_DOWN as exc:
-            ticket.release()
-            raise store_unavailable() from exc
+        await chat.remember(ticket)
         if event is None:
             ticket.release()
         else:

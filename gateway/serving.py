@@ -238,6 +238,19 @@ class ChatService:
         ticket.release = release
         return ticket, event
 
+    async def remember(self, ticket: Ticket, holder: str | None = None) -> None:
+        """Record an accepted request in the pending index (polling, resumes), and the
+        WebSocket session that holds it; with Redis down, give back its queue place and 503."""
+        try:
+            await self.pipeline.results.record_pending(
+                ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
+            )
+            if holder is not None:
+                await self.pipeline.keys.hold(ticket.request_id, holder)
+        except REDIS_DOWN as exc:
+            ticket.release()
+            raise store_unavailable() from exc
+
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:
         """Bind the key to this request; the earlier request's ticket when it was bound before."""
         digest = body_hash(req, ticket.model)

@@ -40,7 +40,7 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
-from gateway.serving import ChatService, Ticket, outcome, store_unavailable, usage_of
+from gateway.serving import ChatService, Ticket, outcome, usage_of
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -213,14 +213,7 @@ class Session:
         claimed idempotency key with no request behind it would hang the turn's retry."""
         chat = self.deps.chat
         ticket, event = await chat.admit(req, key, self.principal, self.limits)
-        try:
-            await chat.pipeline.results.record_pending(
-                ticket.request_id, ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at
-            )
-            await chat.pipeline.keys.hold(ticket.request_id, self.token)
-        except REDIS_DOWN as exc:
-            ticket.release()
-            raise store_unavailable() from exc
+        await chat.remember(ticket, holder=self.token)
         return ticket, await chat.start(ticket, event)
 
     def _abandon(self, admission: asyncio.Future) -> None:
