@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -67,6 +68,7 @@ class ProcessRuntime:
                 "instance": self.settings.instance_id,
                 "ready": self.ready,
                 "ts": time.time(),
+                "pid": os.getpid(),
                 "metrics_port": self.endpoint.port,
                 **self.status(),
             }

@@ -44,6 +44,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
             "held": len(service.holding),
+            "acks": service.ack_subjects(),
             "load": service.load(),
             "engine": settings.engine,
         }

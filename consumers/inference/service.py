@@ -126,6 +126,13 @@ class InferenceService:
         finally:
             self.holding.pop(id(msg), None)
 
+    def ack_subjects(self) -> list[str]:
+        """The ack subjects of every message this worker holds (jobs and messages waiting
+        to become one): heartbeats carry them, so `arena up` can nak them the moment this
+        process dies instead of leaving them to their AckWait (infra.takeover)."""
+        msgs = [job.msg for job in self.jobs.values()] + list(self.holding.values())
+        return [m.reply for m in msgs if m.reply]
+
     async def wait_for_room(self) -> None:
         """Hold no more than two batches' worth, so other workers get the rest."""
         limit = 2 * self.settings.max_batch_size
@@ -152,9 +159,13 @@ class InferenceService:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             runner = self._runner_for(loaded)
-            if (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at:
+            late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
+            if late and msg.metadata.num_delivered == 1:
                 # It waited too long to finish in time at the speed measured now: refuse it
                 # before spending steps on it (429, retry) rather than end it at its deadline.
+                # Work redelivered from a dead worker is run: it was admitted, its client has
+                # waited, and the estimate is a worst case (the whole token budget); the
+                # engine still ends it at its deadline if it really cannot finish.
                 await self._drop(rid, pin)
                 METRICS.deadline_misses.labels(event.model).inc()
                 await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
