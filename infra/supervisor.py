@@ -49,11 +49,16 @@ def _die_with_parent() -> None:
 
 
 def torch_threads(env: dict, replicas: int) -> dict:
-    """Each inference replica gets its share of the cores (torch's default takes them all,
-    and replicas then fight for them), unless ARENA_TORCH_THREADS says otherwise."""
-    if env.get("ARENA_TORCH_THREADS") or replicas < 1:
-        return {}
-    return {"ARENA_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
+    """Each inference replica gets its share of the cores, one left to the gateway, filter,
+    delivery and NATS (torch's default takes them all, and then every process fights for
+    them), unless ARENA_TORCH_THREADS says otherwise; and torch's OpenMP threads wait
+    passively. Both matter most under load: on the 2-core VM with other processes busy,
+    stories260K at batch 20 decoded 1,124 tokens/s on one thread, 118 on two spinning
+    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`)."""
+    out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
+    if not env.get("ARENA_TORCH_THREADS") and replicas >= 1:
+        out["ARENA_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // replicas))
+    return out
 
 
 @dataclass

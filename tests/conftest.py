@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 
 from events.topology import role_names  # noqa: E402
 from infra.servers import start_nats, start_redis  # noqa: E402
-from infra.supervisor import Stack  # noqa: E402
+from infra.supervisor import Stack, torch_threads  # noqa: E402
 from runtime import jetstream  # noqa: E402
 from runtime.net import free_port  # noqa: E402
 
@@ -104,6 +104,7 @@ class RunningStack:
         # A fixed metrics port is the inference process's alone (each process has its own).
         self.inference_env = {k: str(extra.pop(k)) for k in ("ARENA_METRICS_PORT",) if k in extra}
         self.stack = Stack(tmp, stack_env(nats.url, redis.url, self.port, **extra))
+        self.inference_env |= torch_threads(self.stack.env, 1)  # arena up's share of the cores
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, roles=ROLES, timeout: float = 90.0) -> RunningStack:
