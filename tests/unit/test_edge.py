@@ -180,6 +180,13 @@ def test_openapi_declares_each_status_with_the_error_schema():
             assert responses[status]["content"]["application/json"]["schema"] == ref, (path, status)
     deadline = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["deadline_s"]
     assert "number" in json.dumps(deadline) and "boolean" not in json.dumps(deadline)
+    # The rate-limited operations declare the headers clients pace themselves by.
+    for path, ok in (("/v1/chat/completions", "200"), ("/chat", "202"), ("/arena/battles/{battle_id}/turns", "200")):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"Retry-After", "x-ratelimit-remaining-requests", "x-ratelimit-reset-tokens"} <= set(
+            responses["429"]["headers"]
+        ), path
+        assert "x-ratelimit-limit-tokens" in responses[ok]["headers"], path
 
 
 async def test_over_the_connection_limit_is_json_503_not_uvicorns_text():
