@@ -65,7 +65,12 @@ async def _jetstream(args):
     server = None
     nc = None
     if url and _reachable(url):
-        nc = await nats.connect(jetstream.servers(url), connect_timeout=2, allow_reconnect=False)
+        nc = await nats.connect(
+            jetstream.servers(url),
+            connect_timeout=2,
+            allow_reconnect=False,
+            **jetstream.connect_options(OperatorSettings()),  # the operator's user and TLS, where set
+        )
     if nc is None:
         store = Path(args.state_dir) / "nats"
         if not store.exists():
@@ -196,7 +201,9 @@ async def _models(args) -> int:
     url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
-    nc = await nats.connect(jetstream.servers(url), allow_reconnect=False)
+    nc = await nats.connect(
+        jetstream.servers(url), allow_reconnect=False, **jetstream.connect_options(OperatorSettings())
+    )
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subjects.ADMIN_MODELS, json.dumps(command).encode(), reply=inbox)
@@ -240,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--models-config", default=None, help="YAML/JSON file listing served models")
     up.add_argument("--default-model", default=None)
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
-    up.add_argument("--max-batch-size", type=int, default=32)
+    up.add_argument("--max-batch-size", type=int, default=64)
     up.add_argument("--inference-replicas", type=int, default=1)
     up.add_argument(
         "--nats-cluster",
