@@ -54,7 +54,8 @@ class CommonSettings(NatsClient):
         "redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("REDIS_URL", "ARENA_REDIS_URL"),
         description="Redis for results, idempotency keys and conversation seeds; rediss:// for TLS "
-        "(e.g. rediss://host:6380/0?ssl_ca_certs=/etc/arena/tls/ca.crt).",
+        "(e.g. rediss://host:6380/0?ssl_ca_certs=/etc/arena/tls/ca.crt); "
+        "redis+sentinel://[:password@]host:port[,host:port]/service[/db] for a master found through Sentinel.",
     )
     manage_topology: bool = Field(
         True,
