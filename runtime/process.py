@@ -23,6 +23,7 @@ from events.models import EventBase
 from events.topology import Role
 from runtime import jetstream
 from runtime.http import ProcessEndpoint
+from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ class ProcessRuntime:
     def connection(self) -> nats.NATS:
         assert self.nc is not None, "start() the runtime first"
         return self.nc
+
+    async def recorded(self, request_id: str) -> list[Any]:
+        """A request's output events as the stream holds them (chunks, terminal)."""
+        assert self.js is not None, "start() the runtime first"
+        return await read_events(self.js, subjects.output_filter(request_id), timeout=2.0)
 
     async def publish(self, event: EventBase) -> None:
         assert self.js is not None, "start() the runtime first"

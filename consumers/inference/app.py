@@ -50,7 +50,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         }
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
-    service = InferenceService(settings, pool, runtime.publish)
+    service = InferenceService(settings, pool, runtime.publish, recorded=runtime.recorded)
     broker = NatsBroker(
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )
