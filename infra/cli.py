@@ -159,11 +159,15 @@ async def _audit(args) -> int:
 async def _arena(args) -> int:
     from infra import arena_cli  # noqa: PLC0415 - numpy stays out of the processes `arena run` starts
 
-    if args.cmd == "battles" and args.op == "import" and not args.file:
-        raise SystemExit("arena battles import needs a FILE (FastChat clean-battle JSON)")
+    if args.cmd == "battles" and args.op in ("import", "invalidate", "reinstate") and not args.file:
+        raise SystemExit(f"arena battles {args.op} needs {'a FILE' if args.op == 'import' else 'a BATTLE_ID'}")
+    if args.cmd == "battles" and args.op in ("invalidate", "reinstate") and not args.reason:
+        raise SystemExit(f"arena battles {args.op} needs --reason (it is recorded on the event)")
     async with _jetstream(args) as js:
         if args.cmd == "leaderboard":
             return await arena_cli.leaderboard(js, args.at, args.json)
+        if args.op in ("invalidate", "reinstate"):
+            return await arena_cli.set_vote_status(js, args.file, args.op == "reinstate", args.reason)
         if args.op == "import":
             await js.stream_info(subjects.STREAM)  # the stream must exist (arena up ran)
             return await arena_cli.import_battles(js, args.file)
@@ -311,9 +315,18 @@ def parser() -> argparse.ArgumentParser:
     lb = sub.add_parser("leaderboard", help="recompute the arena leaderboard from the stream")
     lb.add_argument("--at", type=int, default=None, help="stream sequence to stop at (same digest as then)")
     lb.add_argument("--json", action="store_true")
-    ba = sub.add_parser("battles", help="import or export arena votes (FastChat clean-battle JSON)")
-    ba.add_argument("op", choices=("import", "export"))
-    ba.add_argument("file", nargs="?", help="import: the file to read; export: the file to write (default stdout)")
+    ba = sub.add_parser(
+        "battles",
+        help="import or export arena votes (FastChat clean-battle JSON); invalidate or reinstate a battle's vote",
+    )
+    ba.add_argument("op", choices=("import", "export", "invalidate", "reinstate"))
+    ba.add_argument(
+        "file",
+        nargs="?",
+        metavar="FILE|BATTLE_ID",
+        help="import: the file to read; export: the file to write (default stdout); invalidate/reinstate: the battle",
+    )
+    ba.add_argument("--reason", help="invalidate/reinstate: why (recorded on the event)")
     for sp in (lb, ba):
         sp.add_argument("--nats-url", default=None)
         sp.add_argument("--state-dir", default=OperatorSettings().state_dir)

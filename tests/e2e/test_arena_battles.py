@@ -144,3 +144,29 @@ def test_leaderboard_is_live_and_recomputed_from_the_stream(arena, tmp_path):
     assert len(rows) >= 4 and {"model_a": "gpt-x", "model_b": "llama-y", "winner": "model_a", "tstamp": 1.7e9} in [
         {k: r[k] for k in ("model_a", "model_b", "winner", "tstamp")} for r in rows
     ]
+
+
+def test_an_operator_invalidates_and_reinstates_a_vote(arena):
+    def votes_become(n: int) -> None:
+        end = time.monotonic() + 10
+        while httpx.get(f"{arena.url}/arena/leaderboard").json()["total_votes"] != n:
+            assert time.monotonic() < end, f"the leaderboard did not reach {n} votes"
+            time.sleep(0.2)
+
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        before = client.get("/arena/leaderboard").json()["total_votes"]
+        bid = client.post("/arena/battles").json()["battle_id"]
+        turn(client, bid, "A frog")
+        assert client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"}).status_code == 200
+    votes_become(before + 1)
+    # Invalidated, reinstated and invalidated again: three facts, none dropped as a duplicate.
+    for op, expected in (("invalidate", before), ("reinstate", before + 1), ("invalidate", before)):
+        done = arena_cmd(arena, "battles", op, bid, "--reason", "checked by hand")
+        assert done.returncode == 0, done.stderr
+        votes_become(expected)
+    again = arena_cmd(arena, "battles", "invalidate", bid, "--reason", "twice")
+    assert again.returncode == 0 and "already does not count" in again.stdout
+    assert arena_cmd(arena, "battles", "reinstate", "no-such-battle", "--reason", "x").returncode == 1
+    replay = arena_cmd(arena, "replay", "--battle-id", bid)
+    assert replay.stdout.count("vote.invalidated") == 2 and replay.stdout.count("vote.reinstated") == 1
+    assert "operator" in replay.stdout  # who decided is on the record
