@@ -22,6 +22,7 @@ from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, head_timeout_protocol
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
+from runtime import tracing
 from runtime.settings import GatewaySettings
 
 
@@ -32,9 +33,11 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tracing.setup(settings, "gateway")
         await pipeline.start()
         yield
         await pipeline.stop()
+        tracing.shutdown()
 
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings

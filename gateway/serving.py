@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span
+
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
 from gateway import admission, ratelimit
@@ -26,6 +28,7 @@ from gateway.pipeline import Output, Pipeline
 from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
 from gateway.variants import model_defaults, with_model_defaults
+from runtime import tracing
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -59,6 +62,8 @@ class Ticket:
     release: Callable[[], None] = field(default=lambda: None, repr=False)
     #: The caller's `x-ratelimit-*` headers (empty without limits).
     headers: dict[str, str] = field(default_factory=dict)
+    #: The request's trace (its root span; None when tracing is off).
+    trace: Span | None = field(default=None, repr=False)
 
     @property
     def until(self) -> float:
@@ -185,7 +190,26 @@ class ChatService:
     ) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request for `principal`; the event to publish is None when it attaches
         to an earlier one. A conversation another principal started is 404 (not 403);
-        over the caller's rate `limits`, 429."""
+        over the caller's rate `limits`, 429. The request's trace starts here."""
+        root = tracing.start("chat.request", model=req.model or self.settings.default_model, stream=req.stream)
+        span = tracing.start("gateway.admission", parent=root)
+        try:
+            ticket, event = await self._admission(req, idem_key, principal, limits)
+        except BaseException as exc:
+            why = f"{exc.status} {exc.code}" if isinstance(exc, APIError) else type(exc).__name__
+            tracing.end(span, why)
+            tracing.end(root, why)
+            raise
+        tracing.end(span)
+        if root is not None:
+            root.set_attribute("arena.request_id", ticket.request_id)
+            root.set_attribute("arena.attached", ticket.attached)
+        ticket.trace = root
+        return ticket, event
+
+    async def _admission(
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None
+    ) -> tuple[Ticket, ChatRequested | None]:
         model = self._check(req)
         # Counted from here, with no await since the queue check, so a burst sees itself.
         release = self.reserve(model)
@@ -306,7 +330,7 @@ class ChatService:
         output = self.pipeline.output(
             ticket.request_id, ticket.until, after_seq=after_seq, replay=ticket.attached or after_seq >= 0
         )
-        output.on_close = ticket.release
+        output.on_close = _closer(ticket, output, tracing.start("client.stream", parent=ticket.trace))
         try:
             await output.open()
         except BaseException:
@@ -315,7 +339,8 @@ class ChatService:
         if event is None:
             return output
         try:
-            await self.pipeline.publish(event, until=ticket.deadline_at)
+            with tracing.within(ticket.trace):  # the event carries the request's trace
+                await self.pipeline.publish(event, until=ticket.deadline_at)
         except APIError:
             await output.close()
             if ticket.key:
@@ -358,3 +383,19 @@ class ChatService:
         METRICS.requests.labels(model, "200" if err is None else str(err.status)).inc()
         if err is None:
             METRICS.latency.labels(model).observe(time.perf_counter() - started)
+
+
+def _closer(ticket: Ticket, output: Output, stream: Span | None) -> Callable[[], None]:
+    """What closing a request's output does: give back its queue place, end its trace
+    (failed when no answer came: an error, the deadline, or a client gone first)."""
+
+    def close() -> None:
+        ticket.release()
+        terminal = output.terminal
+        error = None if terminal is not None and terminal.type == "chat.completed" else "no answer"
+        if terminal is not None and error:
+            error = getattr(terminal, "code", None) or terminal.type
+        tracing.end(stream, error)
+        tracing.end(ticket.trace, error)
+
+    return close

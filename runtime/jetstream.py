@@ -26,6 +26,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from events import encode, subjects, topology
+from runtime import tracing
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +149,11 @@ PUBLISH_TIMEOUT_S = 1.5
 
 
 async def publish(js: JetStreamContext, event) -> None:
-    """Publish an event with its dedupe key, so a repeated publish is dropped by the server."""
+    """Publish an event with its dedupe key, so a repeated publish is dropped by the server,
+    and the current span's trace context (when tracing is on)."""
     await js.publish(
         subjects.subject_for(event),
         encode(event),
         timeout=PUBLISH_TIMEOUT_S,
-        headers={"Nats-Msg-Id": subjects.dedupe_key(event)},
+        headers=tracing.headers({"Nats-Msg-Id": subjects.dedupe_key(event)}),
     )

@@ -1,4 +1,5 @@
-"""Structured (JSON-lines) logging; every record may carry a request id."""
+"""Structured (JSON-lines) logging; every record may carry a request id, and one logged
+inside a traced span carries its trace and span ids."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import re
 import sys
 import time
+
+from runtime import tracing
 
 _FIELDS = ("request_id", "conv_id", "model", "event", "count", "seconds", "component")
 
@@ -31,6 +34,8 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, key, None)
             if value is not None:
                 out[key] = value
+        if tracing.enabled():  # a record logged inside a span names its trace
+            out.update(tracing.log_ids())
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

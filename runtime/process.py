@@ -15,13 +15,14 @@ import nats
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.message import NatsMessage
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from events import decode, subjects, topology
 from events.models import EventBase
 from events.topology import Role
-from runtime import jetstream
+from runtime import jetstream, tracing
 from runtime.http import ProcessEndpoint
 from runtime.stream import read_events
 
@@ -32,6 +33,9 @@ Publish = Callable[[EventBase], Awaitable[None]]
 
 UNDECODABLE = Counter(
     "arena_undecodable_messages_total", "Stream messages that were no known event, terminated", ["role"]
+)
+REDELIVERED = Counter(
+    "arena_redelivered_messages_total", "Stream messages delivered again (a consumer died or nak'ed)", ["role"]
 )
 
 
@@ -54,6 +58,7 @@ class ProcessRuntime:
         )
 
     async def start(self) -> None:
+        tracing.setup(self.settings, self.role)
         await self.endpoint.start()  # /healthz answers while the rest starts (slow model loads)
         options = jetstream.connect_options(self.settings)
         self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}", **options)
@@ -98,6 +103,7 @@ class ProcessRuntime:
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
         await self.endpoint.stop()
+        tracing.shutdown()
 
 
 def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -> None:
@@ -127,6 +133,8 @@ async def decode_or_term(role: str, message: NatsMessage) -> Any:
     One policy for every consumer: such a message fails the same way on every
     redelivery, so it is terminated at once (logged and counted), never redelivered."""
     raw = message.raw_message
+    if _delivered(raw) > 1:
+        REDELIVERED.labels(role).inc()
     try:
         return decode(raw.data)
     except ValueError as exc:
@@ -134,6 +142,15 @@ async def decode_or_term(role: str, message: NatsMessage) -> Any:
         log.error("undecodable message on %s terminated: %s", raw.subject, str(exc)[:200])
         await message.reject()  # JetStream: term
         return None
+
+
+def _delivered(raw) -> int:
+    """How often the stream has delivered this message (1 for a message that is not a
+    JetStream delivery, e.g. in a test)."""
+    try:
+        return raw.metadata.num_delivered
+    except (AttributeError, TypeError, NatsError):
+        return 1
 
 
 def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1):

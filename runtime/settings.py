@@ -92,6 +92,11 @@ class CommonSettings(NatsClient):
         0, ge=0, le=65535, description="Consumer processes: /healthz, /readyz and /metrics; 0 picks a free port."
     )
     http_host: str = Field("127.0.0.1", description="Address of that endpoint (0.0.0.0 in a container).")
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): each request's trace is "
+        "exported there. Unset: tracing is off and costs nothing.",
+    )
 
     def topology(self) -> dict:
         return {

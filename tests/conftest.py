@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,25 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).parts
         if "e2e" in parts or "integration" in parts:
             item.add_marker(pytest.mark.integration)
+
+
+@contextmanager
+def in_memory_traces():
+    """Tracing on in this process, into the OpenTelemetry SDK's in-memory exporter."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from runtime import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.install(None)
 
 
 def stored_events(nats_url: str, request_id: str) -> list:

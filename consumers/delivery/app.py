@@ -21,7 +21,7 @@ from prometheus_client import Counter
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
-from runtime import jetstream
+from runtime import jetstream, tracing
 from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
 from runtime.redis import REDIS_DOWN, redis_client
 from runtime.settings import DeliverySettings
@@ -75,7 +75,8 @@ def build_app(
     store = store or ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
 
     async def live(subject: str, raw: bytes) -> None:
-        await runtime.connection().publish(subject, raw)
+        # The trace goes back to the gateway with the event.
+        await runtime.connection().publish(subject, raw, headers=tracing.headers())
 
     fanout = fanout or live
 
@@ -83,7 +84,9 @@ def build_app(
     @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_output(message: NatsMessage) -> None:
         event = await decode_or_term(topology.DELIVERY.name, message)
-        if event is not None:
+        if event is None:
+            return
+        with tracing.consumed("delivery", message.raw_message.headers, request_id=event.request_id, event=event.type):
             await deliver(event, message.raw_message.data, store, fanout)
 
     app = FastStream(broker)

@@ -26,7 +26,7 @@ from events.models import (
     PromptAccepted,
     PromptRejected,
 )
-from runtime import jetstream
+from runtime import jetstream, tracing
 from runtime.process import ProcessRuntime, Publish, decode_or_term, durable_pull, wire_lifecycle
 from runtime.settings import FilterSettings
 
@@ -110,19 +110,22 @@ def build_app(
         event = await decode_or_term(topology.FILTER.name, message)
         if not isinstance(event, ChatRequested):
             return
-        classifier = _current(slot, metrics)
-        if classifier is not None and classifier.blocking:
-            out = await asyncio.to_thread(
-                filter_request, event, config, classifier
-            )  # a guard model: keep the loop free
-        else:
-            out = filter_request(event, config, classifier)
-        if out.filter.classifier is not None:
-            metrics.classifier_verdicts.labels(
-                config.mode, "flagged" if out.filter.classifier.flagged else "clear"
-            ).inc()
-        await publish(out)
-        log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
+        with tracing.consumed("filter", message.raw_message.headers, request_id=event.request_id) as span:
+            classifier = _current(slot, metrics)
+            if classifier is not None and classifier.blocking:
+                out = await asyncio.to_thread(
+                    filter_request, event, config, classifier
+                )  # a guard model: keep the loop free
+            else:
+                out = filter_request(event, config, classifier)
+            if out.filter.classifier is not None:
+                metrics.classifier_verdicts.labels(
+                    config.mode, "flagged" if out.filter.classifier.flagged else "clear"
+                ).inc()
+            if span is not None:
+                span.set_attribute("arena.verdict", out.filter.action)
+            await publish(out)
+            log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
     app = FastStream(broker)
     wire_lifecycle(app, runtime)

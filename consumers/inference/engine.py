@@ -55,6 +55,7 @@ class GenRequest:
     #: Tokens already generated and delivered for it (a request taken over from a dead
     #: worker): prefilled with the prompt, its sampler advanced past them, then continued.
     resume_ids: list[int] = field(default_factory=list)
+    admitted_at: float | None = None  # when it joined a batch (its prefill began), by the engine's clock
 
     @property
     def input_ids(self) -> list[int]:
@@ -260,6 +261,9 @@ class BatchEngine:
         room = self.max_batch_size - len(self._seqs)
         with self._lock:
             taken = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        now = self._clock()
+        for req in taken:
+            req.admitted_at = now
         return taken
 
     def _new_seq(self, req: GenRequest) -> _Seq:

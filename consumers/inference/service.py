@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
+from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
@@ -38,6 +40,7 @@ from events.models import (
     TokensGenerated,
     Usage,
 )
+from runtime import tracing
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class Job:
     pending_text: str = ""
     text: str = ""
     closed: bool = False  # its terminal event is queued; later engine outputs are ignored
+    span: Span | None = None  # its trace's inference span (None: tracing off)
+    gen: GenRequest | None = None  # what the engine runs (when it joined a batch)
 
     @property
     def ids(self) -> dict:
@@ -123,6 +128,7 @@ class InferenceService:
                 await job.msg.nak()
             self.jobs.pop(job.event.request_id, None)
             await job.pin.aclose()
+            tracing.end(job.span, "given back at drain")
         return len(left)
 
     # ---- intake --------------------------------------------------------------------
@@ -152,6 +158,15 @@ class InferenceService:
             await self._room.wait_for(lambda: len(self.jobs) < limit)
 
     async def submit(self, event: PromptAccepted, msg) -> None:
+        """Make the message a job, or fail it at once; both inside its trace."""
+        span = tracing.start("inference", msg.headers, request_id=event.request_id, model=event.model)
+        with tracing.within(span):
+            await self._submit(event, msg, span)
+        job = self.jobs.get(event.request_id)
+        if job is None or job.span is not span:  # no job of its own: it ended here
+            tracing.end(span)
+
+    async def _submit(self, event: PromptAccepted, msg, span: Span | None) -> None:
         rid = event.request_id
         if msg.metadata.num_delivered > 1:
             METRICS.redeliveries.inc()
@@ -189,20 +204,19 @@ class InferenceService:
                 METRICS.deadline_misses.labels(event.model).inc()
                 await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
                 return
-            job = self.jobs[rid] = Job(event, msg, runner, pin)
             resume_ids = [t for c in chunks for t in c.token_ids]
+            gen = GenRequest(
+                request_id=rid,
+                prompt_ids=prompt_ids,
+                deadline=event.deadline_at,
+                params=params,
+                resume_ids=resume_ids,
+            )
+            job = self.jobs[rid] = Job(event, msg, runner, pin, span=span, gen=gen)
             if chunks:
                 job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
                 METRICS.resumed_tokens.inc(len(resume_ids))
-            runner.add(
-                GenRequest(
-                    request_id=rid,
-                    prompt_ids=prompt_ids,
-                    deadline=event.deadline_at,
-                    params=params,
-                    resume_ids=resume_ids,
-                )
-            )
+            runner.add(gen)
         except UnknownModel as exc:
             await self._drop(rid, pin)
             await self._fail(event, msg, "unknown_model", str(exc))
@@ -365,10 +379,11 @@ class InferenceService:
         while True:
             kind, job, event = await self.outbox.get()
             try:
-                if kind == "chunk":
-                    await self._publish_retrying(event)
-                else:
-                    await self._settle(job, event, term=kind == "reaped")
+                with tracing.within(job.span):  # the events carry the request's trace
+                    if kind == "chunk":
+                        await self._publish_retrying(event)
+                    else:
+                        await self._settle(job, event, term=kind == "reaped")
             except Exception:
                 log.exception("publish failed", extra={"request_id": job.event.request_id})
             finally:
@@ -393,6 +408,7 @@ class InferenceService:
             if self.jobs.get(job.event.request_id) is job:
                 del self.jobs[job.event.request_id]
             await job.pin.aclose()
+            spans.record(job, time.time())
             async with self._room:
                 self._room.notify_all()
 
