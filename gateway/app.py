@@ -5,6 +5,7 @@ fake one (tests/unit/fake_pipeline.py) without NATS or Redis."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from gateway import errors, routes_async, routes_openai, ws
 from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, head_timeout_protocol
+from gateway.fleet import FLEET
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from runtime import tracing
@@ -35,7 +37,9 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tracing.setup(settings, "gateway")
         await pipeline.start()
+        watcher = asyncio.create_task(FLEET.watch(pipeline))  # the fleet's series on /metrics
         yield
+        watcher.cancel()
         await pipeline.stop()
         tracing.shutdown()
 

@@ -27,6 +27,7 @@ from prometheus_client import Counter, start_http_server
 
 from events import topology
 from infra import nats_auth
+from infra.monitoring import scrape
 from infra.servers import LocalServer, NatsCluster, start_nats, start_nats_cluster, start_redis
 from infra.takeover import Takeover
 from runtime import jetstream
@@ -217,6 +218,8 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # stories-260k and two variants
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    targets = [scrape.Target(topology.GATEWAY.name, topology.GATEWAY.name, port, host)]  # /metrics on its API port
     for role in topology.ROLES:
         replicas = args.inference_replicas if role.replicated else 1
         extra = torch_threads(env, replicas) if role.replicated else {}
@@ -227,10 +230,19 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
                 "ARENA_MANAGE_TOPOLOGY": "false",
             }
         for i in range(replicas):
-            stack.spawn(role.name, f"{role.name}-{i}" if role.replicated else role.name, extra)
+            name = f"{role.name}-{i}" if role.replicated else role.name
+            if role is topology.GATEWAY:
+                stack.spawn(role.name, name, extra)
+                continue
+            # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.
+            targets.append(scrape.Target(name, role.name, free_port()))
+            stack.spawn(role.name, name, extra | {"ARENA_METRICS_PORT": str(targets[-1].port)})
     url = f"http://{args.host}:{port}"
     metrics_port = free_port()
     start_http_server(metrics_port, addr="127.0.0.1")
+    targets.append(scrape.Target("supervisor", "supervisor", metrics_port))
+    prometheus = scrape.write(state / "prometheus", targets)
+    print_fn(f"Prometheus scrape config: prometheus --config.file {prometheus}")
     _private_file(
         state / "endpoints.json",
         json.dumps(

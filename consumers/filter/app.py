@@ -122,6 +122,7 @@ def build_app(
                 metrics.classifier_verdicts.labels(
                     config.mode, "flagged" if out.filter.classifier.flagged else "clear"
                 ).inc()
+            metrics.verdicts.labels(out.filter.action).inc()
             if span is not None:
                 span.set_attribute("arena.verdict", out.filter.action)
             await publish(out)

@@ -9,6 +9,10 @@ __all__ = ["FilterMetrics"]
 
 class FilterMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        # action: pass / sanitized / reject, the verdict published.
+        self.verdicts = Counter(
+            "arena_filter_verdicts_total", "Prompts judged by the filter", ["action"], registry=registry
+        )
         # mode: block / shadow / sanitize-only; verdict: flagged / clear. In shadow mode
         # this is the one place the classifier's would-be rejections show up live.
         self.classifier_verdicts = Counter(

@@ -41,6 +41,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         return {
             "models": [s.name for s in pool.specs()],
             "resident": pool.resident(),
+            "resident_bytes": pool.stats.resident_bytes,
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
             "held": len(service.holding),

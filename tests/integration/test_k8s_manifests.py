@@ -219,6 +219,20 @@ def test_prometheus_scrapes_every_process_on_a_port_it_listens_on(docs):
         assert int(annotations["prometheus.io/port"]) in ports, name
 
 
+def test_the_pod_monitor_scrapes_every_deployment_and_carries_the_alert_rules(docs):
+    monitoring = render("../monitoring")
+    [monitor] = of_kind(monitoring, "PodMonitor").values()
+    [selected] = monitor["spec"]["selector"]["matchExpressions"]
+    assert set(selected["values"]) == set(of_kind(docs, "Deployment"))
+    endpoints = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for name in of_kind(docs, "Deployment"):
+        assert {p["name"] for p in container(docs, name)["ports"]} & endpoints, name
+    [rule] = of_kind(monitoring, "PrometheusRule").values()
+    assert (
+        rule["spec"]["groups"] == yaml.safe_load((REPO / "infra" / "monitoring" / "alerts.yml").read_text())["groups"]
+    )
+
+
 def test_keda_scales_inference_and_filter_on_their_durable_s_lag(docs):
     scaled = of_kind(docs, "ScaledObject")
     assert set(scaled) == {"inference", "filter"}
