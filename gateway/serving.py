@@ -197,6 +197,8 @@ class ChatService:
             ticket, event = await self._admission(req, idem_key, principal, limits)
         except BaseException as exc:
             why = f"{exc.status} {exc.code}" if isinstance(exc, APIError) else type(exc).__name__
+            if isinstance(exc, APIError) and exc.status == 429:  # refused for a served model: counted as answered
+                METRICS.requests.labels(req.model or self.settings.default_model, "429").inc()
             tracing.end(span, why)
             tracing.end(root, why)
             raise

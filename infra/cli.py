@@ -331,6 +331,13 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--nats-url", default=None)
         sp.add_argument("--state-dir", default=OperatorSettings().state_dir)
 
+    tp = sub.add_parser("top", help="live view of a running `arena up`: per model, per durable, per process")
+    tp.add_argument("--state-dir", default=OperatorSettings().state_dir)
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (rates are over it)")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument("--svg", default=None, help="with --once: also save the frame as an SVG screenshot")
+    tp.add_argument("--width", type=int, default=120, help="with --once: columns of the frame")
+
     aa = sub.add_parser("asyncapi", help="write the AsyncAPI document of the event contract")
     aa.add_argument("--out", default=None)
     return p
@@ -362,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_models(args))
     if args.cmd == "asyncapi":
         return _asyncapi(args)
+    if args.cmd == "top":
+        from infra.monitoring import top  # noqa: PLC0415 - rich stays out of the processes `arena run` starts
+
+        return top.run(args.state_dir, args.interval, args.once, args.svg, args.width)
     if args.cmd in ("leaderboard", "battles"):
         return asyncio.run(_arena(args))
     return 2

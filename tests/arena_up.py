@@ -37,8 +37,8 @@ def arena(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedPro
 class ArenaUp:
     """`arena up --port 0` in a state dir of its own, waited until it says it is ready."""
 
-    def __init__(self, tmp_path, *args: str, ready_s: float = 180):
-        self.env = user_env()
+    def __init__(self, tmp_path, *args: str, ready_s: float = 180, env: dict | None = None):
+        self.env = user_env() | (env or {})
         self.state = tmp_path / "state"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(self.state), *args],
