@@ -38,16 +38,27 @@ class FleetCollector:
     async def watch(self, pipeline: Any) -> None:
         """Follow `pipeline` (started) and poll every durable's state until cancelled."""
         self.pipeline = pipeline
-        while True:
-            for role in topology.consumers():
-                with suppress(*NATS_DOWN):
-                    self.consumers[role.name] = await pipeline.js.consumer_info(subjects.STREAM, role.durable)
-            await asyncio.sleep(LAG_POLL_S)
+        try:
+            while True:
+                for role in topology.consumers():
+                    with suppress(*NATS_DOWN):
+                        self.consumers[role.name] = await pipeline.js.consumer_info(subjects.STREAM, role.durable)
+                await asyncio.sleep(LAG_POLL_S)
+        finally:
+            self.pipeline = None
 
     def collect(self):
         yield from self._lag()
         if self.pipeline is None:
             return
+        try:
+            families = list(self._fleet())
+        except Exception:  # a scrape must not fail with the fleet's view: the other series still go out
+            log.exception("fleet metrics unavailable")
+            return
+        yield from families
+
+    def _fleet(self):
         fleet = self.pipeline.fleet()
         processes = GaugeMetricFamily("arena_fleet_processes", "Ready processes per role (heartbeats)", labels=["role"])
         for role in topology.ROLES:
@@ -59,7 +70,9 @@ class FleetCollector:
             "arena_model_resident_workers", "Inference processes holding the model resident", labels=["model"]
         )
         queue = GaugeMetricFamily(
-            "arena_model_queue_requests", "Requests ahead of a new one: running, waiting, held", labels=["model"]
+            "arena_model_queue_requests",
+            "Requests the workers holding the model report: running, waiting, pulled",
+            labels=["model"],
         )
         estimate = GaugeMetricFamily(
             "arena_model_queue_estimate_seconds",
@@ -68,8 +81,10 @@ class FleetCollector:
         )
         for model in sorted(self.served):
             workers.add_metric([model], len(fleet["models"].get(model, ())))
-            q = admission.combine(self.pipeline.queue(model), self.pipeline.stream_state, 0, 0, DEFAULT_MAX_TOKENS)
-            queue.add_metric([model], q.requests)
+            workers_queue = self.pipeline.queue(model)
+            queue.add_metric([model], workers_queue.requests)
+            # As admission sees it: the stream's requests (any model's) are ahead too.
+            q = admission.combine(workers_queue, self.pipeline.stream_state, 0, 0, DEFAULT_MAX_TOKENS)
             est = admission.estimate(q, DEFAULT_MAX_TOKENS, self.pipeline.settings.admission_overhead_s)
             if est.finish_s != float("inf"):
                 estimate.add_metric([model], est.finish_s)

@@ -190,7 +190,9 @@ def _num(v: float | None) -> str:
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}ms"
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.1f}s"
 
 
 def run(state_dir: str, interval: float = 2.0, once: bool = False, svg: str | None = None, width: int = 120) -> int:

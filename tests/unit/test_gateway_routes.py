@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from gateway.app import build_app
 from tests.unit.fake_pipeline import FakePipeline, settings
@@ -189,11 +190,14 @@ async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
     pipeline.silent = True
     app = build_app(s, pipeline)
     transport = httpx.ASGITransport(app=app)
+    refused = {"model": "stories-260k", "status": "429"}
+    before = REGISTRY.get_sample_value("arena_req_total", refused) or 0
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         bodies = [chat(deadline_s=0.3, stream=i % 2 == 0) for i in range(8)]
         rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     codes = sorted(r.status_code for r in rs)
     assert codes.count(429) == 6, codes
+    assert REGISTRY.get_sample_value("arena_req_total", refused) == before + 6  # counted per model
     assert all(r.headers["content-type"].startswith(("application/json", "text/event-stream")) for r in rs)
     assert app.state.chat.in_flight["stories-260k"] == 0
 
