@@ -12,7 +12,7 @@ from faststream.nats.annotations import NatsMessage
 
 from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
-from consumers.filter.metrics import FilterMetrics
+from consumers.filter.metrics import METRICS, FilterMetrics
 from consumers.filter.policy import inspect_messages
 from consumers.filter.reload import ClassifierSlot
 from consumers.filter.stage import ClassifierOutcome, strongest
@@ -103,7 +103,7 @@ def build_app(
     runtime = ProcessRuntime(topology.FILTER.name, settings)
     publish = publish or runtime.publish
     slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
-    metrics = FilterMetrics()
+    metrics = METRICS
 
     @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_requested(message: NatsMessage) -> None:

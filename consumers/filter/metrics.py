@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-__all__ = ["FilterMetrics"]
+__all__ = ["METRICS", "FilterMetrics"]
 
 
 class FilterMetrics:
@@ -24,3 +24,7 @@ class FilterMetrics:
         self.classifier_reloads = Counter(
             "arena_filter_classifier_reloads_total", "Classifier artifact reloads", ["outcome"], registry=registry
         )
+
+
+#: The process's metrics, registered once (a filter app built twice in one process shares them).
+METRICS = FilterMetrics()
