@@ -206,6 +206,13 @@ class ChatService:
         if root is not None:
             root.set_attribute("arena.request_id", ticket.request_id)
             root.set_attribute("arena.attached", ticket.attached)
+            release = ticket.release
+
+            def release_and_end() -> None:  # a request whose output nobody follows ends its trace here
+                release()
+                tracing.end(root)
+
+            ticket.release = release_and_end
         ticket.trace = root
         return ticket, event
 
@@ -392,12 +399,12 @@ def _closer(ticket: Ticket, output: Output, stream: Span | None) -> Callable[[],
     (failed when no answer came: an error, the deadline, or a client gone first)."""
 
     def close() -> None:
-        ticket.release()
         terminal = output.terminal
         error = None if terminal is not None and terminal.type == "chat.completed" else "no answer"
         if terminal is not None and error:
             error = getattr(terminal, "code", None) or terminal.type
         tracing.end(stream, error)
         tracing.end(ticket.trace, error)
+        ticket.release()
 
     return close

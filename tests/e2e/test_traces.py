@@ -202,3 +202,10 @@ async def test_websocket_turn_is_one_trace(gateway_url, exporter, log_lines):
     spans = await trace_of(exporter, frame["request_id"])
     assert_one_connected_trace(spans)
     assert_logged_with_trace(log_lines, frame["request_id"], spans[0].context.trace_id)
+
+
+async def test_chat_task_is_one_trace(gateway_url, exporter):
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as client:
+        r = await client.post("/chat", json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 202, r.text
+    assert_one_connected_trace(await trace_of(exporter, r.json()["request_id"]))

@@ -72,3 +72,31 @@ def test_an_otlp_endpoint_switches_export_on(monkeypatch):
     finally:
         tracing._state["provider"].shutdown()
         tracing.install(None)
+
+
+def test_every_gateway_path_ends_the_request_s_trace(spans):
+    """Answered, refused at admission, and attached to an earlier request (whose output
+    nobody follows): each request's root span ends, with the outcome."""
+    from fastapi.testclient import TestClient
+
+    from gateway.app import build_app
+    from tests.unit.fake_pipeline import FakePipeline, settings
+
+    s = settings(max_queue_per_model=1)
+    pipeline = FakePipeline(s)
+    with TestClient(build_app(s, pipeline)) as client:
+        body = {"prompt": "Once upon a time", "max_tokens": 8}
+        first = client.post("/chat", json=body, headers={"Idempotency-Key": "k1"})
+        again = client.post("/chat", json=body, headers={"Idempotency-Key": "k1"})
+        pipeline.silent = True
+        held = client.post("/chat", json={**body, "prompt": "held"})
+        refused = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert (first.status_code, again.status_code, held.status_code, refused.status_code) == (202, 202, 202, 429)
+    roots = [s for s in spans.get_finished_spans() if s.name == "chat.request"]
+    rid = first.json()["request_id"]
+    assert again.json()["request_id"] == rid
+    answered = sorted((r for r in roots if r.attributes.get("arena.request_id") == rid), key=lambda r: r.start_time)
+    assert [r.attributes["arena.attached"] for r in answered] == [False, True]
+    assert all(r.status.is_ok for r in answered)
+    [refusal] = [r for r in roots if "arena.request_id" not in r.attributes]
+    assert refusal.status.description == "429 overloaded"
