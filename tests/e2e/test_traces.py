@@ -11,8 +11,10 @@ import io
 import json
 import logging
 import time
+from types import SimpleNamespace
 
 import httpx
+import nats
 import pytest
 import pytest_asyncio
 import uvicorn
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from consumers.delivery.app import build_app as delivery_app
 from consumers.filter.app import build_app as filter_app
 from consumers.inference.app import build_app as inference_app
+from events import subjects
 from gateway.app import build_app as gateway_app
 from infra.servers import start_nats, start_redis
 from runtime import logs
@@ -68,7 +71,7 @@ def log_lines():
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def gateway_url(tmp_path_factory, exporter, log_lines):
+async def pipeline(tmp_path_factory, exporter, log_lines):
     tmp = tmp_path_factory.mktemp("traces")
     nats_srv, redis_srv = start_nats(tmp / "nats"), start_redis(tmp / "redis")
     common = {"nats_url": nats_srv.url, "redis_url": redis_srv.url, "heartbeat_s": 0.2}
@@ -96,7 +99,7 @@ async def gateway_url(tmp_path_factory, exporter, log_lines):
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.2)
-        yield url
+        yield SimpleNamespace(url=url, nats_url=nats_srv.url)
     finally:
         server.should_exit = True
         if serving is not None:
@@ -105,6 +108,11 @@ async def gateway_url(tmp_path_factory, exporter, log_lines):
             await app.stop()
         nats_srv.stop()
         redis_srv.stop()
+
+
+@pytest.fixture
+def gateway_url(pipeline) -> str:
+    return pipeline.url
 
 
 async def trace_of(exporter: InMemorySpanExporter, request_id: str) -> list:
@@ -209,3 +217,28 @@ async def test_chat_task_is_one_trace(gateway_url, exporter):
         r = await client.post("/chat", json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
     assert r.status_code == 202, r.text
     assert_one_connected_trace(await trace_of(exporter, r.json()["request_id"]))
+
+
+async def test_the_trace_comes_back_to_the_gateway_with_the_output(pipeline, exporter):
+    nc = await nats.connect(pipeline.nats_url)
+    live = await nc.subscribe(f"{subjects.LIVE_PREFIX}.>")
+    try:
+        async with httpx.AsyncClient(base_url=pipeline.url, timeout=30) as client:
+            r = await client.post("/v1/chat/completions", json=BODY)
+        rid = r.headers["x-request-id"]
+        spans = await trace_of(exporter, rid)
+        trace_id = format(spans[0].context.trace_id, "032x")
+        delivered = {s.context.span_id for s in spans if s.name == "delivery"}
+        seen = []
+        while True:
+            try:
+                msg = await live.next_msg(timeout=1)
+            except TimeoutError:
+                break
+            if msg.subject == subjects.live_subject(rid):
+                _, tid, parent, _ = msg.headers["traceparent"].split("-")
+                seen.append((tid, int(parent, 16)))
+    finally:
+        await nc.close()
+    assert seen, "no live message for the request"
+    assert all(tid == trace_id and parent in delivered for tid, parent in seen), seen
