@@ -49,7 +49,9 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         }
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
-    service = InferenceService(settings, pool, runtime.publish)
+    service = InferenceService(
+        settings, pool, runtime.publish, publish_nowait=runtime.publish_nowait, live=runtime.publish_live
+    )
     broker = NatsBroker(
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )
