@@ -48,11 +48,16 @@ def _die_with_parent() -> None:
 
 
 def torch_threads(env: dict, replicas: int) -> dict:
-    """Each inference replica gets its share of the cores (torch's default takes them all,
-    and replicas then fight for them), unless ARENA_TORCH_THREADS says otherwise."""
+    """Each inference replica gets its share of the cores but one, unless
+    ARENA_TORCH_THREADS says otherwise.
+
+    torch's default takes every core, and then replicas fight for them, and so do the
+    gateway, NATS and delivery, which move every token: OpenMP threads that wait for a
+    core spin at each barrier (on the 2-core VM, stories260K at batch 32 steps 10x
+    slower with 2 threads than with 1 while the serving processes run)."""
     if env.get("ARENA_TORCH_THREADS") or replicas < 1:
         return {}
-    return {"ARENA_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // replicas))}
+    return {"ARENA_TORCH_THREADS": str(max(1, ((os.cpu_count() or 1) - 1) // replicas))}
 
 
 @dataclass
