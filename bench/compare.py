@@ -64,15 +64,21 @@ def run_ceiling(args, out: Path, workload: Workload) -> dict:
         "--out",
         str(path),
     ]
+    failed = run_measurement("ceiling", cmd, args, out)
+    return {**failed, "compute": []} if failed else json.loads(path.read_text())
+
+
+def run_measurement(name: str, cmd: list[str], args, out: Path) -> dict | None:
+    """Run an in-process measurement as a subprocess (log under `out/logs`); its failed row, or None."""
     env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
-    with open(out / "logs" / "ceiling.log", "wb") as log:
+    with open(out / "logs" / f"{name}.log", "wb") as log:
         done = subprocess.run(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout, check=False
         )
-    if done.returncode != 0:
-        tail = (out / "logs" / "ceiling.log").read_text(errors="replace")[-800:]
-        return {"name": "ceiling", "status": "failed", "reason": tail, "levels": [], "compute": []}
-    return json.loads(path.read_text())
+    if done.returncode == 0:
+        return None
+    tail = (out / "logs" / f"{name}.log").read_text(errors="replace")[-800:]
+    return {"name": name, "status": "failed", "reason": tail, "levels": []}
 
 
 def run_engine(args, out: Path, loads: list[float]) -> dict:
@@ -83,14 +89,8 @@ def run_engine(args, out: Path, loads: list[float]) -> dict:
     cmd = [sys.executable, "-m", "bench.engine_speed", "--closed-loop", "--model", str(args.model)]
     cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", args.lengths, "--seed", str(args.seed)]
     cmd += ["--duration", str(args.duration), "--threads", str(threads), "--json", str(path)]
-    env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
-    with open(out / "logs" / "engine.log", "wb") as log:
-        done = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout, check=False
-        )
-    if done.returncode != 0:
-        tail = (out / "logs" / "engine.log").read_text(errors="replace")[-800:]
-        return {"name": "engine", "status": "failed", "reason": tail, "levels": []}
+    if failed := run_measurement("engine", cmd, args, out):
+        return failed
     row = json.loads(path.read_text())
     row["threads"] = threads
     return row
