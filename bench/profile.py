@@ -40,7 +40,7 @@ def role_of(proc: psutil.Process) -> str | None:
         return None
     if "run" in cmd and cmd.index("run") + 1 < len(cmd):
         return cmd[cmd.index("run") + 1]
-    exe = Path(cmd[0]).name if cmd else ""
+    exe = Path(cmd[0].split()[0]).name if cmd and cmd[0] else ""  # redis rewrites its title
     return exe if exe in ("nats-server", "redis-server") else None
 
 
