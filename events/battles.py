@@ -73,22 +73,31 @@ class VoteCast(BattleEvent):
     imported: bool = Field(False, description="Read from a FastChat clean-battle file, not voted here.")
 
 
+class VoteStatusChanged(BattleEvent):
+    """A change of whether the battle's vote counts. Each change is a fact of its own:
+    `revision` counts the changes before it, so a vote invalidated, reinstated and
+    invalidated again publishes three events (a retry of one is still deduplicated)."""
+
+    reason: str
+    detector: str = Field(description="What decided it: a check's name, or `operator`.")
+    revision: int = Field(0, ge=0, description="How many status changes the vote had before this one.")
+
+    def dedupe_key(self) -> str:
+        return f"{super().dedupe_key()}:{self.revision}"
+
+
 @register
-class VoteInvalidated(BattleEvent):
+class VoteInvalidated(VoteStatusChanged):
     """The battle's vote no longer counts (e.g. an answer named its own model)."""
 
     type: Literal["vote.invalidated"] = "vote.invalidated"
-    reason: str
-    detector: str = Field(description="What found it: a check's name or an operator.")
 
 
 @register
-class VoteReinstated(BattleEvent):
+class VoteReinstated(VoteStatusChanged):
     """An invalidated vote counts again."""
 
     type: Literal["vote.reinstated"] = "vote.reinstated"
-    reason: str
-    detector: str
 
 
 STEM_BY_TYPE.update(

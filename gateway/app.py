@@ -72,10 +72,32 @@ def openapi(app: FastAPI) -> dict:
                 statuses += ["400", "408", "413"]
             for status in statuses:
                 responses.setdefault(status, {"description": errors.STATUS_TEXT[int(status)], **error_ref})
+            if "429" in responses and "requestBody" in op:  # rate-limited: what clients pace themselves by
+                responses["429"].setdefault("headers", {}).update({**RATE_LIMIT_HEADERS, **RETRY_AFTER})
+                for ok in ("200", "202"):
+                    if ok in responses:
+                        responses[ok].setdefault("headers", {}).update(RATE_LIMIT_HEADERS)
     doc["components"]["schemas"].pop("HTTPValidationError", None)
     doc["components"]["schemas"].pop("ValidationError", None)
     app.openapi_schema = doc
     return doc
+
+
+def _header(description: str, type_: str = "string") -> dict:
+    return {"description": description, "schema": {"type": type_}}
+
+
+#: OpenAI's rate-limit headers (gateway/ratelimit.py), sent when the caller's key has limits.
+RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{unit}": _header(f"{text} ({unit} per minute; only when the key has limits)", type_)
+    for unit in ("requests", "tokens")
+    for what, text, type_ in (
+        ("limit", "The key's limit", "integer"),
+        ("remaining", "What is left of it now", "integer"),
+        ("reset", "When it is full again, e.g. '6m0s' or '20ms'", "string"),
+    )
+}
+RETRY_AFTER = {"Retry-After": _header("Seconds to wait before retrying", "integer")}
 
 
 def _error_schemas() -> dict:

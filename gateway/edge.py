@@ -112,6 +112,14 @@ class HeadTimeoutProtocol(FastProtocol):
 
     HEADER_TIMEOUT_S = 10.0
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn answers past `limit_concurrency` with a text/plain 503 of its own; the
+        # same limit is checked here instead, answered in the API's error shape.
+        limit, self.limit_concurrency = self.limit_concurrency, None
+        if limit is not None:
+            self.app = _limited(self.app, self.connections, self.tasks, limit)
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
@@ -145,6 +153,26 @@ class HeadTimeoutProtocol(FastProtocol):
         )
         self.transport.write(head + body.replace(b"request body", b"request head"))
         self.transport.close()
+
+
+def _limited(app, connections: set, tasks: set, limit: int):
+    """`app`, answering JSON 503 when the open connections or running requests (this one
+    counted) are over `limit`, as uvicorn's own check would (before any route runs)."""
+
+    async def limited(scope: Scope, receive, send) -> None:
+        if scope["type"] == "http" and (len(connections) >= limit or len(tasks) > limit):
+            METRICS.rejections.labels(reason="too_many_connections").inc()
+            error = APIError(
+                503,
+                f"the gateway holds {limit} connections or requests already; retry shortly",
+                "too_many_connections",
+                headers={"retry-after": "1", "connection": "close"},
+            )
+            await error.response()(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return limited
 
 
 def head_timeout_protocol(timeout_s: float) -> type[HeadTimeoutProtocol]:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
@@ -50,6 +51,11 @@ def stream_unavailable() -> APIError:
     )
 
 
+#: Stream reads for ids Redis does not know: at most this many at once, and an id found
+#: nowhere is answered from memory for a while (up to so many ids).
+RECOVERIES_AT_ONCE, NOT_IN_STREAM_S, NOT_IN_STREAM_MAX = 4, 30.0, 10_000
+
+
 class Pipeline:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
@@ -62,6 +68,10 @@ class Pipeline:
         #: The consumers' state (requests ahead of and held by the inference workers).
         self.stream_state = StreamState()
         self._tasks: list[asyncio.Task] = []
+        #: Ids a stream read found nothing for, until when (a probe of random ids must not
+        #: cost a JetStream read each), and a bound on reads running at once.
+        self._not_in_stream: OrderedDict[str, float] = OrderedDict()
+        self._recoveries = asyncio.Semaphore(RECOVERIES_AT_ONCE)
 
     async def start(self) -> None:
         options = jetstream.connect_options(self.settings)
@@ -168,11 +178,21 @@ class Pipeline:
     async def recover(self, request_id: str) -> tuple[Any, dict | None]:
         """A request Redis has forgotten (its data lost), rebuilt from the stream:
         (terminal event or None, pending record or None); the read model is refilled."""
+        now = time.monotonic()
+        if self._not_in_stream.get(request_id, 0.0) > now:
+            return None, None
         try:
-            return await recover_request(self.js, self.results, request_id)
+            async with self._recoveries:
+                terminal, record = await recover_request(self.js, self.results, request_id)
         except NATS_DOWN as exc:
             log.warning("cannot read the stream: %s", exc, extra={"request_id": request_id})
             return None, None
+        if terminal is None and record is None:
+            self._not_in_stream[request_id] = now + NOT_IN_STREAM_S
+            self._not_in_stream.move_to_end(request_id)
+            while len(self._not_in_stream) > NOT_IN_STREAM_MAX:
+                self._not_in_stream.popitem(last=False)
+        return terminal, record
 
     async def conversation(self, conv_id: str) -> list:
         return await conversation_events(self.js, conv_id)

@@ -41,8 +41,9 @@ MAX_SEED = 2**53 - 1
 Tokens = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_LIMIT), _integral]
 Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED), _integral]
 TurnId = Annotated[int, Strict(), Field(ge=0), _integral]
-#: A conversation id, as the schema declares it.
-ConvId = Annotated[Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+#: A conversation id, as the schema declares it (the pattern admits no surrogate, so it
+#: needs no `Text` check; on top of one, pydantic would leave the pattern out of the schema).
+ConvId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 def _sampleable(v: float) -> float:

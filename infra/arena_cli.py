@@ -1,4 +1,4 @@
-"""`arena leaderboard`, `arena battles import|export`, `arena replay --battle-id` and the
+"""`arena leaderboard`, `arena battles import|export|invalidate|reinstate`, `arena replay --battle-id` and the
 battle half of `arena audit`: the arena's operator commands, reading the stream."""
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from consumers.leaderboard.fastchat_format import dump_battles, load_battles
 from consumers.leaderboard.projection import VoteProjection, config_of
 from consumers.leaderboard.votes import Vote
 from events import decode
-from events.battles import BATTLES_SUBJECT, VoteCast, battle_filter
+from events.battles import (
+    BATTLES_SUBJECT,
+    VoteCast,
+    VoteInvalidated,
+    VoteReinstated,
+    VoteStatusChanged,
+    battle_filter,
+)
 from runtime import jetstream
 from runtime.settings import LeaderboardSettings
 from runtime.stream import read_events, request_events
@@ -95,6 +102,23 @@ async def export_battles(js, out: str | None) -> int:
         print(f"wrote {len(votes)} counted votes to {out}", file=sys.stderr)
     else:
         dump_battles(votes, "/dev/stdout")
+    return 0
+
+
+async def set_vote_status(js, battle_id: str, counted: bool, reason: str) -> int:
+    """`arena battles invalidate|reinstate BATTLE_ID --reason R`: an operator's decision on
+    whether a battle's vote counts, published as an event (the leaderboard follows it)."""
+    events = await read_events(js, battle_filter(battle_id))
+    if not any(isinstance(e, VoteCast) for e in events):
+        print(f"battle {battle_id} has no vote", file=sys.stderr)
+        return 1
+    changes = [e for e in events if isinstance(e, VoteStatusChanged)]
+    if (not changes or isinstance(changes[-1], VoteReinstated)) == counted:
+        print(f"the vote of battle {battle_id} already {'counts' if counted else 'does not count'}")
+        return 0
+    change = VoteReinstated if counted else VoteInvalidated
+    await jetstream.publish(js, change(battle_id=battle_id, reason=reason, detector="operator", revision=len(changes)))
+    print(f"{change.type_name()}: battle {battle_id} ({reason})")
     return 0
 
 

@@ -65,7 +65,12 @@ async def _jetstream(args):
     server = None
     nc = None
     if url and _reachable(url):
-        nc = await nats.connect(jetstream.servers(url), connect_timeout=2, allow_reconnect=False)
+        nc = await nats.connect(
+            jetstream.servers(url),
+            connect_timeout=2,
+            allow_reconnect=False,
+            **jetstream.connect_options(OperatorSettings()),  # the operator's user and TLS, where set
+        )
     if nc is None:
         store = Path(args.state_dir) / "nats"
         if not store.exists():
@@ -154,11 +159,15 @@ async def _audit(args) -> int:
 async def _arena(args) -> int:
     from infra import arena_cli  # noqa: PLC0415 - numpy stays out of the processes `arena run` starts
 
-    if args.cmd == "battles" and args.op == "import" and not args.file:
-        raise SystemExit("arena battles import needs a FILE (FastChat clean-battle JSON)")
+    if args.cmd == "battles" and args.op in ("import", "invalidate", "reinstate") and not args.file:
+        raise SystemExit(f"arena battles {args.op} needs {'a FILE' if args.op == 'import' else 'a BATTLE_ID'}")
+    if args.cmd == "battles" and args.op in ("invalidate", "reinstate") and not args.reason:
+        raise SystemExit(f"arena battles {args.op} needs --reason (it is recorded on the event)")
     async with _jetstream(args) as js:
         if args.cmd == "leaderboard":
             return await arena_cli.leaderboard(js, args.at, args.json)
+        if args.op in ("invalidate", "reinstate"):
+            return await arena_cli.set_vote_status(js, args.file, args.op == "reinstate", args.reason)
         if args.op == "import":
             await js.stream_info(subjects.STREAM)  # the stream must exist (arena up ran)
             return await arena_cli.import_battles(js, args.file)
@@ -196,7 +205,9 @@ async def _models(args) -> int:
     url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
-    nc = await nats.connect(jetstream.servers(url), allow_reconnect=False)
+    nc = await nats.connect(
+        jetstream.servers(url), allow_reconnect=False, **jetstream.connect_options(OperatorSettings())
+    )
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subjects.ADMIN_MODELS, json.dumps(command).encode(), reply=inbox)
@@ -240,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--models-config", default=None, help="YAML/JSON file listing served models")
     up.add_argument("--default-model", default=None)
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
-    up.add_argument("--max-batch-size", type=int, default=32)
+    up.add_argument("--max-batch-size", type=int, default=64)
     up.add_argument("--inference-replicas", type=int, default=1)
     up.add_argument(
         "--nats-cluster",
@@ -304,9 +315,18 @@ def parser() -> argparse.ArgumentParser:
     lb = sub.add_parser("leaderboard", help="recompute the arena leaderboard from the stream")
     lb.add_argument("--at", type=int, default=None, help="stream sequence to stop at (same digest as then)")
     lb.add_argument("--json", action="store_true")
-    ba = sub.add_parser("battles", help="import or export arena votes (FastChat clean-battle JSON)")
-    ba.add_argument("op", choices=("import", "export"))
-    ba.add_argument("file", nargs="?", help="import: the file to read; export: the file to write (default stdout)")
+    ba = sub.add_parser(
+        "battles",
+        help="import or export arena votes (FastChat clean-battle JSON); invalidate or reinstate a battle's vote",
+    )
+    ba.add_argument("op", choices=("import", "export", "invalidate", "reinstate"))
+    ba.add_argument(
+        "file",
+        nargs="?",
+        metavar="FILE|BATTLE_ID",
+        help="import: the file to read; export: the file to write (default stdout); invalidate/reinstate: the battle",
+    )
+    ba.add_argument("--reason", help="invalidate/reinstate: why (recorded on the event)")
     for sp in (lb, ba):
         sp.add_argument("--nats-url", default=None)
         sp.add_argument("--state-dir", default=OperatorSettings().state_dir)

@@ -28,6 +28,7 @@ from prometheus_client import Counter, start_http_server
 from events import topology
 from infra import nats_auth
 from infra.servers import LocalServer, NatsCluster, start_nats, start_nats_cluster, start_redis
+from infra.takeover import Takeover
 from runtime import jetstream
 from runtime.net import free_port
 from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
@@ -48,16 +49,16 @@ def _die_with_parent() -> None:
 
 
 def torch_threads(env: dict, replicas: int) -> dict:
-    """Each inference replica gets its share of the cores but one, unless
-    ARENA_TORCH_THREADS says otherwise.
-
-    torch's default takes every core, and then replicas fight for them, and so do the
-    gateway, NATS and delivery, which move every token: OpenMP threads that wait for a
-    core spin at each barrier (on the 2-core VM, stories260K at batch 32 steps 10x
-    slower with 2 threads than with 1 while the serving processes run)."""
-    if env.get("ARENA_TORCH_THREADS") or replicas < 1:
-        return {}
-    return {"ARENA_TORCH_THREADS": str(max(1, ((os.cpu_count() or 1) - 1) // replicas))}
+    """Each inference replica gets its share of the cores, one left to the gateway, filter,
+    delivery and NATS (torch's default takes them all, and then every process fights for
+    them), unless ARENA_TORCH_THREADS says otherwise; and torch's OpenMP threads wait
+    passively. Both matter most under load: on the 2-core VM with other processes busy,
+    stories260K at batch 20 decoded 1,124 tokens/s on one thread, 118 on two spinning
+    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`)."""
+    out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
+    if not env.get("ARENA_TORCH_THREADS") and replicas >= 1:
+        out["ARENA_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // replicas))
+    return out
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Stack:
     env: dict
     servers: list[LocalServer | NatsCluster] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
+    takeover: Takeover | None = None  # naks a dead inference process's messages at once
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -111,6 +113,7 @@ class Stack:
                 continue
             if now - child.started >= STABLE_S:
                 child.restarts = 0
+            handed_on = self.takeover.release(child.proc.pid) if self.takeover else 0
             delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2**child.restarts)
             child.restarts += 1
             child.due = now + delay
@@ -123,6 +126,7 @@ class Stack:
                         "code": code,
                         "restart_in_s": delay,
                         "restarts": child.restarts,
+                        "messages_handed_on": handed_on,
                     }
                 ),
                 flush=True,
@@ -132,6 +136,9 @@ class Stack:
         """Stop the roles one at a time, in the reverse of their start order, then the servers."""
         for role in reversed(topology.role_names()):
             _terminate([c.proc for c in self.children.values() if c.role == role], grace_s)
+        if self.takeover is not None:
+            with contextlib.suppress(Exception):
+                self.takeover.close()
         for server in reversed(self.servers):
             server.stop()
 
@@ -185,6 +192,7 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             # the roles may not create it: they wait for it
             asyncio.run(create_topology(operator_url, int(env.get("ARENA_STREAM_REPLICAS", "1"))))
         print_fn(f"nats-server (JetStream) on {nats_url}, {where}, per-role users: {bool(credentials)}")
+    stack.takeover = _takeover(operator_url, operator) if operator_url else None
     if not redis_url:
         server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")
         stack.servers.append(server)
@@ -238,6 +246,16 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         ),
     )
     return stack, url
+
+
+def _takeover(url: str, operator: OperatorSettings) -> Takeover | None:
+    """The dead-worker hand-on (see infra.takeover); without it, AckWait still moves the
+    work on, only later."""
+    try:
+        return Takeover(url, **jetstream.connect_options(operator))
+    except Exception as exc:  # noqa: BLE001 - any failure to connect only turns the hand-on off
+        print(f"dead-worker hand-on off (NATS: {exc!r}); held work moves on after its AckWait", file=sys.stderr)
+        return None
 
 
 def _private_file(path: Path, text: str) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -22,6 +23,7 @@ from events.models import EventBase
 from events.topology import Role
 from runtime import jetstream
 from runtime.http import ProcessEndpoint
+from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class ProcessRuntime:
                 "instance": self.settings.instance_id,
                 "ready": self.ready,
                 "ts": time.time(),
+                "pid": os.getpid(),
                 "metrics_port": self.endpoint.port,
                 **self.status(),
             }
@@ -77,6 +80,11 @@ class ProcessRuntime:
     def connection(self) -> nats.NATS:
         assert self.nc is not None, "start() the runtime first"
         return self.nc
+
+    async def recorded(self, request_id: str) -> list[Any]:
+        """A request's output events as the stream holds them (chunks, terminal)."""
+        assert self.js is not None, "start() the runtime first"
+        return await read_events(self.js, subjects.output_filter(request_id), timeout=2.0)
 
     async def publish(self, event: EventBase, raw: bytes | None = None) -> None:
         assert self.js is not None, "start() the runtime first"

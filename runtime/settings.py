@@ -23,7 +23,26 @@ def _default_models_dir() -> str:
     return str(REPO.parent / "shared" / "models")
 
 
-class CommonSettings(BaseSettings):
+class NatsClient(BaseSettings):
+    """How a process, or the `arena` command, authenticates to NATS (read by
+    `runtime.jetstream.connect_options`)."""
+
+    nats_user: str | None = Field(None, description="NATS user of this process (per-role permissions).")
+    nats_password: SecretStr | None = Field(None, description="Its password (from a Secret on Kubernetes).")
+    nats_tls_ca: str | None = Field(None, description="CA file that signed the NATS server's certificate: TLS on.")
+    nats_tls_cert: str | None = Field(None, description="Client certificate for NATS (with ARENA_NATS_TLS_KEY).")
+    nats_tls_key: str | None = Field(None, description="Key of the client certificate for NATS.")
+
+    @model_validator(mode="after")
+    def _nats_tls(self) -> NatsClient:
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError(
+                "a NATS client certificate needs its key: set both ARENA_NATS_TLS_CERT and ARENA_NATS_TLS_KEY"
+            )
+        return self
+
+
+class CommonSettings(NatsClient):
     model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore", env_nested_delimiter="__")
 
     nats_url: str = Field(
@@ -35,13 +54,9 @@ class CommonSettings(BaseSettings):
         "redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("REDIS_URL", "ARENA_REDIS_URL"),
         description="Redis for results, idempotency keys and conversation seeds; rediss:// for TLS "
-        "(e.g. rediss://host:6380/0?ssl_ca_certs=/etc/arena/tls/ca.crt).",
+        "(e.g. rediss://host:6380/0?ssl_ca_certs=/etc/arena/tls/ca.crt); "
+        "redis+sentinel://[:password@]host:port[,host:port]/service[/db] for a master found through Sentinel.",
     )
-    nats_user: str | None = Field(None, description="NATS user of this process (per-role permissions).")
-    nats_password: SecretStr | None = Field(None, description="Its password (from a Secret on Kubernetes).")
-    nats_tls_ca: str | None = Field(None, description="CA file that signed the NATS server's certificate: TLS on.")
-    nats_tls_cert: str | None = Field(None, description="Client certificate for NATS (with ARENA_NATS_TLS_KEY).")
-    nats_tls_key: str | None = Field(None, description="Key of the client certificate for NATS.")
     manage_topology: bool = Field(
         True,
         description="Create or update the stream and the durables at start. Off where per-role NATS users may "
@@ -78,14 +93,6 @@ class CommonSettings(BaseSettings):
     )
     http_host: str = Field("127.0.0.1", description="Address of that endpoint (0.0.0.0 in a container).")
 
-    @model_validator(mode="after")
-    def _nats_tls(self) -> CommonSettings:
-        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
-            raise ValueError(
-                "a NATS client certificate needs its key: set both ARENA_NATS_TLS_CERT and ARENA_NATS_TLS_KEY"
-            )
-        return self
-
     def topology(self) -> dict:
         return {
             "ack_wait_s": self.ack_wait_s,
@@ -113,7 +120,12 @@ class InferenceSettings(CommonSettings):
     )
     warm_models: list[str] | None = Field(None, description="Loaded at start; default: the default model.")
     engine: str = Field("continuous", description="'static' (padded micro-batches) or 'continuous'.")
-    max_batch_size: int = Field(32, ge=1, le=512, description="Most requests decoded together.")
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        le=512,
+        description="Most requests decoded together (stories260K on one thread: 1,786 tokens/s at 32, 2,230 at 64).",
+    )
     max_wait_ms: int = Field(
         10, ge=0, le=10_000, description="Static engine: longest a micro-batch waits to fill before it starts."
     )
@@ -195,7 +207,7 @@ class GatewaySettings(CommonSettings):
         return self
 
 
-class OperatorSettings(BaseSettings):
+class OperatorSettings(NatsClient):
     """What the `arena` command itself reads (the processes it starts read their own)."""
 
     model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore")

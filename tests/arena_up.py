@@ -71,10 +71,14 @@ class ArenaUp:
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM, as Ctrl-C would; killed if it does not stop in time. Its exit code."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        assert self.proc.stdout is not None
+        self.lines += self.proc.stdout.readlines()  # what it printed since it was ready
         return self.proc.returncode

@@ -30,10 +30,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from events.topology import role_names  # noqa: E402
-from infra.servers import start_nats, start_redis  # noqa: E402
-from infra.supervisor import Stack  # noqa: E402
+from infra.supervisor import Stack, torch_threads  # noqa: E402
 from runtime import jetstream  # noqa: E402
 from runtime.net import free_port  # noqa: E402
+from tests.servers import nats_for_tests, redis_for_tests  # noqa: E402
 
 ROLES = tuple(role_names())
 
@@ -67,14 +67,14 @@ def stored_events(nats_url: str, request_id: str) -> list:
 
 @pytest.fixture
 def nats_server(tmp_path):
-    server = start_nats(tmp_path / "nats")
+    server = nats_for_tests(tmp_path / "nats")
     yield server
     server.stop()
 
 
 @pytest.fixture
 def redis_server(tmp_path):
-    server = start_redis(tmp_path / "redis")
+    server = redis_for_tests(tmp_path / "redis")
     yield server
     server.stop()
 
@@ -104,6 +104,7 @@ class RunningStack:
         # A fixed metrics port is the inference process's alone (each process has its own).
         self.inference_env = {k: str(extra.pop(k)) for k in ("ARENA_METRICS_PORT",) if k in extra}
         self.stack = Stack(tmp, stack_env(nats.url, redis.url, self.port, **extra))
+        self.inference_env |= torch_threads(self.stack.env, 1)  # arena up's share of the cores
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, roles=ROLES, timeout: float = 90.0) -> RunningStack:
@@ -167,7 +168,7 @@ def stack(stack_factory):
 def module_stack_factory(tmp_path_factory):
     """Like stack_factory, but one nats/redis pair and stacks shared by a whole module."""
     tmp = tmp_path_factory.mktemp("modstack")
-    nats_srv, redis_srv = start_nats(tmp / "nats"), start_redis(tmp / "redis")
+    nats_srv, redis_srv = nats_for_tests(tmp / "nats"), redis_for_tests(tmp / "redis")
     stacks = StackSet(tmp, nats_srv, redis_srv)
     yield stacks.make
     stacks.stop()

@@ -44,13 +44,19 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
             "held": len(service.holding),
+            "acks": service.ack_subjects(),
             "load": service.load(),
             "engine": settings.engine,
         }
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
     service = InferenceService(
-        settings, pool, runtime.publish, publish_nowait=runtime.publish_nowait, live=runtime.publish_live
+        settings,
+        pool,
+        runtime.publish,
+        recorded=runtime.recorded,
+        publish_nowait=runtime.publish_nowait,
+        live=runtime.publish_live,
     )
     broker = NatsBroker(
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -52,6 +52,13 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None = None  # wall-clock epoch seconds (time.time()); None: no deadline
+    #: Tokens already generated and delivered for it (a request taken over from a dead
+    #: worker): prefilled with the prompt, its sampler advanced past them, then continued.
+    resume_ids: list[int] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.resume_ids
 
 
 @dataclass
@@ -143,6 +150,8 @@ class BatchEngine:
             raise PermanentError(f"request {req.request_id}: the prompt is empty")
         if n >= self.loaded.context_len:
             raise PromptTooLong(n, self.loaded.context_len)
+        if len(req.input_ids) >= self.loaded.context_len:  # resumed at the end of the context
+            req.resume_ids = req.resume_ids[: self.loaded.context_len - n]
         with self._lock:
             if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")
@@ -255,14 +264,28 @@ class BatchEngine:
 
     def _new_seq(self, req: GenRequest) -> _Seq:
         room = self.loaded.context_len - len(req.prompt_ids)
-        return _Seq(
+        seq = _Seq(
             req=req,
             max_tokens=min(req.params.max_tokens, room),
             generator=make_generator(req.params),
             tracker=TextTracker(self.loaded.tokenizer, req.prompt_ids, req.params.stop),
-            tokens=[],
-            next_pos=len(req.prompt_ids),
+            tokens=list(req.resume_ids),
+            next_pos=len(req.input_ids),
         )
+        # Where the first worker was: one draw per token taken, the text already emitted.
+        for tok in req.resume_ids:
+            draw_uniforms([req.params], [seq.generator])
+            seq.tracker.add(tok)
+        return seq
+
+    def _already_done(self, seq: _Seq) -> FinishReason | None:
+        """A resumed request whose delivered tokens already end it (the first worker died
+        between its last chunk and its terminal event)."""
+        if not seq.tokens:
+            return None
+        if seq.tokens[-1] in self._eos or seq.tracker.stopped:
+            return "stop"
+        return "length" if len(seq.tokens) >= seq.max_tokens else None
 
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
         """Sample one token per sequence; return outputs and the indices still running."""
@@ -360,10 +383,18 @@ class BatchEngine:
 
     def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
         seqs = [self._new_seq(r) for r in reqs]
+        done = [(seq, reason) for seq in seqs if (reason := self._already_done(seq))]
+        if done:
+            finished = {id(seq) for seq, _ in done}
+            seqs = [seq for seq in seqs if id(seq) not in finished]
+            reqs = [seq.req for seq in seqs]
+            if not seqs:
+                return [seq.output([], "", reason) for seq, reason in done]
         parts, failed = _isolating(
             list(range(len(seqs))), lambda rows: self._prefill_rows([reqs[i] for i in rows]), "prefill"
         )
-        outputs = [seqs[i].output([], "", "error") for i in failed]
+        outputs = [seq.output([], "", reason) for seq, reason in done]
+        outputs += [seqs[i].output([], "", "error") for i in failed]
         for rows, (logits, cache, mask) in parts:
             part = [seqs[i] for i in rows]
             more, alive = self._advance(part, logits)
@@ -373,13 +404,14 @@ class BatchEngine:
         return outputs
 
     def _prefill_rows(self, reqs: list[GenRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-        """One padded forward pass over ``reqs``' prompts: last logits, new cache, mask."""
-        width = max(len(r.prompt_ids) for r in reqs)
+        """One padded forward pass over ``reqs``' prompts (and resumed tokens): last
+        logits, new cache, mask."""
+        width = max(len(r.input_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
         for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids) :] = 1
+            ids[i, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
+            mask[i, width - len(r.input_ids) :] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()

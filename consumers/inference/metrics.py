@@ -30,6 +30,9 @@ class InferenceMetrics:
         self.waiting = Gauge("arena_requests_waiting", "Requests waiting to join a batch", ["model"])
         self.deadline_misses = Counter("arena_deadline_misses_total", "Requests past their deadline", ["model"])
         self.redeliveries = Counter("arena_redeliveries_total", "Messages delivered more than once")
+        self.resumed_tokens = Counter(
+            "arena_resumed_tokens_total", "Tokens a taken-over request did not regenerate (already delivered)"
+        )
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
         self.watchdog_reaped = Counter(
             "arena_watchdog_reaped_total", "Jobs failed by the watchdog: still open past their deadline", ["model"]

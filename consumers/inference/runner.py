@@ -15,6 +15,10 @@ from consumers.inference.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
+#: Steps measured before a speed is trusted: the first ones after a load run cold (torch
+#: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
+MIN_SAMPLES = 16
+
 
 class EngineRunner:
     """Steps one engine (one model version) in a thread; outputs go back to the loop."""
@@ -96,10 +100,10 @@ class EngineRunner:
 
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (all `tokens`, at the step time
-        measured for the batch it joins); None before anything was measured."""
+        measured for the batch it joins); None until MIN_SAMPLES steps were measured."""
         full = self.engine.running * 2 >= self.engine.max_batch_size
         recent = (self._full or self._small) if full else (self._small or self._full)
-        if not recent:
+        if len(recent) < MIN_SAMPLES:
             return None
         return time.time() + tokens * statistics.median(recent)
 

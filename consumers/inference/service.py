@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -85,6 +86,7 @@ class InferenceService:
         watchdog_margin_s: float = 2.0,
         watchdog_period_s: float = 0.5,
         *,
+        recorded: Callable[[str], Awaitable[list]] | None = None,
         publish_nowait: Callable[..., Awaitable[Awaitable]] | None = None,
         live: Callable[[str, bytes], Awaitable[None]] | None = None,
     ):
@@ -94,7 +96,9 @@ class InferenceService:
         NATS for the request's live subject (None: output reaches gateways through delivery only).
         ``watchdog_margin_s``: how long past its deadline a job may stay open before the
         watchdog fails it (the engine itself ends a request at its deadline; the audit
-        calls a terminal missing 5 s past it). ``watchdog_period_s``: how often it looks."""
+        calls a terminal missing 5 s past it). ``watchdog_period_s``: how often it looks.
+        ``recorded``: a request's output events in the stream (chunks, terminal), read
+        when a message comes back from another worker, to continue where it was."""
         self.settings = settings
         self.watchdog_margin_s = watchdog_margin_s
         self.watchdog_period_s = watchdog_period_s
@@ -102,6 +106,7 @@ class InferenceService:
         self.publish = publish
         self.publish_nowait = publish_nowait or self._publish_in_task
         self.live = live
+        self.recorded = recorded
         self.jobs: dict[str, Job] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
         self.runners: dict[int, EngineRunner] = {}
@@ -156,6 +161,13 @@ class InferenceService:
         finally:
             self.holding.pop(id(msg), None)
 
+    def ack_subjects(self) -> list[str]:
+        """The ack subjects of every message this worker holds (jobs and messages waiting
+        to become one): heartbeats carry them, so `arena up` can nak them the moment this
+        process dies instead of leaving them to their AckWait (infra.takeover)."""
+        msgs = [job.msg for job in self.jobs.values()] + list(self.holding.values())
+        return [m.reply for m in msgs if m.reply]
+
     async def wait_for_room(self) -> None:
         """Hold no more than two batches' worth, so other workers get the rest."""
         limit = 2 * self.settings.max_batch_size
@@ -177,20 +189,43 @@ class InferenceService:
         except ValueError as exc:  # the gateway validates these; a message from elsewhere may not be
             await self._fail(event, msg, "internal_error", f"sampling parameters cannot be served: {exc}")
             return
+        chunks: list[TokensGenerated] = []
+        if msg.metadata.num_delivered > 1:  # another worker had it: continue where it was
+            chunks, terminal = await self._delivered(rid)
+            if terminal is not None:  # it even ended; only its ack was lost
+                await msg.ack_sync()
+                log.info("already answered (%s) by the worker that died", terminal.type, extra={"request_id": rid})
+                return
         pin = AsyncExitStack()
         try:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             runner = self._runner_for(loaded)
-            if (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at:
+            late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
+            if late and msg.metadata.num_delivered == 1:
                 # It waited too long to finish in time at the speed measured now: refuse it
                 # before spending steps on it (429, retry) rather than end it at its deadline.
+                # Work redelivered from a dead worker is run: it was admitted, its client has
+                # waited, and the estimate is a worst case (the whole token budget); the
+                # engine still ends it at its deadline if it really cannot finish.
                 await self._drop(rid, pin)
                 METRICS.deadline_misses.labels(event.model).inc()
                 await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
                 return
-            self.jobs[rid] = Job(event, msg, runner, pin)
-            runner.add(GenRequest(request_id=rid, prompt_ids=prompt_ids, deadline=event.deadline_at, params=params))
+            job = self.jobs[rid] = Job(event, msg, runner, pin)
+            resume_ids = [t for c in chunks for t in c.token_ids]
+            if chunks:
+                job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
+                METRICS.resumed_tokens.inc(len(resume_ids))
+            runner.add(
+                GenRequest(
+                    request_id=rid,
+                    prompt_ids=prompt_ids,
+                    deadline=event.deadline_at,
+                    params=params,
+                    resume_ids=resume_ids,
+                )
+            )
         except UnknownModel as exc:
             await self._drop(rid, pin)
             await self._fail(event, msg, "unknown_model", str(exc))
@@ -208,6 +243,24 @@ class InferenceService:
             log.exception("intake failed", extra={"request_id": rid})
             await self._drop(rid, pin)
             await self._fail(event, msg, "internal_error", f"the worker could not start this request: {exc!r}")
+
+    async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Any]:
+        """What earlier workers put in the stream for `rid`: its chunks from seq 0 without
+        a gap, and its terminal event if there is one. A failed read costs the shortcut,
+        not the request: it is then regenerated from the start (chunks deduplicated)."""
+        if self.recorded is None:
+            return [], None
+        try:
+            events = await self.recorded(rid)
+        except Exception as exc:  # noqa: BLE001 - any read failure falls back to regeneration
+            log.warning("cannot read what was delivered (%r); regenerating", exc, extra={"request_id": rid})
+            return [], None
+        terminal = next((e for e in events if e.terminal), None)
+        by_seq = {e.seq: e for e in events if isinstance(e, TokensGenerated)}
+        chunks: list[TokensGenerated] = []
+        while len(chunks) in by_seq:
+            chunks.append(by_seq[len(chunks)])
+        return chunks, terminal
 
     async def _drop(self, rid: str, pin: AsyncExitStack) -> None:
         self.jobs.pop(rid, None)

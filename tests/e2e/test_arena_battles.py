@@ -144,3 +144,54 @@ def test_leaderboard_is_live_and_recomputed_from_the_stream(arena, tmp_path):
     assert len(rows) >= 4 and {"model_a": "gpt-x", "model_b": "llama-y", "winner": "model_a", "tstamp": 1.7e9} in [
         {k: r[k] for k in ("model_a", "model_b", "winner", "tstamp")} for r in rows
     ]
+
+
+def test_an_operator_invalidates_and_reinstates_a_vote(arena):
+    def votes_become(n: int) -> None:
+        end = time.monotonic() + 10
+        while httpx.get(f"{arena.url}/arena/leaderboard").json()["total_votes"] != n:
+            assert time.monotonic() < end, f"the leaderboard did not reach {n} votes"
+            time.sleep(0.2)
+
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        before = client.get("/arena/leaderboard").json()["total_votes"]
+        bid = client.post("/arena/battles").json()["battle_id"]
+        turn(client, bid, "A frog")
+        assert client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"}).status_code == 200
+    votes_become(before + 1)
+    # Invalidated, reinstated and invalidated again: three facts, none dropped as a duplicate.
+    for op, expected in (("invalidate", before), ("reinstate", before + 1), ("invalidate", before)):
+        done = arena_cmd(arena, "battles", op, bid, "--reason", "checked by hand")
+        assert done.returncode == 0, done.stderr
+        votes_become(expected)
+    again = arena_cmd(arena, "battles", "invalidate", bid, "--reason", "twice")
+    assert again.returncode == 0 and "already does not count" in again.stdout
+    assert arena_cmd(arena, "battles", "reinstate", "no-such-battle", "--reason", "x").returncode == 1
+    replay = arena_cmd(arena, "replay", "--battle-id", bid)
+    assert replay.stdout.count("vote.invalidated") == 2 and replay.stdout.count("vote.reinstated") == 1
+    assert "operator" in replay.stdout  # who decided is on the record
+
+
+def test_a_vote_whose_answer_named_its_own_model_does_not_count(stack_factory, tmp_path):
+    """Identity leak, end to end: two contestants named after a word the tiny model says
+    ("Once upon a time, there was a little girl named Lily"), greedy, so the side called
+    `lily` names itself; the vote is cast, then invalidated by the leak detector."""
+    config = tmp_path / "leaky.yaml"
+    config.write_text(
+        "models:\n  - {name: stories-260k, path: stories260K-hf}\n"
+        "  - {name: lily, base: stories-260k, temperature: 0}\n"
+        "  - {name: ben, base: stories-260k, temperature: 0}\n"
+    )
+    s = stack_factory(ARENA_MODELS_CONFIG=config, ARENA_ARENA_WEIGHTS='{"lily": 1, "ben": 1}').start()
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        bid = client.post("/arena/battles").json()["battle_id"]
+        _, texts = turn(client, bid, "Once upon a time")
+        voted = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
+        assert voted.status_code == 200, voted.text
+        view = voted.json()
+    lily_side = "a" if view["model_a"] == "lily" else "b"
+    assert {view["model_a"], view["model_b"]} == {"lily", "ben"}
+    assert "Lily" in texts[lily_side], texts  # the premise: the answer names its own model
+    assert view["counted"] is False and view["invalid_reason"].startswith("identity_leak"), view
+    replay = arena_cmd(s, "replay", "--battle-id", bid)
+    assert "vote.invalidated" in replay.stdout and "answer_names_model" in replay.stdout

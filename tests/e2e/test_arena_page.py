@@ -1,10 +1,12 @@
 """The arena web page in a real headless browser (chromium), against a real stack:
-a whole battle played through the page, and the leaderboard page. Saves the README's
-screenshots under docs/img/."""
+a whole battle played through the page, and the leaderboard page. Screenshots go to a
+temporary directory; `ARENA_SCREENSHOTS=docs/img` refreshes the README's."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +15,14 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser download
-IMG = REPO / "docs" / "img"
 LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def img(tmp_path_factory) -> Path:
+    """Where screenshots go: a temporary directory, so a test run leaves the source tree alone."""
+    where = os.environ.get("ARENA_SCREENSHOTS")
+    return (REPO / where) if where else tmp_path_factory.mktemp("screenshots")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,7 @@ def play_round(page, prompt: str) -> None:
     page.wait_for_selector(".votes button[data-choice='a']:not([disabled])", timeout=60_000)
 
 
-def test_a_whole_battle_through_the_page(arena, browser):
+def test_a_whole_battle_through_the_page(arena, browser, img):
     page = browser.new_page(viewport={"width": 1100, "height": 760})
     received: list[str] = []
     page.on("response", lambda r: received.append(f"{r.url} {r.headers} {r.text() if r.ok else ''}"))
@@ -50,7 +58,7 @@ def test_a_whole_battle_through_the_page(arena, browser):
         answers = page.locator(f"#pane-{side} .answer").all_inner_texts()
         assert len(answers) == 2 and all(a.strip() for a in answers)
     assert page.inner_text("#pane-a .name") == "Model A"
-    page.screenshot(path=str(IMG / "arena-battle.png"), full_page=True)
+    page.screenshot(path=str(img / "arena-battle.png"), full_page=True)
     before_vote = page.content() + "".join(received)
     assert not LEAK.search(before_vote), "a model name reached the browser before the vote"
 
@@ -59,7 +67,7 @@ def test_a_whole_battle_through_the_page(arena, browser):
     reveal = page.inner_text("#reveal")
     assert LEAK.search(reveal) and "Your vote counts" in reveal
     assert "winner" in page.get_attribute("#pane-a", "class")
-    page.screenshot(path=str(IMG / "arena-reveal.png"), full_page=True)
+    page.screenshot(path=str(img / "arena-reveal.png"), full_page=True)
 
     page.click("#new-round")
     page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
@@ -69,7 +77,7 @@ def test_a_whole_battle_through_the_page(arena, browser):
     page.wait_for_selector("#reveal:not([hidden])")
 
 
-def test_leaderboard_page_and_phone_width(arena, browser):
+def test_leaderboard_page_and_phone_width(arena, browser, img):
     phone = browser.new_page(viewport={"width": 390, "height": 844})
     phone.goto(f"{arena.url}/arena/board")
     phone.wait_for_selector("#rows tr", timeout=20_000)
@@ -77,11 +85,11 @@ def test_leaderboard_page_and_phone_width(arena, browser):
     assert rows.count() >= 2
     assert phone.locator("#rows .bar span").count() == rows.count()
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
-    phone.screenshot(path=str(IMG / "arena-leaderboard-phone.png"), full_page=True)
+    phone.screenshot(path=str(img / "arena-leaderboard-phone.png"), full_page=True)
     phone.goto(f"{arena.url}/arena")
     phone.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     wide = browser.new_page(viewport={"width": 1100, "height": 500})
     wide.goto(f"{arena.url}/arena/board")
     wide.wait_for_selector("#rows tr", timeout=20_000)
-    wide.screenshot(path=str(IMG / "arena-leaderboard.png"), full_page=True)
+    wide.screenshot(path=str(img / "arena-leaderboard.png"), full_page=True)

@@ -5,6 +5,7 @@ while the server stays healthy."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 HEAD_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
-EXAMPLES = 40
+#: Examples per operation: 40 (about 1,000 cases) in the suite; more for a deeper run, e.g.
+#: `ARENA_SCHEMATHESIS_EXAMPLES=150 pytest tests/e2e/test_edge_api.py -k schemathesis -s`.
+EXAMPLES = int(os.environ.get("ARENA_SCHEMATHESIS_EXAMPLES", "40"))
 
 
 @pytest.fixture(scope="module")

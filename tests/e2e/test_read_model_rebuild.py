@@ -3,11 +3,14 @@ one request on demand) and `arena rebuild-readmodel` refills the whole read mode
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
+import nats
 import pytest
 import redis
 
@@ -66,3 +69,30 @@ def test_results_survive_a_redis_wipe(stack):
         assert httpx.get(f"{stack.url}/chat/result/{rid}", timeout=10).json()["text"] == answers[rid]
     assert httpx.get(f"{stack.url}/chat/result/nope0000", timeout=10).status_code == 404
     client.close()
+
+
+def test_probing_unknown_ids_costs_one_stream_read_each(stack):
+    """An id Redis does not know is looked for in the stream once; asking again within
+    the next seconds is answered from memory (a prober cannot make every GET a read)."""
+
+    async def creates_while(probes: list[str]) -> int:
+        nc = await nats.connect(stack.nats.url)
+        seen = 0
+
+        async def count(_msg) -> None:
+            nonlocal seen
+            seen += 1
+
+        for subject in ("$JS.API.CONSUMER.CREATE.ARENA", "$JS.API.CONSUMER.CREATE.ARENA.>"):
+            await nc.subscribe(subject, cb=count)  # every reader of the stream is a new consumer
+        await nc.flush()
+        async with httpx.AsyncClient(timeout=10) as client:
+            for rid in probes:
+                assert (await client.get(f"{stack.url}/chat/result/{rid}")).status_code == 404
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        await nc.close()
+        return seen
+
+    unknown = [uuid.uuid4().hex for _ in range(3)]
+    assert asyncio.run(creates_while(unknown * 4)) == 3

@@ -34,11 +34,6 @@ async def stream_info(url: str):
         await nc.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="timing-sensitive on the 2-core VM: passed in the full runs and alone before, failed once in a full run "
-    "(not yet diagnosed); issue 12 stays open for it",
-)
 @pytest.mark.parametrize("victim", ["leader", "follower"])
 def test_losing_a_node_under_load_loses_and_doubles_nothing(tmp_path, redis_server, victim):
     cluster = start_nats_cluster(tmp_path / "nats", 3, log_dir=tmp_path)

@@ -25,6 +25,7 @@ from runtime import jetstream
 from runtime.net import free_port
 from runtime.redis import redis_client
 from runtime.settings import CommonSettings
+from tests.arena_up import arena, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -259,6 +260,19 @@ async def test_nats_over_tls_with_client_certificates_and_users(tmp_path):
             assert (await nc.jetstream().account_info()) is not None
         finally:
             await nc.close()
+        # The operator's commands read the same settings: the topology, then an audit, over TLS.
+        operator = {
+            **user_env(),
+            "NATS_URL": server.url,
+            "ARENA_NATS_USER": nats_auth.OPERATOR,
+            "ARENA_NATS_PASSWORD": passwords[nats_auth.OPERATOR],
+            "ARENA_NATS_TLS_CA": str(certs["ca_cert"]),
+            "ARENA_NATS_TLS_CERT": str(certs["client_cert"]),
+            "ARENA_NATS_TLS_KEY": str(certs["client_key"]),
+        }
+        for command in (["topology"], ["audit", "--since", "1h", "--state-dir", str(tmp_path / "no-state")]):
+            done = await asyncio.to_thread(arena, *command, env=operator)
+            assert done.returncode == 0, (command, done.stdout, done.stderr)
         # Without the client certificate the server refuses the handshake.
         no_cert = CommonSettings(
             nats_url=server.url,

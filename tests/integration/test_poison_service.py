@@ -1,5 +1,6 @@
 """The inference service in-process against a real nats-server: a poison request ends alone,
-with exactly one terminal event, and no job is ever held (stories260K on the CPU)."""
+with exactly one terminal event, no job is ever held, and a request taken over from a dead
+worker continues where that worker was (stories260K on the CPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from consumers.inference.models import ModelSpec
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
-from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams
+from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams, TokensGenerated
 from infra.replay import audit
 from runtime import jetstream
 from runtime.settings import InferenceSettings
@@ -52,7 +53,12 @@ async def worker(nats_server):
     await jetstream.ensure_topology(js, **settings.topology())
     pool = ModelPool([ModelSpec(name=MODEL, path=str(STORIES))], 2**30)
     service = InferenceService(
-        settings, pool, partial(jetstream.publish, js), watchdog_margin_s=0.5, watchdog_period_s=0.1
+        settings,
+        pool,
+        partial(jetstream.publish, js),
+        watchdog_margin_s=0.5,
+        watchdog_period_s=0.1,
+        recorded=lambda rid: read_events(js, subjects.output_filter(rid), timeout=2.0),
     )
     service.start()
     sub = await js.pull_subscribe(subjects.INFERENCE_SUBJECT, durable=topology.INFERENCE.name)
@@ -156,3 +162,47 @@ async def test_watchdog_fails_a_job_the_engine_lost(worker, monkeypatch):
     assert sample() == reaped + 1
     info = await worker.js.consumer_info(subjects.STREAM, topology.INFERENCE.name)
     assert info.num_pending == 0 and info.num_redelivered == 0  # termed, not given back
+
+
+async def _die_after(w: Worker, rid: str, chunks: list[TokensGenerated], terminal=None) -> None:
+    """What a worker that died left behind: `chunks` (and maybe the terminal) of `rid` in
+    the stream, its message unacked; then the hand-on (a nak) gives the message back."""
+    [msg] = await w.sub.fetch(1, timeout=10)
+    for chunk in chunks:
+        await jetstream.publish(w.js, chunk.model_copy(update={"request_id": rid, "conv_id": rid}))
+    if terminal is not None:
+        await jetstream.publish(w.js, terminal.model_copy(update={"request_id": rid, "conv_id": rid}))
+    await msg.nak()
+
+
+async def test_a_taken_over_request_continues_where_the_dead_worker_was(worker):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=31, max_tokens=40)
+    await request(worker.js, "whole", PROMPTS[2], params)
+    whole = (await serve(worker, 1))["whole"]
+    reference = [
+        e for e in await read_events(worker.js, subjects.output_filter("whole")) if e.type == "tokens.generated"
+    ]
+    resumed = partial(REGISTRY.get_sample_value, "arena_resumed_tokens_total")
+    before = resumed() or 0.0
+
+    await request(worker.js, "taken", PROMPTS[2], params)
+    await _die_after(worker, "taken", reference[:3])
+    done = (await serve(worker, 1))["taken"]
+
+    chunks = [e for e in await read_events(worker.js, subjects.output_filter("taken")) if e.type == "tokens.generated"]
+    assert [(c.seq, c.text) for c in chunks] == [(c.seq, c.text) for c in reference]
+    assert done.type == "chat.completed" and done.text == whole.text and done.chunks == whole.chunks
+    assert done.usage.completion_tokens == whole.usage.completion_tokens
+    assert resumed() == before + sum(len(c.token_ids) for c in reference[:3])  # not generated again
+
+
+async def test_a_taken_over_request_that_had_ended_is_only_acked(worker):
+    await request(worker.js, "first", PROMPTS[3], healthy_params(2))
+    first = (await serve(worker, 1))["first"]
+    output = await read_events(worker.js, subjects.output_filter("first"))
+    await request(worker.js, "ended", PROMPTS[3], healthy_params(2))
+    await _die_after(worker, "ended", [e for e in output if e.type == "tokens.generated"], terminal=first)
+    done = await serve(worker, 1)
+    assert done["ended"].text == first.text
+    events = await read_events(worker.js, subjects.output_filter("ended"))
+    assert sum(e.terminal for e in events) == 1  # nothing published again

@@ -180,3 +180,53 @@ def test_openapi_declares_each_status_with_the_error_schema():
             assert responses[status]["content"]["application/json"]["schema"] == ref, (path, status)
     deadline = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["deadline_s"]
     assert "number" in json.dumps(deadline) and "boolean" not in json.dumps(deadline)
+    # The rate-limited operations declare the headers clients pace themselves by.
+    for path, ok in (("/v1/chat/completions", "200"), ("/chat", "202"), ("/arena/battles/{battle_id}/turns", "200")):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"Retry-After", "x-ratelimit-remaining-requests", "x-ratelimit-reset-tokens"} <= set(
+            responses["429"]["headers"]
+        ), path
+        assert "x-ratelimit-limit-tokens" in responses[ok]["headers"], path
+
+
+async def test_over_the_connection_limit_is_json_503_not_uvicorns_text():
+    """uvicorn's own answer past `limit_concurrency` is a text/plain 503; the gateway's
+    protocol answers the same limit in the API's error shape (real uvicorn server)."""
+    import uvicorn
+
+    from gateway.edge import head_timeout_protocol
+    from runtime.net import free_port
+
+    s = settings()
+    port = free_port()
+    config = uvicorn.Config(
+        build_app(s, FakePipeline(s)),
+        host="127.0.0.1",
+        port=port,
+        http=head_timeout_protocol(10),
+        limit_concurrency=3,
+        log_config=None,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = (await asyncio.wait_for(reader.read(), 5)).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert b"content-type: application/json" in head.lower() and b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        writer.close()
+        for _, w in idle:
+            w.close()
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # room again
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+    finally:
+        server.should_exit = True
+        await serving

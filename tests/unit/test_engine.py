@@ -280,3 +280,29 @@ def test_fail_all_finishes_everything_with_error(loaded):
     assert not engine.has_work()
     engine.add(GenRequest("running", ids(loaded, PROMPTS[0]), GREEDY))  # ids are free again
     assert len(engine.step()) == 1
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_where_the_first_worker_was(loaded, sampled):
+    """A request taken over from a dead worker is prefilled with the tokens already
+    delivered and continues with the same sampler state: the rest equals an unbroken run
+    (text too), and it costs no steps for the part already done."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=48) if sampled else GREEDY
+    prompt = ids(loaded, PROMPTS[1])
+    whole = run_one(loaded, GenRequest("a", prompt, params))
+    done = tokens(whole)[:17]
+    resumed = run_one(loaded, GenRequest("b", prompt, params, resume_ids=done))
+    assert tokens(resumed) == tokens(whole)[17:]
+    assert resumed[-1].completion_tokens == whole[-1].completion_tokens
+    assert resumed[-1].finish_reason == whole[-1].finish_reason
+    delivered = loaded.tokenizer.decode(done, skip_special_tokens=True)
+    assert (delivered + "".join(o.new_text for o in resumed)).strip() == "".join(o.new_text for o in whole).strip()
+    assert len(resumed) <= len(whole) - 16  # one step per token not yet delivered
+
+
+def test_a_resumed_request_that_was_already_complete_finishes_without_compute(loaded):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    whole = run_one(loaded, GenRequest("a", ids(loaded, PROMPTS[0]), params))
+    [out] = run_one(loaded, GenRequest("b", ids(loaded, PROMPTS[0]), params, resume_ids=tokens(whole)))
+    assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
+    assert out.completion_tokens == 12

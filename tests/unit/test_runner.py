@@ -1,0 +1,44 @@
+"""EngineRunner's speed estimate, on a stand-in engine (pure logic, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from consumers.inference.runner import MIN_SAMPLES, EngineRunner
+
+
+class IdleEngine:
+    """Just what the runner reads; it never has work, so its thread only waits."""
+
+    mode, running, waiting, max_batch_size = "continuous", 20, 0, 32
+    loaded = SimpleNamespace(spec=SimpleNamespace(name="toy"))
+
+    def has_work(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def runner():
+    r = EngineRunner(IdleEngine(), asyncio.new_event_loop(), lambda outputs: None)  # type: ignore[arg-type]
+    yield r
+    r.stop()
+
+
+def test_no_estimate_until_enough_steps_were_measured(runner):
+    """Cold steps (warm-up, a burst's prefills) must not refuse work: the first
+    MIN_SAMPLES - 1 measurements give no estimate, however slow they were."""
+    for _ in range(MIN_SAMPLES - 1):
+        runner._measure(20, 0.5)
+    assert runner.finish_at(200) is None
+    runner._measure(20, 0.5)
+    assert runner.finish_at(200) == pytest.approx(time.time() + 100, abs=1)
+
+
+def test_estimate_is_the_median_step_of_the_batch_size_joined(runner):
+    for took in [0.01] * MIN_SAMPLES + [5.0] * (MIN_SAMPLES // 2 - 1):  # outliers do not move a median
+        runner._measure(20, took)
+    assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
