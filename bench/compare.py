@@ -28,6 +28,7 @@ from bench import overhead, procs, targets
 from bench.loadgen import add_workload_args, sweep, warm_up, workload_from_args
 from bench.report import write_report
 from bench.workload import Workload, fixed_requests
+from infra.supervisor import torch_threads
 
 ALL_TARGETS = ("naive", "transformers-serve", "transformers-serve-cb", "arenaflow-static", "arenaflow-continuous")
 QUICK = {
@@ -63,15 +64,36 @@ def run_ceiling(args, out: Path, workload: Workload) -> dict:
         "--out",
         str(path),
     ]
+    failed = run_measurement("ceiling", cmd, args, out)
+    return {**failed, "compute": []} if failed else json.loads(path.read_text())
+
+
+def run_measurement(name: str, cmd: list[str], args, out: Path) -> dict | None:
+    """Run an in-process measurement as a subprocess (log under `out/logs`); its failed row, or None."""
     env = {**os.environ, **targets.Setup(args.model, "", out, torch_threads=args.torch_threads).env()}
-    with open(out / "logs" / "ceiling.log", "wb") as log:
+    with open(out / "logs" / f"{name}.log", "wb") as log:
         done = subprocess.run(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.ceiling_timeout, check=False
         )
-    if done.returncode != 0:
-        tail = (out / "logs" / "ceiling.log").read_text(errors="replace")[-800:]
-        return {"name": "ceiling", "status": "failed", "reason": tail, "levels": [], "compute": []}
-    return json.loads(path.read_text())
+    if done.returncode == 0:
+        return None
+    tail = (out / "logs" / f"{name}.log").read_text(errors="replace")[-800:]
+    return {"name": name, "status": "failed", "reason": tail, "levels": []}
+
+
+def run_engine(args, out: Path, loads: list[float]) -> dict:
+    """The engine alone (`bench.engine_speed --closed-loop`) at each load, with the torch
+    threads `arena up` gives its inference worker: what serving could reach at most."""
+    path = out / "engine.json"
+    threads = args.torch_threads or int(torch_threads({}, 1)["ARENA_TORCH_THREADS"])
+    cmd = [sys.executable, "-m", "bench.engine_speed", "--closed-loop", "--model", str(args.model)]
+    cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", args.lengths, "--seed", str(args.seed)]
+    cmd += ["--duration", str(args.duration), "--threads", str(threads), "--json", str(path)]
+    if failed := run_measurement("engine", cmd, args, out):
+        return failed
+    row = json.loads(path.read_text())
+    row["threads"] = threads
+    return row
 
 
 async def run_target(target: targets.Target, workload: Workload, loads: list[float], turns, compute) -> dict:
@@ -134,6 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-requests", type=int, default=20)
     parser.add_argument("--max-batch-size", type=int, default=16, help="arenaflow's batch limit")
     parser.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS for every process measured")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone row")
     parser.add_argument("--ready-timeout", type=float, default=240.0)
     parser.add_argument("--ceiling-timeout", type=float, default=600.0)
     add_workload_args(parser)
@@ -162,13 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = run_ceiling(args, out, workload)
     ceiling["loadavg_at_start"] = load_before
     print(f"[compare] ceiling: {ceiling['status']} in {time.perf_counter() - t0:.0f}s", flush=True)
+    engine = run_engine(args, out, loads) if workload.mode == "closed" and not args.no_engine else None
+    if engine is not None:
+        engine["loadavg_at_start"] = os.getloadavg()
+        print(f"[compare] engine alone: {engine['status']}", flush=True)
     turns = fixed_requests(workload, args.overhead_requests)
     rows = [
         measure(t, setup, args, workload, loads, turns, ceiling.get("compute", [])) for t in args.targets.split(",")
     ]
     results = {
         "meta": _meta(args, ceiling, workload, loads),
-        "targets": [{k: v for k, v in ceiling.items() if k != "compute"}, *rows],
+        "targets": [{k: v for k, v in ceiling.items() if k != "compute"}, *([engine] if engine else []), *rows],
         "overhead": {r["name"]: r["overhead"] for r in rows if "overhead" in r},
         "compute": ceiling.get("compute", []),
     }

@@ -2,21 +2,34 @@
 
     python -m bench.engine_speed                       # stories260K
     python -m bench.engine_speed --model /path/to/hf-dir --device cuda --dtype bfloat16
+    python -m bench.engine_speed --closed-loop --loads 1,32 --lengths 64 --json engine.json
 
 All requests of a run are queued at once with distinct prompts of different lengths;
 throughput counts completion tokens over the wall time from the first step to the last.
+
+`--closed-loop` is the engine alone under the served benchmark's load instead: N
+requests always in the engine (one joins as one ends) for `--duration` seconds, with
+the benchmark workload's prompts (chat template) and lengths; `bench.compare` runs it
+as its `engine` row, so served/engine is the share of the engine's speed that the
+serving path keeps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 import torch
 
+from bench.stats import summarize
+from bench.workload import LengthMix, Workload, draw_session
 from consumers.inference.engine import BatchEngine, GenRequest
-from consumers.inference.models import LoadedModel, ModelSpec, default_specs, load_model
+from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
 from runtime.settings import InferenceSettings
 
@@ -51,6 +64,70 @@ def run_once(
     return generated, time.perf_counter() - t0
 
 
+def closed_loop(loaded: LoadedModel, users: int, workload: Workload, duration_s: float) -> dict:
+    """`users` requests always in the continuous engine for `duration_s`; a level for the report."""
+    engine = BatchEngine(loaded, "continuous", max_batch_size=users)
+    rng = random.Random(workload.seed)
+    chat = [{"role": "user", "content": ""}]
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    records: list[dict] = []
+    t0 = time.perf_counter()
+
+    def add(i: int) -> None:
+        turn = draw_session(workload, rng)[0]
+        chat[0]["content"] = turn.user_message
+        params = SamplingParams(temperature=0.0, seed=i, max_tokens=turn.max_tokens)
+        engine.add(GenRequest(f"r{i}", encode_prompt(loaded, chat), params))
+        started[f"r{i}"] = time.perf_counter() - t0
+
+    sent = 0
+    for _ in range(users):
+        add(sent)
+        sent += 1
+    while engine.has_work():
+        for out in engine.step():
+            now = time.perf_counter() - t0
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+            if not out.finished:
+                continue
+            start = started.pop(out.request_id)
+            records.append(
+                {
+                    "status": "ok" if out.finish_reason in ("stop", "length") else "error",
+                    "start_s": start,
+                    "latency_s": now - start,
+                    "ttft_s": first.pop(out.request_id, now) - start,
+                    "output_tokens": out.completion_tokens,
+                }
+            )
+            if now < duration_s:
+                add(sent)
+                sent += 1
+    wall = time.perf_counter() - t0
+    return {"load": float(users), "load_label": f"{users} users", "summary": summarize(records, wall)}
+
+
+def closed_loop_main(args: argparse.Namespace) -> None:
+    spec = ModelSpec(name="engine", path=args.model[0], dtype=args.dtype, device=args.device)
+    loaded = load_model(spec)
+    workload = Workload(model="engine", lengths=LengthMix.parse(args.lengths), seed=args.seed)
+    closed_loop(loaded, 2, replace(workload, lengths=LengthMix(((4, 1.0),))), 0.0)  # warm-up
+    levels = [closed_loop(loaded, int(load), workload, args.duration) for load in args.loads.split(",")]
+    for level in levels:
+        s = level["summary"]
+        print(f"engine {level['load_label']:>10} {s['tokens_per_s']:>9.0f} tok/s  P50 {s['latency_p50']:.3f} s")
+    row = {
+        "name": "engine",
+        "status": "ok",
+        "levels": levels,
+        "params": sum(p.numel() for p in loaded.model.parameters()),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(row))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", help="HF model dir (repeatable); default stories260K")
@@ -66,9 +143,19 @@ def main(argv: list[str] | None = None) -> None:
         help="torch CPU threads; tiny models run fastest with 1, "
         "and on a busy machine extra OpenMP threads mostly spin",
     )
+    parser.add_argument("--closed-loop", action="store_true", help="the served benchmark's load instead (see above)")
+    parser.add_argument("--loads", default="1,32", help="closed loop: concurrent requests per level")
+    parser.add_argument("--lengths", default="64", help="closed loop: max_tokens[:weight],...")
+    parser.add_argument("--duration", type=float, default=20.0, help="closed loop: seconds per level")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="closed loop: write the levels here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.closed_loop:
+        args.model = args.model or [default_specs(InferenceSettings().models_dir)[0].path]
+        closed_loop_main(args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, device {args.device}")
 
     paths = args.model or [default_specs(InferenceSettings().models_dir)[0].path]

@@ -82,6 +82,35 @@ def ratio_rows(results: dict) -> list[str]:
     return lines
 
 
+def served_over_engine(results: dict) -> dict[str, dict[str, float]]:
+    """Each served target's tokens/s over the engine alone's at the same load (closed loop)."""
+    engine = next((t for t in results["targets"] if t["name"] == "engine" and t["status"] == "ok"), None)
+    if engine is None:
+        return {}
+    alone = {lv["load"]: lv["summary"]["tokens_per_s"] for lv in engine["levels"]}
+    out: dict[str, dict[str, float]] = {}
+    for target in results["targets"]:
+        if target["name"] in ("engine", "ceiling") or target["status"] != "ok":
+            continue
+        out[target["name"]] = {
+            lv["load_label"]: lv["summary"]["tokens_per_s"] / alone[lv["load"]]
+            for lv in target["levels"]
+            if alone.get(lv["load"])
+        }
+    return out
+
+
+def engine_rows(results: dict) -> list[str]:
+    table = served_over_engine(results)
+    labels = sorted({label for row in table.values() for label in row}, key=lambda x: float(x.split()[0]))
+    if not labels:
+        return []
+    lines = ["| target | " + " | ".join(labels) + " |", "|" + "---|" * (1 + len(labels))]
+    for name, row in table.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[x]:.2f}" if x in row else "–" for x in labels) + " |")
+    return lines
+
+
 def overhead_rows(overhead: dict) -> list[str]:
     lines = [
         "| target | requests | end-to-end P50 / P99 (ms) | compute P50 / P99 (ms) "
@@ -108,6 +137,8 @@ def markdown(results: dict) -> str:
         parts += [f"- {key}: {value}" for key, value in meta.items()] + [""]
     parts += ["## Throughput and latency", "", *level_rows(results), ""]
     parts += ["## Ratios (peak tokens/s)", "", *ratio_rows(results), ""]
+    if served := engine_rows(results):
+        parts += ["## Served / engine alone (tokens/s at the same load)", "", *served, ""]
     if results.get("overhead"):
         parts += ["## Pipeline overhead at 1 user", "", *overhead_rows(results["overhead"]), ""]
     parts += ["## Conditions", "", *condition_rows(results), ""]
@@ -140,7 +171,8 @@ def plot(results: dict, path: Path) -> None:
         if target["status"] != "ok" or not target["levels"]:
             continue
         loads = [lv["load"] for lv in target["levels"]]
-        style = {"marker": "o", "label": target["name"], "linestyle": "--" if target["name"] == "ceiling" else "-"}
+        dashed = target["name"] in ("ceiling", "engine")
+        style = {"marker": "o", "label": target["name"], "linestyle": "--" if dashed else "-"}
         for ax, q in zip(axes[:3], (50, 95, 99), strict=True):
             ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in target["levels"]], **style)
         axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in target["levels"]], **style)
@@ -158,7 +190,7 @@ def plot(results: dict, path: Path) -> None:
 def write_report(results: dict, out: Path, stem: str = "results") -> list[Path]:
     """Writes `{stem}.json`, `{stem}.md` and `{stem}.png` under `out`; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
-    results = {**results, "ratios": ratios(results)}
+    results = {**results, "ratios": ratios(results), "served_over_engine": served_over_engine(results)}
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
     paths[0].write_text(json.dumps(results, indent=2) + "\n")
     paths[1].write_text(markdown(results) + "\n")

@@ -5,7 +5,6 @@ Delivery writes it from the output events; the gateway reads it. Every key has a
 
 Key layout:
   arena:result:{request_id}      the request's terminal event, as JSON (the first one wins)
-  arena:chunk:{request_id}:{seq} set once a chunk was fanned out (drops a regenerated copy)
   arena:pending:{request_id}     JSON {conv_id, turn_id, model, deadline_at}: the request was
                                  accepted, so an id without a result is pending, not unknown
   arena:owner:{kind}:{id}        the principal that created a request (`req`) or conversation
@@ -19,7 +18,6 @@ import json
 from redis.asyncio import Redis
 
 RESULT = "arena:result:{}"
-CHUNK = "arena:chunk:{}:{}"
 PENDING = "arena:pending:{}"
 OWNER = "arena:owner:{}:{}"
 
@@ -28,10 +26,6 @@ class ReadModel:
     def __init__(self, redis: Redis, ttl_s: int = 1800):
         self.redis = redis
         self.ttl_s = ttl_s
-
-    async def mark_chunk(self, request_id: str, seq: int) -> bool:
-        """True the first time a chunk is seen: only then is it delivered."""
-        return bool(await self.redis.set(CHUNK.format(request_id, seq), 1, nx=True, ex=self.ttl_s))
 
     async def save_result(self, request_id: str, payload: bytes) -> bool:
         """Keep the first terminal event of a request; later ones are duplicates."""

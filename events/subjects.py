@@ -38,6 +38,8 @@ STEM_BY_TYPE = {
 FILTER_SUBJECT = f"{REQUESTED}.>"
 INFERENCE_SUBJECT = f"{ACCEPTED}.>"
 DELIVERY_SUBJECT = "arena.res.>"
+#: Delivery's durable selects the terminal events among them (chunks go live from inference).
+DELIVERY_FILTERS = (f"{REJECTED}.>", f"{COMPLETED}.>", f"{FAILED}.>")
 CANCEL_SUBJECT = f"{CANCELLED}.>"
 # Battle events: arena.battle.<kind>.<battle_id>.
 BATTLE_PREFIX = "arena.battle"
@@ -74,7 +76,8 @@ def conversation_filter(conv_id: str) -> str:
 
 
 def live_subject(request_id: str) -> str:
-    """Core-NATS subject on which delivery fans a request's output out to gateways."""
+    """Core-NATS subject of a request's output for the gateways following it: chunks from
+    the inference worker, terminal events from delivery (and from the worker)."""
     return f"{LIVE_PREFIX}.{request_id}"
 
 

@@ -25,6 +25,8 @@ class Role:
     entry: str
     #: The durable pull consumer's filter subject; None for a role that reads no durable.
     reads: str | None = None
+    #: Narrower filter subjects (all within `reads`) for the durable, when one subject cannot say it.
+    filters: tuple[str, ...] = ()
     #: Event models it reads, for the AsyncAPI document (empty: any output event).
     consumes: tuple[type[m.EventBase], ...] = ()
     #: (event model, subject stem) it publishes.
@@ -54,7 +56,13 @@ FILTER = Role(
     max_deliver=10,
 )
 # max_deliver: delivery naks with a 2 s delay while Redis is unreachable (about two minutes in all).
-DELIVERY = Role(name="delivery", entry="consumers.delivery.app:main", reads=s.DELIVERY_SUBJECT, max_deliver=60)
+DELIVERY = Role(
+    name="delivery",
+    entry="consumers.delivery.app:main",
+    reads=s.DELIVERY_SUBJECT,
+    filters=s.DELIVERY_FILTERS,
+    max_deliver=60,
+)
 INFERENCE = Role(
     name="inference",
     entry="consumers.inference.app:main",

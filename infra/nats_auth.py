@@ -55,7 +55,9 @@ class Core:
 CORE: dict[str, Core] = {
     topology.GATEWAY.name: Core(subscribe=(f"{s.HEARTBEAT_PREFIX}.>", f"{s.LIVE_PREFIX}.>")),
     topology.DELIVERY.name: Core(publish=(f"{s.LIVE_PREFIX}.>",)),
-    topology.INFERENCE.name: Core(subscribe=(s.CANCEL_SUBJECT, s.ADMIN_MODELS), responds=True),
+    topology.INFERENCE.name: Core(
+        publish=(f"{s.LIVE_PREFIX}.>",), subscribe=(s.CANCEL_SUBJECT, s.ADMIN_MODELS), responds=True
+    ),
 }
 
 

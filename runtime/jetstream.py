@@ -57,7 +57,8 @@ def consumer_configs(ack_wait_s: float = 30.0, max_ack_pending: int = 256) -> li
     return [
         ConsumerConfig(
             durable_name=role.durable,
-            filter_subject=role.reads,
+            filter_subject=None if role.filters else role.reads,
+            filter_subjects=list(role.filters) or None,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW,
             ack_wait=role.ack_wait_s or ack_wait_s,
@@ -148,12 +149,25 @@ async def prepare_topology(js: JetStreamContext, settings, durable: str | None =
 PUBLISH_TIMEOUT_S = 1.5
 
 
-async def publish(js: JetStreamContext, event) -> None:
+async def publish(js: JetStreamContext, event, raw: bytes | None = None) -> None:
     """Publish an event with its dedupe key, so a repeated publish is dropped by the server,
     and the current span's trace context (when tracing is on)."""
     await js.publish(
         subjects.subject_for(event),
-        encode(event),
+        raw if raw is not None else encode(event),
         timeout=PUBLISH_TIMEOUT_S,
+        headers=tracing.headers({"Nats-Msg-Id": subjects.dedupe_key(event)}),
+    )
+
+
+async def publish_nowait(js: JetStreamContext, event, raw: bytes | None = None) -> asyncio.Future:
+    """Send an event with its dedupe key without waiting for the stream's acknowledgement.
+
+    Returns the acknowledgement's future: await it with a timeout (PUBLISH_TIMEOUT_S),
+    and publish again if it fails or times out (the dedupe key makes that safe). Many can
+    be in flight at once, so a stream of chunks costs no round trip each."""
+    return await js.publish_async(
+        subjects.subject_for(event),
+        raw if raw is not None else encode(event),
         headers=tracing.headers({"Nats-Msg-Id": subjects.dedupe_key(event)}),
     )

@@ -91,9 +91,18 @@ class ProcessRuntime:
         assert self.js is not None, "start() the runtime first"
         return await read_events(self.js, subjects.output_filter(request_id), timeout=2.0)
 
-    async def publish(self, event: EventBase) -> None:
+    async def publish(self, event: EventBase, raw: bytes | None = None) -> None:
         assert self.js is not None, "start() the runtime first"
-        await jetstream.publish(self.js, event)
+        await jetstream.publish(self.js, event, raw)
+
+    async def publish_nowait(self, event: EventBase, raw: bytes | None = None) -> asyncio.Future:
+        """Send without waiting for the stream's ack; await the result for it (see `jetstream.publish_nowait`)."""
+        assert self.js is not None, "start() the runtime first"
+        return await jetstream.publish_nowait(self.js, event, raw)
+
+    async def publish_live(self, subject: str, raw: bytes) -> None:
+        """Core NATS, not stored: the live copy of an event for whoever follows it now."""
+        await self.connection().publish(subject, raw)
 
     async def stop(self) -> None:
         if self._beat:

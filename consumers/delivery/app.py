@@ -1,9 +1,12 @@
-"""The delivery consumer: records results and fans a request's output out to gateways.
+"""The delivery consumer: records results in the read model and fans them out to gateways.
 
-A chunk already delivered (same request and sequence number, e.g. from a worker that
-regenerated the request after a crash) is dropped; the first terminal event is stored
-in the read model. Each event is then published on the request's live subject, where
-whichever gateway holds the client (one or several) is listening.
+It reads the terminal events (its durable's filter): the first one of a request is
+stored in the read model, then published on the request's live subject, where whichever
+gateway holds the client (one or several) is listening. Token chunks do not pass
+through here: the inference worker sends each live itself as it stores it in the
+stream, and gateways drop a chunk they already have (e.g. regenerated after a crash).
+A chunk that still arrives (a durable created before its filter changed) is acked and
+dropped.
 """
 
 from __future__ import annotations
@@ -42,13 +45,10 @@ async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
     With Redis unreachable the event is fanned out anyway (gateways drop a chunk they
     already have) and the message is redelivered later (NackMessage with a delay), when
     its record can be written: a Redis outage delays no answer and loses no result."""
+    if event.type not in TERMINAL_TYPES:
+        return False
     try:
-        if event.type == "tokens.generated":
-            fresh = await store.mark_chunk(event.request_id, event.seq)
-        elif event.type in TERMINAL_TYPES:
-            fresh = await store.save_result(event.request_id, raw)
-        else:
-            return False
+        fresh = await store.save_result(event.request_id, raw)
     except REDIS_DOWN as exc:
         REDIS_RETRIES.inc()
         log.warning(
@@ -58,8 +58,7 @@ async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
         raise NackMessage(delay=REDIS_RETRY_S) from exc
     if fresh:
         await fanout(subjects.live_subject(event.request_id), raw)
-        if event.type in TERMINAL_TYPES:
-            log.info("delivered %s", event.type, extra={"request_id": event.request_id, "event": event.type})
+        log.info("delivered %s", event.type, extra={"request_id": event.request_id, "event": event.type})
     return fresh
 
 
@@ -80,7 +79,7 @@ def build_app(
 
     fanout = fanout or live
 
-    # Gateways put chunks back in sequence order, so workers may deliver concurrently.
+    # Each request has one terminal event, so workers may deliver concurrently.
     @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)
     async def on_output(message: NatsMessage) -> None:
         event = await decode_or_term(topology.DELIVERY.name, message)

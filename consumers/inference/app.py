@@ -51,7 +51,14 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         }
 
     runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
-    service = InferenceService(settings, pool, runtime.publish, recorded=runtime.recorded)
+    service = InferenceService(
+        settings,
+        pool,
+        runtime.publish,
+        recorded=runtime.recorded,
+        publish_nowait=runtime.publish_nowait,
+        live=runtime.publish_live,
+    )
     broker = NatsBroker(
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )

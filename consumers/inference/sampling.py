@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MIN_TEMPERATURE
 
@@ -134,6 +135,10 @@ class TextTracker:
     never ends inside a multi-byte character (the replacement character marks an
     incomplete one), and never ends with text that could be the start of a stop
     string: that tail is held back until it is resolved or the request finishes.
+
+    With a fast (Rust) tokenizer the text grows by one streaming decode per token
+    (`tokenizers.decoders.DecodeStream`, a few microseconds); otherwise the whole
+    completion is decoded again at every token, which grows with its length.
     """
 
     tokenizer: Any
@@ -143,6 +148,8 @@ class TextTracker:
     _prefix_len: int = field(init=False)
     _ids: list[int] = field(init=False, default_factory=list)
     _emitted: int = field(init=False, default=0)
+    _stream: Any = field(init=False, default=None)
+    _decoded: str = field(init=False, default="")  # the whole completion as decoded so far
     text: str = field(init=False, default="")  # the completion so far, stop-trimmed
     stopped: bool = field(init=False, default=False)
 
@@ -150,15 +157,30 @@ class TextTracker:
 
     def __post_init__(self) -> None:
         self._prefix_ids = list(self.prompt_ids[-self._PREFIX_TOKENS :])
-        self._prefix_len = len(self._decode(self._prefix_ids))
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._stream = (backend, DecodeStream(ids=self._prefix_ids, skip_special_tokens=True))
+        else:
+            self._prefix_len = len(self._decode(self._prefix_ids))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def _completion(self, token_id: int) -> str:
+        """The whole completion's text with ``token_id``; ends with U+FFFD inside a character."""
+        self._ids.append(token_id)
+        if self._stream is None:
+            return self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
+        backend, stream = self._stream
+        piece = stream.step(backend, token_id)
+        if piece is None:  # inside a multi-byte character
+            return self._decoded + "\ufffd"
+        self._decoded += piece
+        return self._decoded
+
     def add(self, token_id: int) -> str:
         """Append a token; return the new text that is safe to emit (may be empty)."""
-        self._ids.append(token_id)
-        full = self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
+        full = self._completion(token_id)
         if self.stop:
             cut = _first_stop(full, self.stop, start=self._emitted)
             if cut is not None:

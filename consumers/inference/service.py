@@ -7,6 +7,12 @@ acked. Every publish carries a dedupe key, so a worker that regenerates a reques
 another one crashed (deterministically: every request has a seed) cannot duplicate a
 chunk or a terminal event in the stream.
 
+Chunks go out two ways at once: live on core NATS (the request's live subject, which
+the gateway holding the client follows) and durably to the stream without waiting for
+each acknowledgement. A job's chunk acks are collected before its terminal event is
+published (a chunk the stream did not confirm is published again), so the message is
+still acked only once every event of the request is stored.
+
 No job is held without a terminal event: every job leaves through exactly one terminal
 (the engine's output, a failure at intake, or the watchdog, which fails jobs still open
 a margin past their deadline, whatever lost them).
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
@@ -32,6 +39,7 @@ from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
+from events import encode, subjects
 from events.models import (
     ChatCompleted,
     ChatFailed,
@@ -41,8 +49,12 @@ from events.models import (
     Usage,
 )
 from runtime import tracing
+from runtime.jetstream import PUBLISH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+#: A chunk send or acknowledgement that failed: the chunk is published again, awaited.
+SEND_ERRORS = (NatsError, TimeoutError, OSError)
 
 
 @dataclass
@@ -58,6 +70,8 @@ class Job:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     text: str = ""
+    #: Chunks sent to the stream whose acknowledgement is still to be collected.
+    unconfirmed: list[tuple[TokensGenerated, Awaitable | None]] = field(default_factory=list)
     closed: bool = False  # its terminal event is queued; later engine outputs are ignored
     span: Span | None = None  # its trace's inference span (None: tracing off)
     gen: GenRequest | None = None  # what the engine runs (when it joined a batch)
@@ -76,9 +90,16 @@ class InferenceService:
         publish,
         watchdog_margin_s: float = 2.0,
         watchdog_period_s: float = 0.5,
+        *,
         recorded: Callable[[str], Awaitable[list]] | None = None,
+        publish_nowait: Callable[..., Awaitable[Awaitable]] | None = None,
+        live: Callable[[str, bytes], Awaitable[None]] | None = None,
     ):
-        """``watchdog_margin_s``: how long past its deadline a job may stay open before the
+        """``publish``: async (event, raw=None) -> None once stored, with dedupe keys.
+        ``publish_nowait``: the same, returning the acknowledgement to await later
+        (default: ``publish`` in a task). ``live``: async (subject, raw) -> None on core
+        NATS for the request's live subject (None: output reaches gateways through delivery only).
+        ``watchdog_margin_s``: how long past its deadline a job may stay open before the
         watchdog fails it (the engine itself ends a request at its deadline; the audit
         calls a terminal missing 5 s past it). ``watchdog_period_s``: how often it looks.
         ``recorded``: a request's output events in the stream (chunks, terminal), read
@@ -87,7 +108,9 @@ class InferenceService:
         self.watchdog_margin_s = watchdog_margin_s
         self.watchdog_period_s = watchdog_period_s
         self.pool = pool
-        self.publish = publish  # async (event) -> None, with dedupe keys
+        self.publish = publish
+        self.publish_nowait = publish_nowait or self._publish_in_task
+        self.live = live
         self.recorded = recorded
         self.jobs: dict[str, Job] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
@@ -375,13 +398,14 @@ class InferenceService:
     # ---- background tasks ------------------------------------------------------------
 
     async def _publisher(self) -> None:
-        """Publish in order, one at a time; settle a message only after its terminal event."""
+        """Send chunks as they come (live, and to the stream without waiting for acks);
+        settle a message only after its chunks are confirmed and its terminal event stored."""
         while True:
             kind, job, event = await self.outbox.get()
             try:
                 with tracing.within(job.span):  # the events carry the request's trace
                     if kind == "chunk":
-                        await self._publish_retrying(event)
+                        await self._send_chunk(job, event)
                     else:
                         await self._settle(job, event, term=kind == "reaped")
             except Exception:
@@ -389,15 +413,47 @@ class InferenceService:
             finally:
                 self.outbox.task_done()
 
+    async def _send_chunk(self, job: Job, event: TokensGenerated) -> None:
+        raw = encode(event)
+        if self.live is not None:
+            with suppress(Exception):  # the stream has it; a gateway that missed it reads it there
+                await self.live(subjects.live_subject(event.request_id), raw)
+        try:
+            job.unconfirmed.append((event, await self.publish_nowait(event, raw)))
+        except SEND_ERRORS:
+            log.warning("chunk not sent; retried before the terminal event", extra={"request_id": event.request_id})
+            job.unconfirmed.append((event, None))
+
+    async def _confirm_chunks(self, job: Job) -> None:
+        """Every chunk of the job stored in the stream: collect the acks, publish again
+        (dedupe keys make that safe) whatever the stream did not confirm."""
+        pending, job.unconfirmed = job.unconfirmed, []
+        for event, ack in pending:
+            if ack is not None:
+                try:
+                    await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+                    continue
+                except SEND_ERRORS:
+                    pass
+            await self._publish_retrying(event)
+
+    async def _publish_in_task(self, event, raw: bytes | None = None) -> Awaitable:
+        return asyncio.ensure_future(self.publish(event))
+
     async def _settle(self, job: Job, terminal, term: bool) -> None:
         """Publish the terminal event, ack (or term) the message and release the job.
 
-        If the event cannot be published the message is given back instead, so the
-        request is computed again (the dedupe keys make that safe); it is never acked
-        without its terminal event in the stream.
+        If the job's events cannot be published the message is given back instead, so
+        the request is computed again (the dedupe keys make that safe); it is never acked
+        without its chunks and terminal event in the stream.
         """
         try:
-            await self._publish_retrying(terminal)
+            await self._confirm_chunks(job)
+            raw = encode(terminal)
+            await self._publish_retrying(terminal, raw=raw)
+            if self.live is not None:
+                with suppress(Exception):  # delivery fans the stored terminal out as well
+                    await self.live(subjects.live_subject(terminal.request_id), raw)
         except Exception:
             log.exception("terminal event not published; message given back", extra={"request_id": terminal.request_id})
             with suppress(Exception):
@@ -412,10 +468,10 @@ class InferenceService:
             async with self._room:
                 self._room.notify_all()
 
-    async def _publish_retrying(self, event, attempts: int = 6) -> None:
+    async def _publish_retrying(self, event, attempts: int = 6, raw: bytes | None = None) -> None:
         for i in range(attempts):
             try:
-                await self.publish(event)
+                await self.publish(event, raw) if raw is not None else await self.publish(event)
                 return
             except Exception:
                 if i == attempts - 1:

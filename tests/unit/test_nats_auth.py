@@ -42,8 +42,8 @@ def test_battle_events_come_from_the_gateway_only():
     assert publishers(f"{s.BATTLE_PREFIX}.voted.b1") == {"gateway"}
 
 
-def test_live_fan_out_is_delivery_s_and_heartbeats_are_each_role_s_own():
-    assert publishers(s.live_subject(RID)) == {"delivery"}
+def test_live_fan_out_is_inference_s_and_delivery_s_and_heartbeats_are_each_role_s_own():
+    assert publishers(s.live_subject(RID)) == {"delivery", "inference"}
     assert publishers(s.heartbeat_subject("inference", "host-1")) == {"inference"}
     assert publishers(s.heartbeat_subject("filter", "host-1")) == {"filter"}
 

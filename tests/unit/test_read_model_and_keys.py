@@ -8,12 +8,11 @@ from events.readmodel import ReadModel
 from gateway.keys import GatewayKeys
 
 
-async def test_first_result_wins_and_chunks_are_marked_once():
+async def test_first_result_wins():
     store = ReadModel(fakeredis.FakeAsyncRedis(), ttl_s=60)
     assert await store.save_result("r", b"first")
     assert not await store.save_result("r", b"second")
     assert await store.get_result("r") == b"first"
-    assert await store.mark_chunk("r", 0) and not await store.mark_chunk("r", 0)
     assert await store.redis.ttl("arena:result:r") > 0
 
 

@@ -1,0 +1,106 @@
+"""The inference worker's publish path with fakes: chunks go live and to the stream without
+waiting for acks; the message is acked only after every chunk and the terminal are stored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+
+from consumers.inference.engine import StepOutput
+from consumers.inference.service import InferenceService, Job
+from events import subjects
+from events.models import ChatMessage, FilterReport, PromptAccepted, SamplingParams
+from runtime.settings import InferenceSettings
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeMsg:
+    def __init__(self) -> None:
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.settled.append("nak")
+
+    async def term(self) -> None:
+        self.settled.append("term")
+
+
+class FakeStream:
+    """Stores what is published; `lose` names chunk seqs whose first ack never comes."""
+
+    def __init__(self, lose: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.stored: list[str] = []
+        self.live: list[tuple[str, str]] = []
+        self.lose = set(lose)
+
+    async def publish(self, event, raw: bytes | None = None) -> None:
+        self.stored.append(subjects.dedupe_key(event))
+
+    async def publish_nowait(self, event, raw: bytes | None = None) -> asyncio.Future:
+        ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        if event.seq in self.lose:
+            self.lose.discard(event.seq)
+            ack.set_exception(TimeoutError("no ack"))
+        else:
+            self.stored.append(subjects.dedupe_key(event))
+            ack.set_result(None)
+        return ack
+
+    async def send_live(self, subject: str, raw: bytes) -> None:
+        self.live.append((subject, raw.decode()))
+
+
+def accepted(rid: str = "r1") -> PromptAccepted:
+    now = time.time()
+    return PromptAccepted(
+        request_id=rid,
+        conv_id=rid,
+        model="m",
+        messages=(ChatMessage(role="user", content="hi"),),
+        params=SamplingParams(max_tokens=9),
+        deadline_at=now + 60,
+        received_at=now,
+        filter=FilterReport(action="pass"),
+    )
+
+
+async def run_job(stream: FakeStream) -> FakeMsg:
+    service = InferenceService(
+        InferenceSettings(nats_url="nats://unused:1", chunk_tokens=4),
+        pool=None,
+        publish=stream.publish,
+        publish_nowait=stream.publish_nowait,
+        live=stream.send_live,
+    )
+    service.start()
+    msg = FakeMsg()
+    job = Job(accepted(), msg, runner=None, pin=AsyncExitStack())  # type: ignore[arg-type]
+    service.jobs["r1"] = job
+    outputs = [StepOutput("r1", [i], f"t{i}", i == 8, "length" if i == 8 else None, 3, i + 1) for i in range(9)]
+    service.on_outputs(outputs)
+    await service.outbox.join()
+    await service.stop()
+    return msg
+
+
+async def test_chunks_go_live_and_to_the_stream_and_the_message_is_acked_after_the_terminal():
+    stream = FakeStream()
+    msg = await run_job(stream)
+    assert stream.stored == ["r1:tok:0", "r1:tok:1", "r1:tok:2", "r1:terminal"]  # first chunk at once, then 4 tokens
+    assert [s for s, _ in stream.live] == [subjects.live_subject("r1")] * 4  # 3 chunks and the terminal
+    assert '"text":"t0"' in stream.live[0][1] and "chat.completed" in stream.live[-1][1]
+    assert msg.settled == ["ack"]
+
+
+async def test_a_chunk_the_stream_did_not_confirm_is_published_again_before_the_terminal():
+    stream = FakeStream(lose={1})
+    msg = await run_job(stream)
+    assert stream.stored == ["r1:tok:0", "r1:tok:2", "r1:tok:1", "r1:terminal"]
+    assert msg.settled == ["ack"]
