@@ -27,6 +27,19 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 SENTINEL_SCHEME = "redis+sentinel"
 
 
+class Client(Redis):
+    """redis-py's client, with one more way Redis can be unreachable: under load its
+    asyncio read path can raise RuntimeError (redis/redis-py#3748, and concurrent reads
+    of one connection after a cancellation); that is a failed call, answered like any
+    other (REDIS_DOWN: a 503 and a retry), not a 500."""
+
+    async def execute_command(self, *args, **options):
+        try:
+            return await super().execute_command(*args, **options)
+        except RuntimeError as exc:
+            raise RedisConnectionError(f"the Redis client failed: {exc}") from exc
+
+
 class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's master discovery with the blocking pool's queueing for a connection."""
 
@@ -46,11 +59,11 @@ def redis_client(url: str, max_connections: int = 64, wait_s: float = 5.0, retri
         sentinels, service, db, password = parse_sentinel_url(url)
         sentinel = Sentinel(sentinels, socket_connect_timeout=1.0, socket_timeout=2.0)
         return sentinel.master_for(
-            service, connection_pool_class=BlockingSentinelPool, db=db, password=password, **options
+            service, redis_class=Client, connection_pool_class=BlockingSentinelPool, db=db, password=password, **options
         )
     retry, retry_on_error = options.pop("retry"), options.pop("retry_on_error")
     pool = BlockingConnectionPool.from_url(url, **options)
-    return Redis(connection_pool=pool, retry=retry, retry_on_error=retry_on_error)
+    return Client(connection_pool=pool, retry=retry, retry_on_error=retry_on_error)
 
 
 def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
