@@ -26,11 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 # ---- kill -9 of an inference replica under `arena up` ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="load-sensitive on the 2-core VM: passes alone and in most full runs (40/40), but some full runs end "
-    "most redelivered streams with clean deadline_exceeded errors (nothing lost); issue 10 stays open for it",
-)
 def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
     up = ArenaUp(tmp_path, "--inference-replicas", "2")
     try:
