@@ -101,8 +101,9 @@ class ProcessRuntime:
         return await jetstream.publish_nowait(self.js, event, raw)
 
     async def publish_live(self, subject: str, raw: bytes) -> None:
-        """Core NATS, not stored: the live copy of an event for whoever follows it now."""
-        await self.connection().publish(subject, raw)
+        """Core NATS, not stored: the live copy of an event for whoever follows it now
+        (with the current span's trace context, as the stored copy has)."""
+        await self.connection().publish(subject, raw, headers=tracing.headers())
 
     async def stop(self) -> None:
         if self._beat:

@@ -78,7 +78,13 @@ def stored_events(nats_url: str, request_id: str) -> list:
     async def go():
         nc = await nats.connect(jetstream.servers(nats_url))
         try:
-            return await request_events(nc.jetstream(), request_id)
+            for attempt in range(4):
+                try:
+                    return await request_events(nc.jetstream(), request_id)
+                except nats.errors.TimeoutError:  # a cluster electing a new JetStream leader
+                    if attempt == 3:
+                        raise
+                    await asyncio.sleep(1.0)
         finally:
             await nc.close()
 
