@@ -427,14 +427,16 @@ class InferenceService:
     async def _confirm_chunks(self, job: Job) -> None:
         """Every chunk of the job stored in the stream: collect the acks, publish again
         (dedupe keys make that safe) whatever the stream did not confirm."""
-        pending, job.unconfirmed = job.unconfirmed, []
+        pending = [(event, None if ack is None else asyncio.ensure_future(ack)) for event, ack in job.unconfirmed]
+        job.unconfirmed = []
+        acks = [ack for _, ack in pending if ack is not None]
+        if acks:  # all at once: a stream leader lost mid-answer costs one timeout, not one per chunk
+            await asyncio.wait(acks, timeout=PUBLISH_TIMEOUT_S)
         for event, ack in pending:
             if ack is not None:
-                try:
-                    await asyncio.wait_for(ack, PUBLISH_TIMEOUT_S)
+                if ack.done() and not ack.cancelled() and ack.exception() is None:
                     continue
-                except SEND_ERRORS:
-                    pass
+                ack.cancel()
             await self._publish_retrying(event)
 
     async def _publish_in_task(self, event, raw: bytes | None = None) -> Awaitable:
