@@ -167,12 +167,15 @@ class InferenceService:
         finally:
             self.holding.pop(id(msg), None)
 
+    def held_messages(self) -> list[Msg]:
+        """Every message this worker holds: its jobs', and those waiting to become one."""
+        return [job.msg for job in self.jobs.values()] + list(self.holding.values())
+
     def ack_subjects(self) -> list[str]:
-        """The ack subjects of every message this worker holds (jobs and messages waiting
-        to become one): heartbeats carry them, so `arena up` can nak them the moment this
-        process dies instead of leaving them to their AckWait (infra.takeover)."""
-        msgs = [job.msg for job in self.jobs.values()] + list(self.holding.values())
-        return [m.reply for m in msgs if m.reply]
+        """The ack subjects of the held messages: heartbeats carry them, so `arena up` can
+        nak them the moment this process dies instead of leaving them to their AckWait
+        (infra.takeover)."""
+        return [m.reply for m in self.held_messages() if m.reply]
 
     async def wait_for_room(self) -> None:
         """Hold no more than two batches' worth, so other workers get the rest."""
@@ -485,7 +488,7 @@ class InferenceService:
         period = self.settings.ack_wait_s / 3
         while True:
             await asyncio.sleep(period)
-            for msg in [job.msg for job in self.jobs.values()] + list(self.holding.values()):
+            for msg in self.held_messages():
                 with suppress(Exception):
                     await msg.in_progress()
 
