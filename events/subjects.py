@@ -94,5 +94,9 @@ def heartbeat_subject(role: str, instance: str) -> str:
     return f"{HEARTBEAT_PREFIX}.{role}.{instance}"
 
 
+# Core-NATS subject on which gateways tell each other what admission let through during a
+# burst (gateway/shed.py; not stored).
+GATEWAY_ADMITTED = "arena.gw.admitted"
+
 # Core-NATS request subject for hot swap: every inference process answers.
 ADMIN_MODELS = "arena.admin.models"

@@ -33,6 +33,7 @@ class ModelQueue:
     step_s: float | None  # decode step time at a small batch (None: never measured)
     full_step_s: float | None  # ... at a batch of half the slots or more
     measured_at: float = 0.0  # when the newest of those steps ran
+    full_batch: int | None = None  # the batch full_step_s was measured at (None: all the slots)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class StreamState:
 
     ahead: int = 0  # not yet held by a worker: being filtered, or waiting to be pulled
     held: int = 0  # delivered to inference workers and not yet acked (every model's)
-    read_at: float = 0.0
+    read_at: float = 0.0  # when the read began: what was published before is in it
 
 
 def combine(
@@ -61,17 +62,21 @@ def combine(
     requests = stream.ahead + held + local_requests
     unknown = max(0, requests - workers.requests - local_requests)
     tokens = workers.tokens + local_tokens + round(unknown * mean_budget)
-    return ModelQueue(workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at)
+    return ModelQueue(
+        workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at, workers.full_batch
+    )
 
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
-    """Step time at a batch size, linear from the small-batch time (at 1) to the
-    near-full one (at all the slots)."""
+    """Step time at a batch size, linear from the small-batch time (at 1) through the
+    near-full one (at the batch it was measured at, else all the slots), extrapolated
+    beyond it: a burst fills batches no steady load reached."""
     small = q.step_s if q.step_s is not None else q.full_step_s
     full = q.full_step_s if q.full_step_s is not None else small
     if small is None or full is None:
         return None
-    share = min(1.0, max(0.0, (batch - 1) / max(1, q.slots - 1)))
+    at = q.full_batch if q.full_batch and q.full_batch > 1 else max(2, q.slots)
+    share = max(0.0, (min(batch, q.slots) - 1) / (at - 1))
     return max(small, small + (full - small) * share)
 
 
@@ -109,8 +114,10 @@ def retry_after_s(est: Estimate, deadline_s: float) -> int:
     return 1 if math.isinf(est.finish_s) else max(1, math.ceil(est.finish_s - deadline_s))
 
 
-# Every gateway's admissions of the last seconds, in one sorted set per model (score:
-# Redis's clock). Adding one and reading those since the stream state was read is one
+# Every gateway's admissions of the last seconds, in one sorted set per model. The score
+# is when the request became visible in the consumers' state: its publish (Redis's
+# clock), or PENDING_S ahead while it is admitted and not yet published, so it counts
+# until then. Adding one and reading those newer than the last stream state is one
 # atomic step, so gateways admitting a burst together each see the others at once.
 RECENT = """
 local t = redis.call('TIME')
@@ -123,30 +130,44 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf'))
   n = n + 1
   tokens = tokens + tonumber(string.match(m, ':(%d+)$'))
 end
-redis.call('ZADD', KEYS[1], now, own)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), own)
 redis.call('EXPIRE', KEYS[1], math.ceil(keep))
 return {n, tokens}
 """
+PUBLISHED = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
+"""
 RECENT_KEY = "arena:admitted:{}"
-#: How long an admission may take to show in the consumers' state (publish, then poll).
-VISIBILITY_LAG_S = 1.5
+#: An admitted request not yet published counts this long at most (one that never is,
+#: and was not removed, lapses then).
+PENDING_S = 5.0
+#: Admissions published this long before the last stream state was read still count:
+#: the clocks of gateways and Redis may differ by that much (one host, or NTP).
+VISIBILITY_LAG_S = 0.05
 
 
 class FleetAdmissions:
-    """What every gateway admitted lately: the stream state, read every fraction of a
-    second, does not show those yet, and a burst must see itself, on every gateway."""
+    """What every gateway admitted and the stream state does not show yet (it is read
+    every fraction of a second, and a burst must see itself, on every gateway)."""
 
     def __init__(self, redis, keep_s: float = 10.0):
         self.redis, self.keep_s = redis, keep_s
         self.script = redis.register_script(RECENT)
+        self.publish_script = redis.register_script(PUBLISHED)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
 
     async def add(self, model: str, member: str, tokens: int, since: float) -> tuple[int, int]:
-        """Record an admission; the requests and tokens admitted before it since `since`."""
+        """Record an admission; the requests and tokens not yet visible at `since`."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
         since = max(since, 0.0)
-        n, total = await self.script(keys=[RECENT_KEY.format(model)], args=[member, tokens, repr(since), self.keep_s])
+        args = [member, tokens, repr(since), self.keep_s, PENDING_S]
+        n, total = await self.script(keys=[RECENT_KEY.format(model)], args=args)
         return int(n), int(total)
+
+    async def published(self, model: str, member: str, tokens: int) -> None:
+        """The admission is published: it shows in stream states read from now on."""
+        await self.publish_script(keys=[RECENT_KEY.format(model)], args=[f"{member}:{tokens}"])
 
     async def remove(self, model: str, member: str, tokens: int) -> None:
         await self.redis.zrem(RECENT_KEY.format(model), f"{member}:{tokens}")

@@ -20,10 +20,11 @@ from pydantic.json_schema import models_json_schema
 from gateway import errors, routes_async, routes_openai, ws
 from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
-from gateway.edge import BodyGuard, head_timeout_protocol
+from gateway.edge import BodyGuard, ServerTiming, head_timeout_protocol
 from gateway.fleet import FLEET
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
+from gateway.shed import EarlyAdmission, EarlyGate
 from runtime import tracing
 from runtime.settings import GatewaySettings
 
@@ -32,11 +33,13 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     settings = settings or GatewaySettings()
     pipeline = pipeline or Pipeline(settings)
     chat = ChatService(settings, pipeline)
+    gate = EarlyGate(chat)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tracing.setup(settings, "gateway")
         await pipeline.start()
+        await gate.start()
         watcher = asyncio.create_task(FLEET.watch(pipeline))  # the fleet's series on /metrics
         yield
         watcher.cancel()
@@ -51,9 +54,12 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     app.include_router(routes_async.router(chat))
     app.include_router(ws.router(chat, settings))
     app.include_router(arena_routes.router(chat, settings))
+    # Middleware added first runs last: the early gate sees a caller with a key and a read body.
+    app.add_middleware(EarlyAdmission, gate=gate)
     app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
     # Added last, so it runs first: no body is read for a caller without a key.
     app.add_middleware(KeyGuard, access=Access(settings, pipeline.keys.redis))
+    app.add_middleware(ServerTiming)  # outermost: times every response from its request's arrival
     app.openapi = lambda: openapi(app)  # type: ignore[method-assign]
     return app
 

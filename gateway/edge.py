@@ -6,6 +6,8 @@
   Content-Length, or trickled) is 408. The route then reads the buffered body.
 - `HeadTimeoutProtocol` (uvicorn's HTTP protocol) closes a connection whose request head
   does not arrive within `header_timeout_s`: a slow-loris client holds nothing for long.
+- `ServerTiming` (ASGI middleware) adds `Server-Timing: gateway;dur=<ms>` to every
+  response: the time from the request's arrival (as the protocol read it) to its head.
 - `parse_frame` parses a WebSocket frame with bounded size and nesting depth.
 
 Every refusal is in the API's error shape (gateway/errors.py).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -103,6 +106,32 @@ class _TooLarge(Exception):
     pass
 
 
+#: Scope key: when the request's first bytes were read (time.perf_counter()).
+ARRIVED = "arena.arrived"
+
+
+class ServerTiming:
+    """Adds `Server-Timing: gateway;dur=<ms>` to each HTTP response: from the request's
+    arrival to the response head, queueing in the event loop included (what a client's
+    latency is made of, less the network and the client's own loop)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        arrived = scope.get(ARRIVED) or time.perf_counter()
+
+        async def timed(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                took = f"gateway;dur={(time.perf_counter() - arrived) * 1000:.1f}".encode()
+                message = {**message, "headers": [*message.get("headers", ()), (b"server-timing", took)]}
+            await send(message)
+
+        return await self.app(scope, receive, timed)
+
+
 class HeadTimeoutProtocol(FastProtocol):
     """uvicorn's HTTP protocol (httptools, else h11), plus a deadline for each request head.
 
@@ -128,9 +157,14 @@ class HeadTimeoutProtocol(FastProtocol):
         self._head_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._head_timeout)
 
     def data_received(self, data: bytes) -> None:
+        self._data_at = time.perf_counter()  # a request head starting in this read arrived now
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:
             self._head_timer.cancel()  # a head arrived: the body has BodyGuard's timeout
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[ARRIVED] = self._data_at  # type: ignore[literal-required]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -119,10 +119,11 @@ class Pipeline:
         (being filtered, or waiting in the stream for a worker to pull them)."""
         while True:
             with suppress(*NATS_DOWN):
+                started = time.time()
                 filt = await self.js.consumer_info(subjects.STREAM, topology.FILTER.durable)
                 inf = await self.js.consumer_info(subjects.STREAM, topology.INFERENCE.durable)
                 ahead = filt.num_pending + filt.num_ack_pending + inf.num_pending
-                self.stream_state = StreamState(ahead, inf.num_ack_pending, time.time())
+                self.stream_state = StreamState(ahead, inf.num_ack_pending, started)
             await asyncio.sleep(STREAM_POLL_S)
 
     def queue(self, model: str) -> ModelQueue:
@@ -130,6 +131,7 @@ class Pipeline:
         slots = requests = tokens = 0
         step_s: float | None = None
         full_step_s: float | None = None
+        full_batch: int | None = None
         measured_at = 0.0
         for beat in self.live_beats():
             if beat["role"] != topology.INFERENCE.name or model not in beat.get("resident", []):
@@ -143,9 +145,9 @@ class Pipeline:
             measured_at = max(measured_at, load.get("measured_at", 0.0))
             if load.get("step_s") is not None:
                 step_s = max(step_s or 0.0, load["step_s"])
-            if load.get("full_step_s") is not None:
-                full_step_s = max(full_step_s or 0.0, load["full_step_s"])
-        return ModelQueue(slots, requests, tokens, step_s, full_step_s, measured_at)
+            if load.get("full_step_s") is not None and load["full_step_s"] >= (full_step_s or 0.0):
+                full_step_s, full_batch = load["full_step_s"], load.get("full_batch")
+        return ModelQueue(slots, requests, tokens, step_s, full_step_s, measured_at, full_batch)
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from opentelemetry.trace import Span
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
-from gateway import admission, ratelimit
+from gateway import admission, ratelimit, shed
 from gateway.access import not_found
 from gateway.errors import APIError
 from gateway.metrics import METRICS
@@ -64,6 +64,9 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     #: The request's trace (its root span; None when tracing is off).
     trace: Span | None = field(default=None, repr=False)
+    #: Its entry among the fleet's recent admissions (model, member, tokens; admission.py),
+    #: when admission made it here and not at the edge (shed.py); marked when published.
+    admission: tuple[str, str, int] | None = field(default=None, repr=False)
 
     @property
     def until(self) -> float:
@@ -157,33 +160,22 @@ class ChatService:
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
 
-    async def _in_time(self, model: str, req: ChatCompletionRequest) -> None:
-        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline.
+    async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
+        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
+        its entry among the fleet's recent admissions (see admission.py) when it can.
 
         The request is added to the fleet's recent admissions first, atomically with
         reading the others', so concurrent admissions on any gateway see each other."""
-        stream, tokens, member = self.pipeline.stream_state, req.token_limit(), new_id()
-        # Admitted requests reach the stream state only once published and polled: during
-        # a burst that takes a while, so admissions are counted a lag before the last read
-        # too (counted twice rather than missed).
+        stream, member = self.pipeline.stream_state, new_id()
         since = stream.read_at - admission.VISIBILITY_LAG_S
         n, ahead_tokens = await self.recent.add(model, member, tokens, since)
         queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
         est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
-        budget = self.budget_s(req)
-        if est.finish_s <= budget:
-            return
+        if est.finish_s <= budget_s:
+            return model, member, tokens
         await self.recent.remove(model, member, tokens)
         METRICS.rejections.labels(reason="deadline_unreachable").inc()
-        raise APIError(
-            429,
-            f"model '{model}' cannot answer within {budget:g} s now (estimated {est.finish_s:.1f} s); retry later"
-            if not math.isinf(est.finish_s)
-            else f"model '{model}' is being measured; retry shortly",
-            "overloaded",
-            None,
-            headers={"Retry-After": str(admission.retry_after_s(est, budget))},
-        )
+        raise shed.overloaded(model, est, budget_s)
 
     async def admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None = None
@@ -203,6 +195,8 @@ class ChatService:
             tracing.end(root, why)
             raise
         tracing.end(span)
+        if event is None:  # attached to an earlier request: no new work ahead of anyone
+            await self._settle(ticket, published=False)
         if root is not None:
             root.set_attribute("arena.request_id", ticket.request_id)
             root.set_attribute("arena.attached", ticket.attached)
@@ -222,11 +216,14 @@ class ChatService:
         model = self._check(req)
         # Counted from here, with no await since the queue check, so a burst sees itself.
         release = self.reserve(model)
+        admission_entry: tuple[str, str, int] | None = None
         try:
-            try:
-                await self._in_time(model, req)
-            except REDIS_DOWN as exc:
-                raise store_unavailable() from exc
+            checked = shed.current()
+            if checked is None or checked.entry is None:  # not judged fleet-wide at the edge
+                try:
+                    admission_entry = await self.in_time(model, req.token_limit(), self.budget_s(req))
+                except REDIS_DOWN as exc:
+                    raise store_unavailable() from exc
             verdict = None
             if limits is not None and not limits.off:
                 cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())
@@ -237,9 +234,27 @@ class ChatService:
             ticket, event = await self._admit(req, idem_key, principal, model, release)
         except BaseException:
             release()
+            if admission_entry is not None:  # refused after the deadline check: not ahead of anyone
+                with suppress(*REDIS_DOWN):
+                    await self.recent.remove(*admission_entry)
             raise
         ticket.headers = verdict.headers() if verdict else {}
+        ticket.admission = admission_entry
         return ticket, event
+
+    async def _settle(self, ticket: Ticket, published: bool) -> None:
+        """The request is published (it shows in the consumers' state from now on), or will
+        not be (attached to an earlier one, or its publish failed)."""
+        if (edge := shed.current()) is not None:
+            await edge.settle(published)
+        if ticket.admission is not None:
+            model, member, tokens = ticket.admission
+            ticket.admission = None
+            with suppress(*REDIS_DOWN):
+                if published:
+                    await self.recent.published(model, member, tokens)
+                else:
+                    await self.recent.remove(model, member, tokens)
 
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
@@ -343,6 +358,7 @@ class ChatService:
         try:
             await output.open()
         except BaseException:
+            await self._settle(ticket, published=False)
             await output.close()
             raise
         if event is None:
@@ -351,6 +367,7 @@ class ChatService:
             with tracing.within(ticket.trace):  # the event carries the request's trace
                 await self.pipeline.publish(event, until=ticket.deadline_at)
         except APIError:
+            await self._settle(ticket, published=False)
             await output.close()
             if ticket.key:
                 try:
@@ -358,6 +375,7 @@ class ChatService:
                 except REDIS_DOWN:
                     log.warning("could not release the idempotency key", extra={"request_id": ticket.request_id})
             raise
+        await self._settle(ticket, published=True)
         return output
 
     async def answer(self, ticket: Ticket, event: ChatRequested | None) -> Any:

@@ -53,7 +53,9 @@ class Core:
 
 #: Not declared in the topology: what a role does on core NATS.
 CORE: dict[str, Core] = {
-    topology.GATEWAY.name: Core(subscribe=(f"{s.HEARTBEAT_PREFIX}.>", f"{s.LIVE_PREFIX}.>")),
+    topology.GATEWAY.name: Core(
+        publish=(s.GATEWAY_ADMITTED,), subscribe=(f"{s.HEARTBEAT_PREFIX}.>", f"{s.LIVE_PREFIX}.>", s.GATEWAY_ADMITTED)
+    ),
     topology.DELIVERY.name: Core(publish=(f"{s.LIVE_PREFIX}.>",)),
     topology.INFERENCE.name: Core(
         publish=(f"{s.LIVE_PREFIX}.>",), subscribe=(s.CANCEL_SUBJECT, s.ADMIN_MODELS), responds=True

@@ -171,6 +171,14 @@ class BatchEngine:
     def running(self) -> int:
         return len(self._seqs)
 
+    def budgets(self) -> tuple[list[int], list[int]]:
+        """Token budgets left: of each running request, and of each waiting one in order
+        (upper bounds: a request may stop early). Read from any thread; approximate."""
+        with self._lock:
+            waiting = [req.params.max_tokens - len(req.resume_ids) for req in self._waiting]
+        running = [seq.max_tokens - len(seq.tokens) for seq in list(self._seqs)]
+        return running, waiting
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)

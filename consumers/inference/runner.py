@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import statistics
 import threading
@@ -18,6 +19,18 @@ log = logging.getLogger(__name__)
 #: Steps measured before a speed is trusted: the first ones after a load run cold (torch
 #: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
 MIN_SAMPLES = 16
+
+
+def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
+    """Steps until a request queued behind `waiting` gets one of `slots`: each slot frees
+    when its request has used its budget, and the waiting take the slots as they free."""
+    ends = sorted(running)[: max(0, slots)]
+    free = [0] * (slots - len(ends))
+    heap = free + ends
+    heapq.heapify(heap)
+    for budget in waiting:
+        heapq.heappush(heap, heapq.heappop(heap) + budget)
+    return heap[0] if heap else 0
 
 
 class EngineRunner:
@@ -42,6 +55,7 @@ class EngineRunner:
         #: gateway's admission estimates how long a new request would take from their medians.
         self._small: deque[float] = deque(maxlen=64)
         self._full: deque[float] = deque(maxlen=64)
+        self._full_batches: deque[int] = deque(maxlen=64)  # the batch of each of those steps
         self.measured_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
@@ -95,17 +109,25 @@ class EngineRunner:
     def _measure(self, batch: int, took: float) -> None:
         """A step's time (with the prefill of requests joining it: under a steady load
         most steps admit someone, and that is the speed requests see)."""
-        (self._full if batch * 2 >= self.engine.max_batch_size else self._small).append(took)
+        if batch * 2 >= self.engine.max_batch_size:
+            self._full.append(took)
+            self._full_batches.append(batch)
+        else:
+            self._small.append(took)
         self.measured_at = time.time()
 
     def finish_at(self, tokens: int) -> float | None:
-        """When a request joining now would end, at worst (all `tokens`, at the step time
-        measured for the batch it joins); None until MIN_SAMPLES steps were measured."""
-        full = self.engine.running * 2 >= self.engine.max_batch_size
+        """When a request joining now would end, at worst: once a slot is free for it
+        (after the requests running and waiting ahead of it, each at its whole remaining
+        budget), all its `tokens`, at the step time measured for the batch it joins; None
+        until MIN_SAMPLES steps were measured."""
+        e = self.engine
+        full = e.running * 2 >= e.max_batch_size
         recent = (self._full or self._small) if full else (self._small or self._full)
         if len(recent) < MIN_SAMPLES:
             return None
-        return time.time() + tokens * statistics.median(recent)
+        running, waiting = e.budgets()
+        return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * statistics.median(recent)
 
     def load(self) -> dict:
         """What this engine holds and how fast it steps (for heartbeats)."""
@@ -117,6 +139,7 @@ class EngineRunner:
             # Medians: a slow first step (warm-up, a long prefill) does not skew them.
             "step_s": statistics.median(self._small) if self._small else None,
             "full_step_s": statistics.median(self._full) if self._full else None,
+            "full_batch": statistics.median_low(self._full_batches) if self._full_batches else None,
             "measured_at": self.measured_at,
         }
 

@@ -293,9 +293,10 @@ class InferenceService:
             for k in ("running", "waiting", "max_batch"):
                 entry[k] += load[k]
             entry["measured_at"] = max(entry.get("measured_at", 0.0), load["measured_at"])
-            for k in ("step_s", "full_step_s"):
-                if load[k] is not None:
-                    entry[k] = max(entry.get(k) or 0.0, load[k])
+            if load["step_s"] is not None:
+                entry["step_s"] = max(entry.get("step_s") or 0.0, load["step_s"])
+            if load["full_step_s"] is not None and load["full_step_s"] >= (entry.get("full_step_s") or 0.0):
+                entry["full_step_s"], entry["full_batch"] = load["full_step_s"], load["full_batch"]
         for job in self.jobs.values():
             if job.runner.name in out and not job.closed:
                 out[job.runner.name]["tokens"] += max(0, job.event.params.max_tokens - job.generated)

@@ -42,6 +42,14 @@ def test_step_time_grows_from_small_to_full_batches():
     assert step_at(q(step_s=None), 1) == pytest.approx(0.02)  # only near-full measured: use it
 
 
+def test_step_time_is_extrapolated_past_the_batch_it_was_measured_at():
+    # measured at batch 24 of 48 slots (a steady load); a burst fills all 48
+    queue = ModelQueue(48, 0, 0, 0.01, 0.02, time.time(), full_batch=24)
+    assert step_at(queue, 24) == pytest.approx(0.02)
+    assert step_at(queue, 48) == pytest.approx(0.01 + 0.01 * 47 / 23)
+    assert step_at(queue, 100) == step_at(queue, 48)  # never beyond the slots
+
+
 def test_work_beyond_the_slots_is_waited_for_in_waves():
     # 64 requests of 128 tokens ahead, 32 slots: this one waits for 2 waves (33 beyond / 32 slots, rounded up).
     est = estimate(q(requests=64, tokens=64 * 128), budget=128, overhead_s=0)
@@ -79,7 +87,12 @@ async def test_fleet_admissions_are_seen_by_every_gateway_at_once():
     assert await two.add("m", "r2", 64, since) == (1, 128)
     assert await one.add("m", "r3", 32, since) == (2, 192)
     await two.remove("m", "r3", 32)  # refused after all
-    assert await two.add("m", "r4", 8, time.time() + 1) == (0, 0)  # read after: the stream shows them
+    # Not yet published: counted whatever the stream state says, until published.
+    assert await two.add("m", "r4", 8, time.time() + 1) == (2, 192)
+    for member, tokens in (("r1", 128), ("r2", 64), ("r4", 8)):
+        await one.published("m", member, tokens)
+    assert await two.add("m", "r6", 8, time.time() - 1) == (3, 200)  # a state read before: not there yet
+    assert await two.add("m", "r7", 8, time.time() + 1) == (1, 8)  # read after: the stream shows them (r6 pending)
     assert await one.add("other", "r5", 8, since) == (0, 0)
 
 

@@ -8,13 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from consumers.inference.runner import MIN_SAMPLES, EngineRunner
+from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot
 
 
 class IdleEngine:
     """Just what the runner reads; it never has work, so its thread only waits."""
 
     mode, running, waiting, max_batch_size = "continuous", 20, 0, 32
+
+    def budgets(self) -> tuple[list[int], list[int]]:
+        return [], []
+
     loaded = SimpleNamespace(spec=SimpleNamespace(name="toy"))
 
     def has_work(self) -> bool:
@@ -42,3 +46,20 @@ def test_estimate_is_the_median_step_of_the_batch_size_joined(runner):
     for took in [0.01] * MIN_SAMPLES + [5.0] * (MIN_SAMPLES // 2 - 1):  # outliers do not move a median
         runner._measure(20, took)
     assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
+
+
+def test_estimate_counts_the_requests_ahead_of_it(runner):
+    """A request pulled behind a full batch and a queue starts when a slot frees for it."""
+    for _ in range(MIN_SAMPLES):
+        runner._measure(32, 0.01)
+    runner.engine.budgets = lambda: ([50] * 32, [100] * 32)  # a full batch half done, a batch waiting
+    assert runner.finish_at(100) == pytest.approx(time.time() + (50 + 100 + 100) * 0.01, abs=0.1)
+    runner.engine.budgets = lambda: ([50] * 31, [])  # a slot free: it joins at once
+    assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
+
+
+def test_steps_until_a_slot():
+    assert steps_until_slot([], [], 4) == 0
+    assert steps_until_slot([10, 20, 30, 40], [], 4) == 10
+    assert steps_until_slot([10, 20, 30, 40], [5], 4) == 15  # the first free slot goes to the one waiting
+    assert steps_until_slot([10, 20], [100, 100, 100], 3) == 100  # 1 free (0+100), 10+100, 20+100 -> 100 first

@@ -1,0 +1,241 @@
+"""Early refusal: in a burst, the requests that cannot be answered in time are refused
+before the admitted ones do their heavier work.
+
+The event loop serves a burst in arrival order, stage by stage: without this, a request
+refused by admission waits behind every earlier request's body validation, Redis calls
+and publish, and its 429 leaves after about a second on a busy gateway. On the admission
+routes (`POST /v1/chat/completions`, `POST /chat`), `EarlyAdmission` reads the token
+budget and deadline from the body itself and
+
+1. judges the request from what this process already knows, with no I/O (`EarlyGate`):
+   the fleet's queue (heartbeats, the consumers' state) plus the requests this gateway
+   and its peers let through lately (peers tell each other on core NATS, `SUBJECT`, so
+   gateways splitting a burst see most of each other's share at once);
+2. yields once, so every request that arrived with it is judged before any goes on;
+3. makes the fleet-wide check (`ChatService.in_time`: one Redis script shared by all
+   gateways) before any heavier step (validation, idempotency and ownership in Redis,
+   the publish).
+
+Refusals are the same 429 with Retry-After that admission gives elsewhere (WebSocket and
+arena turns are judged by `ChatService.admit` alone). `Edge` follows the request: its
+entries are marked when it is published (`ChatService.start`) and dropped when it is
+refused or fails.
+
+(A window letting only a few admitted requests do their heavier steps at once was
+tried: refusals came no sooner with two gateways, and admission slowed enough that
+requests sent just before a Redis outage met it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from contextlib import suppress
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from events import subjects
+from events.models import DEFAULT_MAX_TOKENS, new_id
+from gateway import admission
+from gateway.errors import APIError
+from gateway.metrics import METRICS
+from gateway.pipeline import NATS_DOWN
+from runtime.redis import REDIS_DOWN
+
+#: The routes whose requests go through admission, and how each names its token budget.
+ROUTES = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/chat": ("max_tokens",)}
+SUBJECT = subjects.GATEWAY_ADMITTED
+
+
+@dataclass
+class Edge:
+    """What the edge did for a request: its early-gate and fleet-wide entries; `settle`
+    marks or drops them once (published or not)."""
+
+    gate: EarlyGate
+    model: str
+    member: str  # in the early gate
+    entry: tuple[str, str, int] | None = None  # among the fleet's recent admissions
+    settled: bool = False
+
+    async def settle(self, published: bool) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        recent = self.gate.chat.recent
+        if published:
+            await self.gate.published(self.model, self.member)
+        else:
+            await self.gate.forget(self.model, self.member)
+        if self.entry is not None:
+            with suppress(*REDIS_DOWN):
+                await (recent.published if published else recent.remove)(*self.entry)
+
+
+_EDGE: ContextVar[Edge | None] = ContextVar("arena_edge_admission", default=None)
+
+
+def current() -> Edge | None:
+    """The edge's admission of the request being served (None off the admission routes)."""
+    return _EDGE.get()
+
+
+def overloaded(model: str, est: admission.Estimate, budget_s: float) -> APIError:
+    """The 429 admission answers for a request the fleet cannot finish within `budget_s`."""
+    return APIError(
+        429,
+        f"model '{model}' cannot answer within {budget_s:g} s now (estimated {est.finish_s:.1f} s); retry later"
+        if not math.isinf(est.finish_s)
+        else f"model '{model}' is being measured; retry shortly",
+        "overloaded",
+        None,
+        headers={"Retry-After": str(admission.retry_after_s(est, budget_s))},
+    )
+
+
+def _number(value: Any) -> float | None:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
+
+
+class EarlyGate:
+    """What this gateway and its peers let through lately, per model, and the decision."""
+
+    def __init__(self, chat: Any):
+        self.chat, self.pipeline, self.settings = chat, chat.pipeline, chat.settings
+        self.name = new_id()
+        self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
+
+    async def start(self) -> None:
+        if (nc := getattr(self.pipeline, "nc", None)) is not None:
+            await nc.subscribe(SUBJECT, cb=self._on_peer)
+
+    async def _on_peer(self, msg) -> None:
+        try:
+            gateway, model, member, tokens, state = orjson.loads(msg.data)
+        except (ValueError, TypeError):
+            return
+        if gateway != self.name:
+            self._mark(model, f"{gateway}:{member}", tokens, state)
+
+    def _mark(self, model: str, member: str, tokens: int, state: str) -> None:
+        """A request let through (`pass`: counted until published, PENDING_S at most),
+        published (`pub`: counted until a stream state read after it) or dropped."""
+        passed = self.passed.setdefault(model, {})
+        if state == "drop":
+            passed.pop(member, None)
+        elif state == "pass" or member in passed:
+            passed[member] = (time.time() + (admission.PENDING_S if state == "pass" else 0.0), tokens)
+
+    def _ahead(self, model: str, since: float) -> tuple[int, int]:
+        """Requests and tokens let through and not visible at `since` (older ones are
+        dropped: the consumers' state has them)."""
+        passed = self.passed.get(model, {})
+        for member in [m for m, (t, _) in passed.items() if t <= since]:
+            del passed[member]
+        return len(passed), sum(tokens for _, tokens in passed.values())
+
+    def judge(self, model: str, tokens: int, budget_s: float) -> admission.Estimate | None:
+        """The estimate when the request cannot finish within `budget_s`; None to let it on."""
+        workers = self.pipeline.queue(model)
+        stream = self.pipeline.stream_state
+        n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S)
+        queue = admission.combine(workers, stream, n, ahead, self.chat.recent.mean_budget)
+        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
+        return est if est.finish_s > budget_s else None
+
+    async def let_through(self, model: str, tokens: int) -> str:
+        member = new_id()
+        await self._set(model, member, tokens, "pass")
+        return member
+
+    async def published(self, model: str, member: str) -> None:
+        await self._set(model, member, 0, "pub")
+
+    async def forget(self, model: str, member: str) -> None:
+        """A request refused after this gate, or attached to an earlier one: not ahead of anyone."""
+        await self._set(model, member, 0, "drop")
+
+    async def _set(self, model: str, member: str, tokens: int, state: str) -> None:
+        if state != "pass":
+            tokens = self.passed.get(model, {}).get(member, (0.0, 0))[1]
+        self._mark(model, member, tokens, state)
+        nc = getattr(self.pipeline, "nc", None)
+        if nc is not None and nc.is_connected:
+            with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
+                await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
+
+    def request_of(self, path: str, body: bytes) -> tuple[str, int, float] | None:
+        """(model, token budget, deadline) of an admission route's body; None when the
+        body is not one this gate can read (the route answers it, 400 included)."""
+        names = ROUTES.get(path)
+        if names is None:
+            return None
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(doc, dict):
+            return None
+        model = doc.get("model") or self.settings.default_model
+        if not isinstance(model, str):
+            return None
+        tokens = next((int(v) for n in names if (v := _number(doc.get(n))) is not None), DEFAULT_MAX_TOKENS)
+        deadline = _number(doc.get("deadline_s")) or self.settings.deadline_s
+        return model, tokens, min(deadline, self.settings.max_deadline_s)
+
+
+class EarlyAdmission:
+    """ASGI middleware running `EarlyGate` on the admission routes (inside KeyGuard and
+    BodyGuard: the caller has a key and the body is read)."""
+
+    def __init__(self, app, gate: EarlyGate):
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        if state.get("principal") is None:  # no valid key: the route answers 401
+            return await self.app(scope, receive, send)
+        message = await receive()  # BodyGuard's buffered body, at once
+        body = message.get("body", b"") if message["type"] == "http.request" else b""
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return message
+            return await receive()
+
+        request = self.gate.request_of(scope["path"], body)
+        if request is None:
+            return await self.app(scope, replay, send)
+        model, tokens, budget_s = request
+        if self.gate.pipeline.queue(model).slots <= 0:  # not served, or not yet: the route answers
+            return await self.app(scope, replay, send)
+        if (est := self.gate.judge(model, tokens, budget_s)) is not None:
+            METRICS.rejections.labels(reason="deadline_unreachable").inc()
+            return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
+        edge = Edge(self.gate, model, await self.gate.let_through(model, tokens))
+        token = _EDGE.set(edge)
+        try:
+            await asyncio.sleep(0)  # every request that arrived with this one is judged first
+            try:
+                with suppress(*REDIS_DOWN):  # the route's admission answers 503 then
+                    edge.entry = await self.gate.chat.in_time(model, tokens, budget_s)
+            except APIError as err:  # refused fleet-wide
+                return await self._refuse(model, err, scope, replay, send)
+            return await self.app(scope, replay, send)
+        finally:
+            await edge.settle(published=False)  # nothing, when the request was published
+            _EDGE.reset(token)
+
+    @staticmethod
+    async def _refuse(model: str, err: APIError, scope, receive, send) -> None:
+        METRICS.requests.labels(model, str(err.status)).inc()
+        await err.response()(scope, receive, send)
