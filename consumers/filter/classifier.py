@@ -2,15 +2,16 @@
 
 Two kinds of artifact sit behind one small interface (:class:`Classifier`):
 
-* a linear model over hashed n-grams (``.npz``, written by ``arena filter-train``),
-  scored with numpy; loaded with ``allow_pickle=False``, so a tampered file
-  cannot run code;
+* a linear model over hashed n-grams and hand-written cues (``.npz``, written by
+  ``arena filter-train``), scored with numpy; loaded with ``allow_pickle=False``,
+  so a tampered file cannot run code;
 * a Hugging Face sequence-classification checkpoint directory (a guard model
   the operator brings), run through transformers (:mod:`consumers.filter.guard`).
 
-Artifact layout (``.npz``): ``weights`` (float32, one per hashed feature),
-``bias`` (float32, one value) and ``meta`` (UTF-8 JSON as uint8: format,
-feature version, hash bits, n-gram orders, threshold, version, training report).
+Artifact layout (``.npz``): ``weights`` (float32: one per hashed feature, then one
+per cue when ``meta["cues"]`` is present), ``bias`` (float32, one value) and
+``meta`` (UTF-8 JSON as uint8: format, feature version, hash bits, n-gram orders,
+cue version and names, threshold, version, training report).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
 from consumers.filter.features import FEATURES_VERSION, featurize, gram_text
 
 __all__ = [
@@ -34,7 +36,7 @@ __all__ = [
     "save_linear",
 ]
 
-ARTIFACT_FORMAT = "arenaflow-prompt-classifier/1"
+ARTIFACT_FORMAT = "arenaflow-prompt-classifier/1"  # v1 layout; the cue weights extend ``weights``
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "artifacts" / "prompt-classifier.npz"
 
 
@@ -59,7 +61,8 @@ class Classifier(Protocol):
 
 
 class LinearClassifier:
-    """Logistic regression over binary, L2-normalized hashed n-grams (features.py)."""
+    """A linear score over binary, L2-normalized hashed n-grams (features.py) and, when
+    the artifact has them, the hand-written cues (cues.py); probability = sigmoid."""
 
     blocking = False
 
@@ -69,9 +72,18 @@ class LinearClassifier:
                 f"artifact features {meta.get('features')!r} differ from this code's {FEATURES_VERSION!r}; "
                 "retrain with `arena filter-train`"
             )
-        if len(weights) != 1 << meta["bits"]:
-            raise ValueError(f"artifact has {len(weights)} weights, expected 2**{meta['bits']}")
-        self.weights = weights.astype(np.float32, copy=False)
+        cues = meta.get("cues")
+        if cues is not None and (cues.get("version") != CUES_VERSION or tuple(cues.get("names", ())) != CUE_NAMES):
+            raise ValueError(
+                f"artifact cues {cues.get('version')!r} differ from this code's {CUES_VERSION!r}; "
+                "retrain with `arena filter-train`"
+            )
+        n_cues = len(CUE_NAMES) if cues is not None else 0
+        if len(weights) != (1 << meta["bits"]) + n_cues:
+            raise ValueError(f"artifact has {len(weights)} weights, expected 2**{meta['bits']} + {n_cues} cues")
+        weights = weights.astype(np.float32, copy=False)
+        self.weights = weights[: 1 << meta["bits"]]
+        self.cue_weights = weights[1 << meta["bits"] :].astype(np.float64) if n_cues else None
         self.bias = float(bias)
         self.meta = meta
         self.bits = int(meta["bits"])
@@ -80,21 +92,34 @@ class LinearClassifier:
         self.threshold = float(meta["threshold"])
         self.version = str(meta["version"])
 
-    def logit(self, text: str) -> tuple[float, Any]:
+    def logit(self, text: str) -> tuple[float, Any, np.ndarray | None]:
+        """The score's logit, the n-gram features, and each cue's contribution (None without cues)."""
         f = featurize(text, self.bits, self.char_orders, self.word_orders)
-        if not len(f.index):
-            return self.bias, f
-        return self.bias + float(self.weights[f.index].sum()) / np.sqrt(len(f.index)), f
+        z = self.bias
+        if len(f.index):
+            z += float(self.weights[f.index].sum()) / np.sqrt(len(f.index))
+        cue_part = None
+        if self.cue_weights is not None:
+            cue_part = cue_vector(f.text, text) * self.cue_weights
+            z += float(cue_part.sum())
+        return z, f, cue_part
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        z, f = self.logit(text)
+        z, f, cue_part = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
-        if explain <= 0 or not len(f.index):
+        if explain <= 0:
             return ClassifierScore(round(prob, 6))
-        contrib = self.weights[f.index] / np.sqrt(len(f.index))
+        n = len(f.index)
+        values = self.weights[f.index].astype(np.float64) / np.sqrt(max(n, 1))
+        if cue_part is not None:
+            values = np.concatenate([values, cue_part])
         # the side that decided: features towards "attack" when flagged, else towards "benign"
-        order = np.argsort(-contrib if prob >= self.threshold else contrib)[:explain]
-        top = tuple((gram_text(f, int(f.index[i])), round(float(contrib[i]), 4)) for i in order)
+        order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
+        top = tuple(
+            (gram_text(f, int(f.index[i])) if i < n else f"cue:{CUE_NAMES[i - n]}", round(float(values[i]), 4))
+            for i in order
+            if values[i] != 0
+        )
         return ClassifierScore(round(prob, 6), top)
 
 

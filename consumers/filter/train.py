@@ -1,10 +1,21 @@
 """`arena filter-train`: fit the classifier stage and measure it honestly.
 
-Model: logistic regression (liblinear, dual) over the hashed character 3-5-grams
-of features.py, C=10, with sample weights that give each class half the weight
-and each source family the same share of its class (heldout.family_weights).
-Training is deterministic for a seed: features are hashes, and liblinear's
-coordinate order comes from ``random_state``.
+Model: one linear score over two views of a prompt, each fitted as its own
+logistic regression with sample weights that give each class half the weight and
+each source family the same share of its class (heldout.family_weights):
+
+* the hashed character 3-5-grams of features.py (liblinear dual, C=10): the style
+  of the attacks seen in training;
+* the hand-written cues of cues.py (lbfgs on standardized cues, C=1): harm and
+  "instruction aimed at the model" vocabulary, phrases and shape, which carry over
+  to attack collections never seen.
+
+Each view's logit is centred and scaled by the median and spread of its scores on
+the benign training prompts, and the cue view is added with weight ``CUE_MIX``;
+the result is folded into one weight vector (n-gram weights, then cue weights) and
+one bias, so serving is one dot product per view. Training is deterministic for a
+seed: features are hashes, liblinear's coordinate order comes from
+``random_state``, and lbfgs is deterministic.
 
 Evaluation (consumers/filter/heldout.py), written into the artifact's metadata
 and printed by `arena filter-eval`, each at a threshold flagging at most 0.3% of
@@ -36,13 +47,16 @@ import numpy as np
 from consumers.filter import heldout
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
-from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
+from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, normalize
 
-__all__ = ["evaluate", "fit", "main", "matrix", "train"]
+__all__ = ["evaluate", "fit", "fit_views", "main", "matrix", "train"]
 
 FP_CAP = 0.003
 BITS = 18
 C = 10.0  # weak regularization: held-out catch rose from 1% (C=1) to 12% (C=10), see docs/filter.md
+CUE_C = 1.0
+CUE_MIX = 0.5  # weight of the (scaled) cue view next to the (scaled) n-gram view; docs/filter.md
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 
@@ -57,6 +71,17 @@ def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=
     return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(rows), 1 << bits))
 
 
+def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True):
+    """The n-gram matrix, with the cue vectors appended as extra columns when ``cues``."""
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    x = matrix(rows, bits, char_orders, word_orders)
+    if not cues:
+        return x
+    dense = np.array([cue_vector(normalize(r.text), r.text) for r in rows]).reshape(len(rows), len(CUE_NAMES))
+    return sp.hstack([x, sp.csr_matrix(dense)], format="csr")
+
+
 def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """Weights and bias of a logistic regression; the same inputs and seed give the same weights."""
     from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
@@ -67,13 +92,45 @@ def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None 
     return model.coef_[0].astype(np.float32), float(model.intercept_[0])
 
 
+def _fit_cues(cues: np.ndarray, y: np.ndarray, sample_weight: np.ndarray) -> tuple[np.ndarray, float]:
+    """Logistic regression on standardized cues, returned in raw cue units (weights, bias)."""
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+
+    mean, scale = cues.mean(axis=0), cues.std(axis=0)
+    scale[scale == 0] = 1.0
+    model = LogisticRegression(C=CUE_C, max_iter=5000).fit((cues - mean) / scale, y, sample_weight=sample_weight)
+    coef = model.coef_[0] / scale
+    return coef, float(model.intercept_[0] - coef @ mean)
+
+
+def _benign_scale(logits: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    benign = logits[~y]
+    return float(np.median(benign)), float(benign.std()) or 1.0
+
+
+def fit_views(
+    x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray, bits: int, cue_mix: float = CUE_MIX
+) -> tuple[np.ndarray, float]:
+    """One weight vector (n-grams, then cues when ``x`` has them) and a bias; see the module docstring."""
+    n = 1 << bits
+    ngrams = x[:, :n]
+    w, b = fit(ngrams, y, c, seed, sample_weight)
+    if x.shape[1] == n:
+        return w, b
+    cues = x[:, n:].toarray()
+    v, bv = _fit_cues(cues, y, sample_weight)
+    (mw, sw), (mv, sv) = _benign_scale(_logits(ngrams, w, b), y), _benign_scale(cues @ v + bv, y)
+    weights = np.concatenate([w / sw, cue_mix * v / sv]).astype(np.float32)
+    return weights, (b - mw) / sw + cue_mix * (bv - mv) / sv
+
+
 def _logits(x, w: np.ndarray, b: float) -> np.ndarray:
     return np.asarray(x @ w.astype(np.float64)).ravel() + b
 
 
-def _fitter(c: float, seed: int) -> heldout.Fit:
+def _fitter(c: float, seed: int, bits: int) -> heldout.Fit:
     def fit_rows(x, y, sample_weight):
-        w, b = fit(x, y, c, seed, sample_weight)
+        w, b = fit_views(x, y, c, seed, sample_weight, bits)
         return lambda xs: _logits(xs, w, b)
 
     return fit_rows
@@ -131,6 +188,7 @@ def train(
     balance: str = "family",
     char_orders: tuple[int, ...] = CHAR_ORDERS,
     word_orders: tuple[int, ...] = (),
+    cues: bool = True,
     evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
     fp_cap: float = FP_CAP,
@@ -139,31 +197,41 @@ def train(
     """Fit on ``rows``; with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
     y = np.array([r.attack for r in rows])
     fam = np.array([r.family for r in rows])
-    x = matrix(rows, bits, char_orders, word_orders)
-    w, b = fit(x, y, c, seed, heldout.family_weights(y, fam, balance))
+    x = views(rows, bits, char_orders, word_orders, cues)
+    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance), bits)
     report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum()), "balance": balance}
     if evaluate_heldout:
-        dev_pair = (dev, lambda: _logits(matrix(dev, bits, char_orders, word_orders), w, b)) if dev else None
-        held, t = evaluate(rows, x, _fitter(c, seed), balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
+        dev_pair = (dev, lambda: _logits(views(dev, bits, char_orders, word_orders, cues), w, b)) if dev else None
+        fitter = _fitter(c, seed, bits)
+        held, t = evaluate(rows, x, fitter, balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
         report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
         t = heldout.threshold_at(_logits(x, w, b)[~y], fp_cap)
     report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
     digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:12]
-    meta = {
-        "version": f"ngram-lr-{digest}",
+    model: dict[str, Any] = {
+        "family": "logistic regression, liblinear dual, class and family balanced",
+        "C": c,
+        "seed": seed,
+    }
+    if cues:
+        model |= {
+            "family": "n-gram LR (liblinear dual) + cue LR (lbfgs, standardized), benign-scaled and summed",
+            "cue_C": CUE_C,
+            "cue_mix": CUE_MIX,
+        }
+    meta: dict[str, Any] = {
+        "version": f"{'ngram-cues' if cues else 'ngram'}-lr-{digest}",
         "features": FEATURES_VERSION,
         "bits": bits,
         "char_orders": list(char_orders),
         "word_orders": list(word_orders),
         "threshold": _prob(t),
-        "model": {
-            "family": "logistic regression, liblinear dual, class and family balanced",
-            "C": c,
-            "seed": seed,
-        },
+        "model": model,
         "report": report,
     }
+    if cues:
+        meta["cues"] = {"version": CUES_VERSION, "names": list(CUE_NAMES)}
     return w, b, meta
 
 
@@ -178,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
     p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
     p.add_argument("--words", action="store_true", help="add word 1-2-grams to the character 3-5-grams")
+    p.add_argument("--no-cues", action="store_true", help="n-grams only (the v3 model), without the cue view")
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
     args = p.parse_args(argv)
@@ -195,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         balance=args.balance,
         word_orders=WORD_ORDERS if args.words else (),
+        cues=not args.no_cues,
         evaluate_heldout=not args.no_eval,
         dev=dev,
     )
