@@ -56,7 +56,7 @@ FP_CAP = 0.003
 BITS = 18
 C = 10.0  # weak regularization: held-out catch rose from 1% (C=1) to 12% (C=10), see docs/filter.md
 CUE_C = 1.0
-CUE_MIX = 0.5  # weight of the (scaled) cue view next to the (scaled) n-gram view; docs/filter.md
+CUE_MIX = 0.25  # weight of the (scaled) cue view next to the (scaled) n-gram view: chosen on LOSO, docs/filter.md
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 
@@ -163,6 +163,7 @@ def evaluate(
     loso = heldout.loso_scores(x, y, fam, fit_rows, balance)
     t = heldout.threshold_at(loso[~y], fp_cap)
     report["loso"] = heldout.table(loso, y, fam, t, _prob)
+    report["loso"]["nested_benign_fp"] = heldout.nested_benign_fp(loso, y, fam, fp_cap)
     log(f"attack families held out ({len(set(fam[y]))}), benign always trained on (one fold held out) ...")
     att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed)
     t_att = heldout.threshold_at(ben, fp_cap)
