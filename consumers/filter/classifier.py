@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
-from consumers.filter.features import FEATURES_VERSION, featurize, gram_text
+from consumers.filter.features import FEATURES_VERSION, Features, featurize, featurize_views, gram_text
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -61,8 +61,12 @@ class Classifier(Protocol):
 
 
 class LinearClassifier:
-    """A linear score over binary, L2-normalized hashed n-grams (features.py) and, when
-    the artifact has them, the hand-written cues (cues.py); probability = sigmoid."""
+    """A linear score over the views of a prompt (train.py): hashed character n-grams,
+    hashed word n-grams and the hand-written cues (cues.py); probability = sigmoid.
+
+    ``meta["views"]`` names the views in the order of the weight vector. Artifacts
+    without it (v3) have one n-gram view of the orders in their metadata.
+    """
 
     blocking = False
 
@@ -72,18 +76,22 @@ class LinearClassifier:
                 f"artifact features {meta.get('features')!r} differ from this code's {FEATURES_VERSION!r}; "
                 "retrain with `arena filter-train`"
             )
-        cues = meta.get("cues")
-        if cues is not None and (cues.get("version") != CUES_VERSION or tuple(cues.get("names", ())) != CUE_NAMES):
-            raise ValueError(
-                f"artifact cues {cues.get('version')!r} differ from this code's {CUES_VERSION!r}; "
-                "retrain with `arena filter-train`"
-            )
-        n_cues = len(CUE_NAMES) if cues is not None else 0
-        if len(weights) != (1 << meta["bits"]) + n_cues:
-            raise ValueError(f"artifact has {len(weights)} weights, expected 2**{meta['bits']} + {n_cues} cues")
+        self.views = tuple(meta.get("views", ("ngrams",)))
+        if "cues" in self.views:
+            cues = meta.get("cues", {})
+            if cues.get("version") != CUES_VERSION or tuple(cues.get("names", ())) != CUE_NAMES:
+                raise ValueError(
+                    f"artifact cues {cues.get('version')!r} differ from this code's {CUES_VERSION!r}; "
+                    "retrain with `arena filter-train`"
+                )
+        n = 1 << meta["bits"]
+        widths = [len(CUE_NAMES) if v == "cues" else n for v in self.views]
+        if len(weights) != sum(widths) or not set(self.views) <= {"ngrams", "chars", "words", "cues"}:
+            raise ValueError(f"artifact has {len(weights)} weights, expected {sum(widths)} for views {self.views}")
         weights = weights.astype(np.float32, copy=False)
-        self.weights = weights[: 1 << meta["bits"]]
-        self.cue_weights = weights[1 << meta["bits"] :].astype(np.float64) if n_cues else None
+        offsets = np.cumsum([0, *widths])
+        self.view_weights = {v: weights[offsets[i] : offsets[i + 1]] for i, v in enumerate(self.views)}
+        self.weights = weights
         self.bias = float(bias)
         self.meta = meta
         self.bits = int(meta["bits"])
@@ -92,35 +100,49 @@ class LinearClassifier:
         self.threshold = float(meta["threshold"])
         self.version = str(meta["version"])
 
-    def logit(self, text: str) -> tuple[float, Any, np.ndarray | None]:
-        """The score's logit, the n-gram features, and each cue's contribution (None without cues)."""
-        f = featurize(text, self.bits, self.char_orders, self.word_orders)
+    def _features(self, text: str) -> list[Features]:
+        if self.views[0] == "ngrams":
+            return [featurize(text, self.bits, self.char_orders, self.word_orders)]
+        chars, words = featurize_views(
+            text, self.bits, self.char_orders, self.word_orders if "words" in self.views else ()
+        )
+        return [chars, words] if "words" in self.views else [chars]
+
+    def logit(self, text: str) -> tuple[float, list[tuple[Features, int]], np.ndarray]:
+        """The score's logit, each n-gram view's features and count, and every contribution."""
+        feats = self._features(text)
         z = self.bias
-        if len(f.index):
-            z += float(self.weights[f.index].sum()) / np.sqrt(len(f.index))
-        cue_part = None
-        if self.cue_weights is not None:
-            cue_part = cue_vector(f.text, text) * self.cue_weights
+        parts: list[np.ndarray] = []
+        names: list[tuple[Features, int]] = []
+        for view, f in zip(self.views, feats, strict=False):
+            contrib = self.view_weights[view][f.index].astype(np.float64) / np.sqrt(max(len(f.index), 1))
+            z += float(contrib.sum())
+            parts.append(contrib)
+            names.append((f, len(f.index)))
+        if "cues" in self.views:
+            cue_part = cue_vector(feats[0].text, text) * self.view_weights["cues"]
             z += float(cue_part.sum())
-        return z, f, cue_part
+            parts.append(cue_part)
+        return z, names, np.concatenate(parts) if parts else np.zeros(0)
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        z, f, cue_part = self.logit(text)
+        z, feats, values = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
         if explain <= 0:
             return ClassifierScore(round(prob, 6))
-        n = len(f.index)
-        values = self.weights[f.index].astype(np.float64) / np.sqrt(max(n, 1))
-        if cue_part is not None:
-            values = np.concatenate([values, cue_part])
         # the side that decided: features towards "attack" when flagged, else towards "benign"
         order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
-        top = tuple(
-            (gram_text(f, int(f.index[i])) if i < n else f"cue:{CUE_NAMES[i - n]}", round(float(values[i]), 4))
-            for i in order
-            if values[i] != 0
-        )
+        top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
         return ClassifierScore(round(prob, 6), top)
+
+    @staticmethod
+    def _name(feats: list[tuple[Features, int]], i: int) -> str:
+        """The text of contribution ``i``: an n-gram of one of the views, else a cue's name."""
+        for f, n in feats:
+            if i < n:
+                return gram_text(f, int(f.index[i]))
+            i -= n
+        return f"cue:{CUE_NAMES[i]}"
 
 
 def save_linear(path: str | Path, weights: np.ndarray, bias: float, meta: dict[str, Any]) -> None:

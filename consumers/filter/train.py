@@ -1,21 +1,21 @@
 """`arena filter-train`: fit the classifier stage and measure it honestly.
 
-Model: one linear score over two views of a prompt, each fitted as its own
+Model: one linear score over three views of a prompt, each fitted as its own
 logistic regression with sample weights that give each class half the weight and
 each source family the same share of its class (heldout.family_weights):
 
-* the hashed character 3-5-grams of features.py (liblinear dual, C=10): the style
-  of the attacks seen in training;
-* the hand-written cues of cues.py (lbfgs on standardized cues, C=1): harm and
-  "instruction aimed at the model" vocabulary, phrases and shape, which carry over
-  to attack collections never seen.
+* ``chars``: hashed character 3-5-grams (features.py; liblinear dual, C=10), the
+  surface of the attacks seen in training, robust to obfuscation;
+* ``words``: hashed words and word bigrams, normalized on their own (same fit);
+* ``cues``: the hand-written cues of cues.py (lbfgs on standardized cues, C=1):
+  harm and "instruction aimed at the model" vocabulary, phrases and shape, which
+  carry over to attack collections never seen.
 
 Each view's logit is centred and scaled by the median and spread of its scores on
-the benign training prompts, and the cue view is added with weight ``CUE_MIX``;
-the result is folded into one weight vector (n-gram weights, then cue weights) and
-one bias, so serving is one dot product per view. Training is deterministic for a
-seed: features are hashes, liblinear's coordinate order comes from
-``random_state``, and lbfgs is deterministic.
+the benign training prompts and weighted by ``VIEW_MIX``; the sum is folded into one
+weight vector (the views' weights side by side) and one bias, so serving is one
+dot product per view. Training is deterministic for a seed: features are hashes,
+liblinear's coordinate order comes from ``random_state``, and lbfgs is deterministic.
 
 Evaluation (consumers/filter/heldout.py), written into the artifact's metadata
 and printed by `arena filter-eval`, each at a threshold flagging at most 0.3% of
@@ -48,7 +48,7 @@ from consumers.filter import heldout
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
-from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, normalize
+from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
 
 __all__ = ["evaluate", "fit", "fit_views", "main", "matrix", "train"]
 
@@ -56,7 +56,9 @@ FP_CAP = 0.003
 BITS = 18
 C = 10.0  # weak regularization: held-out catch rose from 1% (C=1) to 12% (C=10), see docs/filter.md
 CUE_C = 1.0
-CUE_MIX = 0.25  # weight of the (scaled) cue view next to the (scaled) n-gram view: chosen on LOSO, docs/filter.md
+# Weight of each view's benign-scaled logit in the sum. Chosen among a few values on the
+# LOSO mean (so that figure is optimistic by the choice); docs/filter.md has the grid.
+VIEW_MIX = {"chars": 1.0, "words": 1.0, "cues": 0.25}
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 
@@ -71,15 +73,32 @@ def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=
     return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(rows), 1 << bits))
 
 
-def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True):
-    """The n-gram matrix, with the cue vectors appended as extra columns when ``cues``."""
+def _csr(index: list[np.ndarray], width: int):
     import scipy.sparse as sp  # noqa: PLC0415
 
-    x = matrix(rows, bits, char_orders, word_orders)
-    if not cues:
-        return x
-    dense = np.array([cue_vector(normalize(r.text), r.text) for r in rows]).reshape(len(rows), len(CUE_NAMES))
-    return sp.hstack([x, sp.csr_matrix(dense)], format="csr")
+    indptr = np.cumsum([0] + [len(i) for i in index])
+    data = np.concatenate([np.full(len(i), 1.0 / np.sqrt(max(len(i), 1))) for i in index])
+    return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(index), width))
+
+
+def view_names(word_orders: tuple[int, ...], cues: bool) -> list[str]:
+    """The views a model has, in the order of its weight vector."""
+    return ["chars", *(["words"] if word_orders else []), *(["cues"] if cues else [])]
+
+
+def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True):
+    """One matrix of every view side by side: character n-grams, word n-grams (when
+    ``word_orders``), each L2-normalized on its own, then the cues (when ``cues``)."""
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    pairs = [featurize_views(r.text, bits, char_orders, word_orders) for r in rows]
+    blocks = [_csr([c.index for c, _ in pairs], 1 << bits)]
+    if word_orders:
+        blocks.append(_csr([w.index for _, w in pairs], 1 << bits))
+    if cues:
+        dense = np.array([cue_vector(c.text, r.text) for (c, _), r in zip(pairs, rows, strict=True)])
+        blocks.append(sp.csr_matrix(dense.reshape(len(rows), len(CUE_NAMES))))
+    return sp.hstack(blocks, format="csr")
 
 
 def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
@@ -109,28 +128,37 @@ def _benign_scale(logits: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 def fit_views(
-    x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray, bits: int, cue_mix: float = CUE_MIX
+    x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray, bits: int, names: Sequence[str]
 ) -> tuple[np.ndarray, float]:
-    """One weight vector (n-grams, then cues when ``x`` has them) and a bias; see the module docstring."""
+    """One weight vector (the views of ``names``, in order) and a bias; see the module docstring."""
     n = 1 << bits
-    ngrams = x[:, :n]
-    w, b = fit(ngrams, y, c, seed, sample_weight)
-    if x.shape[1] == n:
-        return w, b
-    cues = x[:, n:].toarray()
-    v, bv = _fit_cues(cues, y, sample_weight)
-    (mw, sw), (mv, sv) = _benign_scale(_logits(ngrams, w, b), y), _benign_scale(cues @ v + bv, y)
-    weights = np.concatenate([w / sw, cue_mix * v / sv]).astype(np.float32)
-    return weights, (b - mw) / sw + cue_mix * (bv - mv) / sv
+    weights, bias, start = [], 0.0, 0
+    for name in names:
+        width = len(CUE_NAMES) if name == "cues" else n
+        block = x[:, start : start + width]
+        start += width
+        if name == "cues":
+            dense = block.toarray()
+            w, b = _fit_cues(dense, y, sample_weight)
+            logits = dense @ w + b
+        else:
+            w, b = fit(block, y, c, seed, sample_weight)
+            logits = _logits(block, w, b)
+        if len(names) == 1:
+            return w, b
+        mid, spread = _benign_scale(logits, y)
+        weights.append(VIEW_MIX[name] * w / spread)
+        bias += VIEW_MIX[name] * (b - mid) / spread
+    return np.concatenate(weights).astype(np.float32), bias
 
 
 def _logits(x, w: np.ndarray, b: float) -> np.ndarray:
     return np.asarray(x @ w.astype(np.float64)).ravel() + b
 
 
-def _fitter(c: float, seed: int, bits: int) -> heldout.Fit:
+def _fitter(c: float, seed: int, bits: int, names: Sequence[str]) -> heldout.Fit:
     def fit_rows(x, y, sample_weight):
-        w, b = fit_views(x, y, c, seed, sample_weight, bits)
+        w, b = fit_views(x, y, c, seed, sample_weight, bits, names)
         return lambda xs: _logits(xs, w, b)
 
     return fit_rows
@@ -188,7 +216,7 @@ def train(
     seed: int = 0,
     balance: str = "family",
     char_orders: tuple[int, ...] = CHAR_ORDERS,
-    word_orders: tuple[int, ...] = (),
+    word_orders: tuple[int, ...] = WORD_ORDERS,
     cues: bool = True,
     evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
@@ -198,12 +226,13 @@ def train(
     """Fit on ``rows``; with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
     y = np.array([r.attack for r in rows])
     fam = np.array([r.family for r in rows])
+    names = view_names(word_orders, cues)
     x = views(rows, bits, char_orders, word_orders, cues)
-    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance), bits)
+    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance), bits, names)
     report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum()), "balance": balance}
     if evaluate_heldout:
         dev_pair = (dev, lambda: _logits(views(dev, bits, char_orders, word_orders, cues), w, b)) if dev else None
-        fitter = _fitter(c, seed, bits)
+        fitter = _fitter(c, seed, bits, names)
         held, t = evaluate(rows, x, fitter, balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
         report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
@@ -211,18 +240,16 @@ def train(
     report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
     digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:12]
     model: dict[str, Any] = {
-        "family": "logistic regression, liblinear dual, class and family balanced",
+        "family": "one LR per view (n-grams: liblinear dual; cues: lbfgs, standardized), benign-scaled and summed",
         "C": c,
         "seed": seed,
+        "mix": {name: VIEW_MIX[name] for name in names},
     }
     if cues:
-        model |= {
-            "family": "n-gram LR (liblinear dual) + cue LR (lbfgs, standardized), benign-scaled and summed",
-            "cue_C": CUE_C,
-            "cue_mix": CUE_MIX,
-        }
+        model["cue_C"] = CUE_C
     meta: dict[str, Any] = {
-        "version": f"{'ngram-cues' if cues else 'ngram'}-lr-{digest}",
+        "version": f"{'-'.join(names)}-lr-{digest}",
+        "views": names,
         "features": FEATURES_VERSION,
         "bits": bits,
         "char_orders": list(char_orders),
@@ -246,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
     p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
-    p.add_argument("--words", action="store_true", help="add word 1-2-grams to the character 3-5-grams")
-    p.add_argument("--no-cues", action="store_true", help="n-grams only (the v3 model), without the cue view")
+    p.add_argument("--no-words", action="store_true", help="without the word 1-2-gram view")
+    p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
     args = p.parse_args(argv)
@@ -264,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         c=args.c,
         seed=args.seed,
         balance=args.balance,
-        word_orders=WORD_ORDERS if args.words else (),
+        word_orders=() if args.no_words else WORD_ORDERS,
         cues=not args.no_cues,
         evaluate_heldout=not args.no_eval,
         dev=dev,

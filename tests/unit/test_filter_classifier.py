@@ -188,4 +188,5 @@ def test_training_records_every_held_out_table():
     assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold"} <= set(report)
     assert set(report["loso_attack"]["families"]) == {"atk-one", "atk-two"}  # attack families only
     assert report["threshold_from"] == "loso" and report["balance"] == "family"
-    assert meta["word_orders"] == [] and meta["char_orders"] == [3, 4, 5]
+    assert meta["word_orders"] == [1, 2] and meta["char_orders"] == [3, 4, 5]
+    assert meta["views"] == ["chars", "words", "cues"] and "nested_benign_fp" in report["loso"]
