@@ -1,15 +1,16 @@
 """`arena filter-train`: fit the classifier stage and measure it honestly.
 
-Model: one linear score over three views of a prompt, each fitted as its own
-logistic regression with sample weights that give each class half the weight and
-each source family the same share of its class (heldout.family_weights):
+Model: one linear score over views of a prompt, each fitted as its own logistic
+regression with sample weights that give each class half the weight and each
+source family the same share of its class (heldout.family_weights):
 
 * ``chars``: hashed character 3-5-grams (features.py; liblinear dual, C=10), the
   surface of the attacks seen in training, robust to obfuscation;
-* ``words``: hashed words and word bigrams, normalized on their own (same fit);
 * ``cues``: the hand-written cues of cues.py (lbfgs on standardized cues, C=1):
-  harm and "instruction aimed at the model" vocabulary, phrases and shape, which
-  carry over to attack collections never seen.
+  harm and "instruction aimed at the model" vocabulary, phrases and shape;
+* ``words`` (``--words``, off by default): hashed words and word bigrams,
+  normalized on their own (same fit as chars). About 1 point more held out, but
+  it costs a third more time per prompt than the two others together.
 
 Each view's logit is centred and scaled by the median and spread of its scores on
 the benign training prompts and weighted by ``VIEW_MIX``; the sum is folded into one
@@ -216,7 +217,7 @@ def train(
     seed: int = 0,
     balance: str = "family",
     char_orders: tuple[int, ...] = CHAR_ORDERS,
-    word_orders: tuple[int, ...] = WORD_ORDERS,
+    word_orders: tuple[int, ...] = (),
     cues: bool = True,
     evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
     p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
-    p.add_argument("--no-words", action="store_true", help="without the word 1-2-gram view")
+    p.add_argument("--words", action="store_true", help="add the word 1-2-gram view (slower to serve)")
     p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         c=args.c,
         seed=args.seed,
         balance=args.balance,
-        word_orders=() if args.no_words else WORD_ORDERS,
+        word_orders=WORD_ORDERS if args.words else (),
         cues=not args.no_cues,
         evaluate_heldout=not args.no_eval,
         dev=dev,
