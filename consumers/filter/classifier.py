@@ -101,47 +101,49 @@ class LinearClassifier:
         self.version = str(meta["version"])
 
     def _features(self, text: str) -> list[Features]:
-        if self.views[0] == "ngrams":
-            return [featurize(text, self.bits, self.char_orders, self.word_orders)]
-        chars, words = featurize_views(
-            text, self.bits, self.char_orders, self.word_orders if "words" in self.views else ()
-        )
-        return [chars, words] if "words" in self.views else [chars]
+        if "words" not in self.views:
+            orders = self.word_orders if self.views[0] == "ngrams" else ()
+            return [featurize(text, self.bits, self.char_orders, orders)]
+        return list(featurize_views(text, self.bits, self.char_orders, self.word_orders))
 
-    def logit(self, text: str) -> tuple[float, list[tuple[Features, int]], np.ndarray]:
-        """The score's logit, each n-gram view's features and count, and every contribution."""
+    def logit(self, text: str) -> tuple[float, list[Features], np.ndarray | None]:
+        """The score's logit, each n-gram view's features, and the cue vector (None without cues)."""
         feats = self._features(text)
         z = self.bias
-        parts: list[np.ndarray] = []
-        names: list[tuple[Features, int]] = []
         for view, f in zip(self.views, feats, strict=False):
-            contrib = self.view_weights[view][f.index].astype(np.float64) / np.sqrt(max(len(f.index), 1))
-            z += float(contrib.sum())
-            parts.append(contrib)
-            names.append((f, len(f.index)))
+            if len(f.index):
+                z += float(self.view_weights[view][f.index].sum()) / np.sqrt(len(f.index))
+        cues = None
         if "cues" in self.views:
-            cue_part = cue_vector(feats[0].text, text) * self.view_weights["cues"]
-            z += float(cue_part.sum())
-            parts.append(cue_part)
-        return z, names, np.concatenate(parts) if parts else np.zeros(0)
+            cues = cue_vector(feats[0].text, text)
+            z += float(cues @ self.view_weights["cues"])
+        return z, feats, cues
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        z, feats, values = self.logit(text)
+        z, feats, cues = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
         if explain <= 0:
             return ClassifierScore(round(prob, 6))
+        # every feature's contribution to the logit, only when explaining (few, flagged prompts)
+        parts = [
+            self.view_weights[view][f.index].astype(np.float64) / np.sqrt(max(len(f.index), 1))
+            for view, f in zip(self.views, feats, strict=False)
+        ]
+        if cues is not None:
+            parts.append(cues * self.view_weights["cues"])
+        values = np.concatenate(parts)
         # the side that decided: features towards "attack" when flagged, else towards "benign"
         order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
         top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
         return ClassifierScore(round(prob, 6), top)
 
     @staticmethod
-    def _name(feats: list[tuple[Features, int]], i: int) -> str:
+    def _name(feats: list[Features], i: int) -> str:
         """The text of contribution ``i``: an n-gram of one of the views, else a cue's name."""
-        for f, n in feats:
-            if i < n:
+        for f in feats:
+            if i < len(f.index):
                 return gram_text(f, int(f.index[i]))
-            i -= n
+            i -= len(f.index)
         return f"cue:{CUE_NAMES[i]}"
 
 

@@ -195,7 +195,9 @@ _HARM = frozenset(i for c, i in _CAT_INDEX.items() if c.startswith("harm_"))
 _SENT_POS = {_CAT_INDEX[c]: k for k, c in enumerate(_SENTENCE_CATS)}
 _YOU = _CAT_INDEX["inj_model"]
 # words, and sentence ends as their own tokens: one regex pass gives both
-_TOKENS = re.compile(r"[a-z][a-z'\-]*|[.!?\n]")
+_TOKENS = re.compile(r"[a-z][a-z'\-]*|[.!?]")  # norm has no newlines: whitespace is collapsed
+
+
 def _gate(pattern: str) -> str:
     """The literal text every match of ``pattern`` starts with (a substring test is ~1 us)."""
     out, i = [], 0
@@ -213,8 +215,19 @@ def _gate(pattern: str) -> str:
     return "".join(out[:-1] if i < len(pattern) and pattern[i] in "?*{" else out)
 
 
-# (gate, pattern, phrase index), flat: one plain loop is cheaper than a generator per phrase
-_PHRASE_RE = [(_gate(p), re.compile(p), k) for k, patterns in enumerate(_PHRASES.values()) for p in patterns]
+_FIRST_WORD = re.compile(r"[a-z][a-z'\-]*")
+
+
+def _key(gate: str) -> str:
+    """The first word of a gate: a phrase can only match where that word is one of the tokens."""
+    m = _FIRST_WORD.search(gate)
+    return m.group(0) if m else ""
+
+
+# (first word, pattern, phrase index, must start a word), flat: a plain loop is cheapest
+_PHRASE_RE = [
+    (_key(_gate(p)), re.compile(p), k, p[0].isalpha()) for k, patterns in enumerate(_PHRASES.values()) for p in patterns
+]
 _UPPER = bytes(range(ord("A"), ord("Z") + 1))
 _PUNCT = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
 # base64 alphabet -> "A", anything else -> " ": a run of 24 "A" is a base64-looking run
@@ -225,9 +238,8 @@ _BASE64_RUN = b"A" * 24
 _SHAPE_CHARS = 4000
 
 
-def _words(norm: str) -> tuple[list[int], list[int], float, float]:
+def _words(tokens: list[str]) -> tuple[list[int], list[int], float, float]:
     """Category counts, per-sentence maxima, harm sentence share and the word count."""
-    tokens = _TOKENS.findall(norm)
     get = _LEXICON.get
     # only the tokens the lexicon knows (about one in six) reach the Python loop below
     hits = [ids for tok in tokens if (ids := get(tok)) is not None]
@@ -297,12 +309,18 @@ def cue_vector(norm: str, original: str) -> np.ndarray:
     ``norm`` is the classifier's normalized text (features.normalize: skeleton,
     lower case, whitespace collapsed); ``original`` the prompt as sent.
     """
-    counts, sent_max, harm_share, words = _words(norm)
+    tokens = _TOKENS.findall(norm)
+    counts, sent_max, harm_share, words = _words(tokens)
     root = math.sqrt(max(words, 1.0))
     found = [0] * len(_PHRASES)
-    for gate, pattern, k in _PHRASE_RE:
-        if gate in norm:
-            found[k] += len(pattern.findall(norm))
+    present = set(tokens)  # a set look-up per phrase instead of a substring scan (~5 us each at 4,000 chars)
+    for key, pattern, k, word_start in _PHRASE_RE:
+        if key in present:
+            found[k] += sum(
+                1
+                for m in pattern.finditer(norm)
+                if not word_start or m.start() == 0 or not norm[m.start() - 1].isalnum()
+            )
     phrases = [math.log1p(v) for v in found]
     return np.array(
         [

@@ -14,7 +14,8 @@ from consumers.filter.classifier import DEFAULT_ARTIFACT, LinearClassifier, load
 from consumers.filter.corpus import Row, family_of
 from consumers.filter.features import featurize, gram_text
 from consumers.filter.reload import ClassifierSlot
-from consumers.filter.train import train
+from consumers.filter.train import _logits, train
+from consumers.filter.train import views as train_views
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,8 +204,6 @@ def test_every_view_layout_round_trips(tmp_path, word_orders, cues, views):
     save_linear(tmp_path / "clf.npz", w, b, meta)
     clf = load_classifier(tmp_path / "clf.npz")
     # serving recomputes the training logit exactly: one dot product per view
-    from consumers.filter.train import _logits, views as train_views
-
     expected = _logits(train_views(rows[:3], 12, (3, 4, 5), word_orders, cues), w.astype(np.float64), b)
     got = [clf.logit(r.text)[0] for r in rows[:3]]
     assert np.allclose(got, expected, atol=1e-4)
