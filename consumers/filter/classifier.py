@@ -2,15 +2,16 @@
 
 Two kinds of artifact sit behind one small interface (:class:`Classifier`):
 
-* a linear model over hashed n-grams (``.npz``, written by ``arena filter-train``),
-  scored with numpy; loaded with ``allow_pickle=False``, so a tampered file
-  cannot run code;
+* a linear model over hashed n-grams and hand-written cues (``.npz``, written by
+  ``arena filter-train``), scored with numpy; loaded with ``allow_pickle=False``,
+  so a tampered file cannot run code;
 * a Hugging Face sequence-classification checkpoint directory (a guard model
   the operator brings), run through transformers (:mod:`consumers.filter.guard`).
 
-Artifact layout (``.npz``): ``weights`` (float32, one per hashed feature),
-``bias`` (float32, one value) and ``meta`` (UTF-8 JSON as uint8: format,
-feature version, hash bits, n-gram orders, threshold, version, training report).
+Artifact layout (``.npz``): ``weights`` (float32: one per hashed feature, then one
+per cue when ``meta["cues"]`` is present), ``bias`` (float32, one value) and
+``meta`` (UTF-8 JSON as uint8: format, feature version, hash bits, n-gram orders,
+cue version and names, threshold, version, training report).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from consumers.filter.features import FEATURES_VERSION, featurize, gram_text
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
+from consumers.filter.features import FEATURES_VERSION, Features, featurize, featurize_views, gram_text
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -34,7 +36,7 @@ __all__ = [
     "save_linear",
 ]
 
-ARTIFACT_FORMAT = "arenaflow-prompt-classifier/1"
+ARTIFACT_FORMAT = "arenaflow-prompt-classifier/1"  # v1 layout; the cue weights extend ``weights``
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "artifacts" / "prompt-classifier.npz"
 
 
@@ -59,7 +61,12 @@ class Classifier(Protocol):
 
 
 class LinearClassifier:
-    """Logistic regression over binary, L2-normalized hashed n-grams (features.py)."""
+    """A linear score over the views of a prompt (train.py): hashed character n-grams,
+    hashed word n-grams and the hand-written cues (cues.py); probability = sigmoid.
+
+    ``meta["views"]`` names the views in the order of the weight vector. Artifacts
+    without it (v3) have one n-gram view of the orders in their metadata.
+    """
 
     blocking = False
 
@@ -69,9 +76,22 @@ class LinearClassifier:
                 f"artifact features {meta.get('features')!r} differ from this code's {FEATURES_VERSION!r}; "
                 "retrain with `arena filter-train`"
             )
-        if len(weights) != 1 << meta["bits"]:
-            raise ValueError(f"artifact has {len(weights)} weights, expected 2**{meta['bits']}")
-        self.weights = weights.astype(np.float32, copy=False)
+        self.views = tuple(meta.get("views", ("ngrams",)))
+        if "cues" in self.views:
+            cues = meta.get("cues", {})
+            if cues.get("version") != CUES_VERSION or tuple(cues.get("names", ())) != CUE_NAMES:
+                raise ValueError(
+                    f"artifact cues {cues.get('version')!r} differ from this code's {CUES_VERSION!r}; "
+                    "retrain with `arena filter-train`"
+                )
+        n = 1 << meta["bits"]
+        widths = [len(CUE_NAMES) if v == "cues" else n for v in self.views]
+        if len(weights) != sum(widths) or not set(self.views) <= {"ngrams", "chars", "words", "cues"}:
+            raise ValueError(f"artifact has {len(weights)} weights, expected {sum(widths)} for views {self.views}")
+        weights = weights.astype(np.float32, copy=False)
+        offsets = np.cumsum([0, *widths])
+        self.view_weights = {v: weights[offsets[i] : offsets[i + 1]] for i, v in enumerate(self.views)}
+        self.weights = weights
         self.bias = float(bias)
         self.meta = meta
         self.bits = int(meta["bits"])
@@ -80,22 +100,51 @@ class LinearClassifier:
         self.threshold = float(meta["threshold"])
         self.version = str(meta["version"])
 
-    def logit(self, text: str) -> tuple[float, Any]:
-        f = featurize(text, self.bits, self.char_orders, self.word_orders)
-        if not len(f.index):
-            return self.bias, f
-        return self.bias + float(self.weights[f.index].sum()) / np.sqrt(len(f.index)), f
+    def _features(self, text: str) -> list[Features]:
+        if "words" not in self.views:
+            orders = self.word_orders if self.views[0] == "ngrams" else ()
+            return [featurize(text, self.bits, self.char_orders, orders)]
+        return list(featurize_views(text, self.bits, self.char_orders, self.word_orders))
+
+    def logit(self, text: str) -> tuple[float, list[Features], np.ndarray | None]:
+        """The score's logit, each n-gram view's features, and the cue vector (None without cues)."""
+        feats = self._features(text)
+        z = self.bias
+        for view, f in zip(self.views, feats, strict=False):
+            if len(f.index):
+                z += float(self.view_weights[view][f.index].sum()) / np.sqrt(len(f.index))
+        cues = None
+        if "cues" in self.views:
+            cues = cue_vector(feats[0].text, text)
+            z += float(cues @ self.view_weights["cues"])
+        return z, feats, cues
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        z, f = self.logit(text)
+        z, feats, cues = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
-        if explain <= 0 or not len(f.index):
+        if explain <= 0:
             return ClassifierScore(round(prob, 6))
-        contrib = self.weights[f.index] / np.sqrt(len(f.index))
+        # every feature's contribution to the logit, only when explaining (few, flagged prompts)
+        parts = [
+            self.view_weights[view][f.index].astype(np.float64) / np.sqrt(max(len(f.index), 1))
+            for view, f in zip(self.views, feats, strict=False)
+        ]
+        if cues is not None:
+            parts.append(cues * self.view_weights["cues"])
+        values = np.concatenate(parts)
         # the side that decided: features towards "attack" when flagged, else towards "benign"
-        order = np.argsort(-contrib if prob >= self.threshold else contrib)[:explain]
-        top = tuple((gram_text(f, int(f.index[i])), round(float(contrib[i]), 4)) for i in order)
+        order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
+        top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
         return ClassifierScore(round(prob, 6), top)
+
+    @staticmethod
+    def _name(feats: list[Features], i: int) -> str:
+        """The text of contribution ``i``: an n-gram of one of the views, else a cue's name."""
+        for f in feats:
+            if i < len(f.index):
+                return gram_text(f, int(f.index[i]))
+            i -= len(f.index)
+        return f"cue:{CUE_NAMES[i]}"
 
 
 def save_linear(path: str | Path, weights: np.ndarray, bias: float, meta: dict[str, Any]) -> None:

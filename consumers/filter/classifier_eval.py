@@ -76,6 +76,12 @@ def _recorded(name: str, t: dict[str, Any]) -> list[str]:
     ]
     for fam, v in t["families"].items():
         out.append(f"{fam[:62]:<62} {v['attacks']:7d} {_rate(v['caught'])} {v['benign']:7d} {_rate(v['fp'])}")
+    nested = t.get("nested_benign_fp")
+    if nested:
+        out.append(
+            f"benign families at a threshold set without them (mean {_rate(nested['mean'])}): "
+            + ", ".join(f"{fam.split('/')[-1]} {_rate(v).strip()}" for fam, v in nested["families"].items())
+        )
     return out
 
 

@@ -14,8 +14,15 @@ from pathlib import Path
 
 __all__ = ["Row", "family_of", "load_rows"]
 
-# PurpleLlama ships three unrelated sets; every other repository is one family.
+# PurpleLlama ships two unrelated sets: the prompt-injection tests (English, and the
+# same tests machine-translated) and the MITRE false-refusal prompts. The translated
+# tests must be held out with the English ones, or each leaks into the other's fold.
+# Every other repository is one family.
 _SPLIT_BY_SUBSET = ("meta-llama/PurpleLlama",)
+_SAME_COLLECTION = {
+    "cyberseceval-prompt-injection-en": "cyberseceval-prompt-injection",
+    "cyberseceval-prompt-injection-multilingual": "cyberseceval-prompt-injection",
+}
 
 
 @dataclass(frozen=True)
@@ -27,12 +34,17 @@ class Row:
 
 
 def family_of(source: str) -> str:
-    """'microsoft/BIPIA:email-injected/X' -> 'microsoft/BIPIA'; JailbreakBench -> its attack method."""
+    """'microsoft/BIPIA:email-injected/X' -> 'microsoft/BIPIA'; JailbreakBench -> its attack method.
+
+    PurpleLlama: 'meta-llama/PurpleLlama:cyberseceval-prompt-injection' (English and
+    translated tests together) or 'meta-llama/PurpleLlama:cyberseceval-mitre-frr'.
+    """
     repo, _, subset = source.partition(":")
     if repo == "jailbreakbench-artifacts":
         return "JBB/" + subset.split("/", 1)[0]
     if repo in _SPLIT_BY_SUBSET:
-        return f"{repo}:{subset.split('/', 1)[0]}"
+        subset = subset.split("/", 1)[0]
+        return f"{repo}:{_SAME_COLLECTION.get(subset, subset)}"
     return repo
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from consumers.filter.sanitize import skeleton
 
-__all__ = ["FEATURES_VERSION", "Features", "featurize", "gram_text"]
+__all__ = ["FEATURES_VERSION", "Features", "featurize", "featurize_views", "gram_text"]
 
 FEATURES_VERSION = "ngram-hash-1"
 CHAR_ORDERS = (3, 4, 5)
@@ -92,11 +92,43 @@ def featurize(
     ``char_orders`` and ``word_orders`` (subsets of the defaults) select the
     feature kinds; the training command compares such families.
     """
+    norm, prefix, cps = _prefix(text)
+    return _hashed(norm, prefix, cps, bits, char_orders, word_orders)
+
+
+def featurize_views(
+    text: str, bits: int, char_orders: tuple[int, ...] = CHAR_ORDERS, word_orders: tuple[int, ...] = WORD_ORDERS
+) -> tuple[Features, Features]:
+    """The character n-grams and the word n-grams of ``text`` as two feature sets.
+
+    Each set is normalized on its own by the classifier, so the few word features
+    are not drowned by the many character ones; the text is normalized and
+    prefix-summed once for both.
+    """
+    norm, prefix, cps = _prefix(text)
+    return (
+        _hashed(norm, prefix, cps, bits, char_orders, ()),
+        _hashed(norm, prefix, cps, bits, (), word_orders),
+    )
+
+
+def _prefix(text: str) -> tuple[str, np.ndarray, np.ndarray]:
     norm = normalize(text)
     cps = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + np.uint64(1)
+    prefix = np.zeros(len(cps) + 1, dtype=np.uint64)
+    np.cumsum(cps * _POW_INV[: len(cps)], out=prefix[1:])
+    return norm, prefix, cps
+
+
+def _hashed(
+    norm: str,
+    prefix: np.ndarray,
+    cps: np.ndarray,
+    bits: int,
+    char_orders: tuple[int, ...],
+    word_orders: tuple[int, ...],
+) -> Features:
     n = len(cps)
-    prefix = np.zeros(n + 1, dtype=np.uint64)
-    np.cumsum(cps * _POW_INV[:n], out=prefix[1:])
     hashes, starts, ends = [], [], []
     for order in char_orders:
         if n >= order:

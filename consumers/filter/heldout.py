@@ -32,6 +32,7 @@ __all__ = [
     "kfold_scores",
     "loso_attack_scores",
     "loso_scores",
+    "nested_benign_fp",
     "table",
     "threshold_at",
 ]
@@ -146,3 +147,18 @@ def table(scores: np.ndarray, y: np.ndarray, families: np.ndarray, t: float, pro
         "pooled_catch": float(flagged[attacks].mean()) if attacks.any() else None,
         "fp": float(flagged[benign].mean()) if benign.any() else None,
     }
+
+
+def nested_benign_fp(scores: np.ndarray, y: np.ndarray, families: np.ndarray, fp_cap: float) -> dict[str, Any]:
+    """Each benign family's flagged share at a threshold set on the *other* benign families' scores.
+
+    The pooled LOSO threshold is set on every held-out benign score, so its 0.3% holds by
+    construction. This asks the deployment question instead: a benign population that
+    played no part in choosing the threshold, how much of it is flagged?
+    """
+    per: dict[str, float] = {}
+    for fam in np.unique(families[~y]):
+        mine = ~y & (families == fam)
+        t = threshold_at(scores[~y & ~mine], fp_cap)
+        per[str(fam)] = float((scores[mine] >= t).mean())
+    return {"families": per, "mean": float(np.mean(list(per.values()))) if per else None}

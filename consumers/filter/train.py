@@ -1,10 +1,22 @@
 """`arena filter-train`: fit the classifier stage and measure it honestly.
 
-Model: logistic regression (liblinear, dual) over the hashed character 3-5-grams
-of features.py, C=10, with sample weights that give each class half the weight
-and each source family the same share of its class (heldout.family_weights).
-Training is deterministic for a seed: features are hashes, and liblinear's
-coordinate order comes from ``random_state``.
+Model: one linear score over views of a prompt, each fitted as its own logistic
+regression with sample weights that give each class half the weight and each
+source family the same share of its class (heldout.family_weights):
+
+* ``chars``: hashed character 3-5-grams (features.py; liblinear dual, C=10), the
+  surface of the attacks seen in training, robust to obfuscation;
+* ``cues``: the hand-written cues of cues.py (lbfgs on standardized cues, C=1):
+  harm and "instruction aimed at the model" vocabulary, phrases and shape;
+* ``words`` (``--words``, off by default): hashed words and word bigrams,
+  normalized on their own (same fit as chars). About 1 point more held out, but
+  it costs a third more time per prompt than the two others together.
+
+Each view's logit is centred and scaled by the median and spread of its scores on
+the benign training prompts and weighted by ``VIEW_MIX``; the sum is folded into one
+weight vector (the views' weights side by side) and one bias, so serving is one
+dot product per view. Training is deterministic for a seed: features are hashes,
+liblinear's coordinate order comes from ``random_state``, and lbfgs is deterministic.
 
 Evaluation (consumers/filter/heldout.py), written into the artifact's metadata
 and printed by `arena filter-eval`, each at a threshold flagging at most 0.3% of
@@ -36,13 +48,18 @@ import numpy as np
 from consumers.filter import heldout
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
-from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
+from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
 
-__all__ = ["evaluate", "fit", "main", "matrix", "train"]
+__all__ = ["evaluate", "fit", "fit_views", "main", "matrix", "train"]
 
 FP_CAP = 0.003
 BITS = 18
 C = 10.0  # weak regularization: held-out catch rose from 1% (C=1) to 12% (C=10), see docs/filter.md
+CUE_C = 1.0
+# Weight of each view's benign-scaled logit in the sum. Chosen among a few values on the
+# LOSO mean (so that figure is optimistic by the choice); docs/filter.md has the grid.
+VIEW_MIX = {"chars": 1.0, "words": 1.0, "cues": 0.25}
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 
@@ -57,6 +74,34 @@ def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=
     return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(rows), 1 << bits))
 
 
+def _csr(index: list[np.ndarray], width: int):
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    indptr = np.cumsum([0] + [len(i) for i in index])
+    data = np.concatenate([np.full(len(i), 1.0 / np.sqrt(max(len(i), 1))) for i in index])
+    return sp.csr_matrix((data, np.concatenate(index), indptr), shape=(len(index), width))
+
+
+def view_names(word_orders: tuple[int, ...], cues: bool) -> list[str]:
+    """The views a model has, in the order of its weight vector."""
+    return ["chars", *(["words"] if word_orders else []), *(["cues"] if cues else [])]
+
+
+def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True):
+    """One matrix of every view side by side: character n-grams, word n-grams (when
+    ``word_orders``), each L2-normalized on its own, then the cues (when ``cues``)."""
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    pairs = [featurize_views(r.text, bits, char_orders, word_orders) for r in rows]
+    blocks = [_csr([c.index for c, _ in pairs], 1 << bits)]
+    if word_orders:
+        blocks.append(_csr([w.index for _, w in pairs], 1 << bits))
+    if cues:
+        dense = np.array([cue_vector(c.text, r.text) for (c, _), r in zip(pairs, rows, strict=True)])
+        blocks.append(sp.csr_matrix(dense.reshape(len(rows), len(CUE_NAMES))))
+    return sp.hstack(blocks, format="csr")
+
+
 def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """Weights and bias of a logistic regression; the same inputs and seed give the same weights."""
     from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
@@ -67,13 +112,54 @@ def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None 
     return model.coef_[0].astype(np.float32), float(model.intercept_[0])
 
 
+def _fit_cues(cues: np.ndarray, y: np.ndarray, sample_weight: np.ndarray) -> tuple[np.ndarray, float]:
+    """Logistic regression on standardized cues, returned in raw cue units (weights, bias)."""
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+
+    mean, scale = cues.mean(axis=0), cues.std(axis=0)
+    scale[scale == 0] = 1.0
+    model = LogisticRegression(C=CUE_C, max_iter=5000).fit((cues - mean) / scale, y, sample_weight=sample_weight)
+    coef = model.coef_[0] / scale
+    return coef, float(model.intercept_[0] - coef @ mean)
+
+
+def _benign_scale(logits: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    benign = logits[~y]
+    return float(np.median(benign)), float(benign.std()) or 1.0
+
+
+def fit_views(
+    x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray, bits: int, names: Sequence[str]
+) -> tuple[np.ndarray, float]:
+    """One weight vector (the views of ``names``, in order) and a bias; see the module docstring."""
+    n = 1 << bits
+    weights, bias, start = [], 0.0, 0
+    for name in names:
+        width = len(CUE_NAMES) if name == "cues" else n
+        block = x[:, start : start + width]
+        start += width
+        if name == "cues":
+            dense = block.toarray()
+            w, b = _fit_cues(dense, y, sample_weight)
+            logits = dense @ w + b
+        else:
+            w, b = fit(block, y, c, seed, sample_weight)
+            logits = _logits(block, w, b)
+        if len(names) == 1:
+            return w, b
+        mid, spread = _benign_scale(logits, y)
+        weights.append(VIEW_MIX[name] * w / spread)
+        bias += VIEW_MIX[name] * (b - mid) / spread
+    return np.concatenate(weights).astype(np.float32), bias
+
+
 def _logits(x, w: np.ndarray, b: float) -> np.ndarray:
     return np.asarray(x @ w.astype(np.float64)).ravel() + b
 
 
-def _fitter(c: float, seed: int) -> heldout.Fit:
+def _fitter(c: float, seed: int, bits: int, names: Sequence[str]) -> heldout.Fit:
     def fit_rows(x, y, sample_weight):
-        w, b = fit(x, y, c, seed, sample_weight)
+        w, b = fit_views(x, y, c, seed, sample_weight, bits, names)
         return lambda xs: _logits(xs, w, b)
 
     return fit_rows
@@ -106,6 +192,7 @@ def evaluate(
     loso = heldout.loso_scores(x, y, fam, fit_rows, balance)
     t = heldout.threshold_at(loso[~y], fp_cap)
     report["loso"] = heldout.table(loso, y, fam, t, _prob)
+    report["loso"]["nested_benign_fp"] = heldout.nested_benign_fp(loso, y, fam, fp_cap)
     log(f"attack families held out ({len(set(fam[y]))}), benign always trained on (one fold held out) ...")
     att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed)
     t_att = heldout.threshold_at(ben, fp_cap)
@@ -131,6 +218,7 @@ def train(
     balance: str = "family",
     char_orders: tuple[int, ...] = CHAR_ORDERS,
     word_orders: tuple[int, ...] = (),
+    cues: bool = True,
     evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
     fp_cap: float = FP_CAP,
@@ -139,31 +227,40 @@ def train(
     """Fit on ``rows``; with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
     y = np.array([r.attack for r in rows])
     fam = np.array([r.family for r in rows])
-    x = matrix(rows, bits, char_orders, word_orders)
-    w, b = fit(x, y, c, seed, heldout.family_weights(y, fam, balance))
+    names = view_names(word_orders, cues)
+    x = views(rows, bits, char_orders, word_orders, cues)
+    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance), bits, names)
     report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum()), "balance": balance}
     if evaluate_heldout:
-        dev_pair = (dev, lambda: _logits(matrix(dev, bits, char_orders, word_orders), w, b)) if dev else None
-        held, t = evaluate(rows, x, _fitter(c, seed), balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
+        dev_pair = (dev, lambda: _logits(views(dev, bits, char_orders, word_orders, cues), w, b)) if dev else None
+        fitter = _fitter(c, seed, bits, names)
+        held, t = evaluate(rows, x, fitter, balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
         report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
         t = heldout.threshold_at(_logits(x, w, b)[~y], fp_cap)
     report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
     digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:12]
-    meta = {
-        "version": f"ngram-lr-{digest}",
+    model: dict[str, Any] = {
+        "family": "one LR per view (n-grams: liblinear dual; cues: lbfgs, standardized), benign-scaled and summed",
+        "C": c,
+        "seed": seed,
+        "mix": {name: VIEW_MIX[name] for name in names},
+    }
+    if cues:
+        model["cue_C"] = CUE_C
+    meta: dict[str, Any] = {
+        "version": f"{'-'.join(names)}-lr-{digest}",
+        "views": names,
         "features": FEATURES_VERSION,
         "bits": bits,
         "char_orders": list(char_orders),
         "word_orders": list(word_orders),
         "threshold": _prob(t),
-        "model": {
-            "family": "logistic regression, liblinear dual, class and family balanced",
-            "C": c,
-            "seed": seed,
-        },
+        "model": model,
         "report": report,
     }
+    if cues:
+        meta["cues"] = {"version": CUES_VERSION, "names": list(CUE_NAMES)}
     return w, b, meta
 
 
@@ -177,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
     p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
-    p.add_argument("--words", action="store_true", help="add word 1-2-grams to the character 3-5-grams")
+    p.add_argument("--words", action="store_true", help="add the word 1-2-gram view (slower to serve)")
+    p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
     args = p.parse_args(argv)
@@ -195,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         balance=args.balance,
         word_orders=WORD_ORDERS if args.words else (),
+        cues=not args.no_cues,
         evaluate_heldout=not args.no_eval,
         dev=dev,
     )

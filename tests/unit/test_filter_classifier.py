@@ -14,7 +14,8 @@ from consumers.filter.classifier import DEFAULT_ARTIFACT, LinearClassifier, load
 from consumers.filter.corpus import Row, family_of
 from consumers.filter.features import featurize, gram_text
 from consumers.filter.reload import ClassifierSlot
-from consumers.filter.train import train
+from consumers.filter.train import _logits, train
+from consumers.filter.train import views as train_views
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,3 +190,31 @@ def test_training_records_every_held_out_table():
     assert set(report["loso_attack"]["families"]) == {"atk-one", "atk-two"}  # attack families only
     assert report["threshold_from"] == "loso" and report["balance"] == "family"
     assert meta["word_orders"] == [] and meta["char_orders"] == [3, 4, 5]
+    assert meta["views"] == ["chars", "cues"] and "nested_benign_fp" in report["loso"]
+
+
+@pytest.mark.parametrize(
+    ("word_orders", "cues", "views"),
+    [((), True, ["chars", "cues"]), ((1, 2), True, ["chars", "words", "cues"]), ((), False, ["chars"])],
+)
+def test_every_view_layout_round_trips(tmp_path, word_orders, cues, views):
+    rows = _tiny_rows()
+    w, b, meta = train(rows, bits=12, word_orders=word_orders, cues=cues, evaluate_heldout=False, log=lambda _: None)
+    assert meta["views"] == views
+    save_linear(tmp_path / "clf.npz", w, b, meta)
+    clf = load_classifier(tmp_path / "clf.npz")
+    # serving recomputes the training logit exactly: one dot product per view
+    expected = _logits(train_views(rows[:3], 12, (3, 4, 5), word_orders, cues), w.astype(np.float64), b)
+    got = [clf.logit(r.text)[0] for r in rows[:3]]
+    assert np.allclose(got, expected, atol=1e-4)
+    top = clf.score(ATTACKS[0], explain=50).features
+    assert top and all(isinstance(name, str) and name for name, _ in top)
+    assert any(name.startswith("cue:") for name, _ in top) == cues
+
+
+def test_a_v3_artifact_without_views_still_loads(tmp_path):
+    w, b, meta = train(_tiny_rows(), bits=12, cues=False, evaluate_heldout=False, log=lambda _: None)
+    del meta["views"]  # v3 artifacts predate views: one n-gram view of their orders
+    save_linear(tmp_path / "v3.npz", w, b, meta)
+    clf = load_classifier(tmp_path / "v3.npz")
+    assert clf.views == ("ngrams",) and clf.score(ATTACKS[0]).score > clf.score(BENIGN[0]).score

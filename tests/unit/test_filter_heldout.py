@@ -58,3 +58,13 @@ def test_threshold_caps_benign_flags():
     benign = np.arange(1000.0)
     t = heldout.threshold_at(benign, 0.003)
     assert (benign >= t).sum() == 3
+
+
+def test_nested_benign_fp_sets_each_family_threshold_without_it():
+    y = np.array([False] * 200 + [True] * 5)
+    fams = np.array(["b1"] * 100 + ["b2"] * 100 + ["a"] * 5)
+    scores = np.r_[np.zeros(100), np.linspace(0, 1, 100), np.ones(5)]  # b2 sits higher than b1
+    nested = heldout.nested_benign_fp(scores, y, fams, 0.01)
+    # b1 alone sets b2's threshold just above 0: nearly all of b2 is flagged; b2's threshold spares b1
+    assert nested["families"]["b2"] > 0.9 and nested["families"]["b1"] == 0.0
+    assert nested["mean"] == pytest.approx((nested["families"]["b1"] + nested["families"]["b2"]) / 2)
