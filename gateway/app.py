@@ -48,6 +48,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
 
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings
+    app.state.gate = gate
     errors.install(app)
     app.include_router(ops_router(settings, pipeline))
     app.include_router(routes_openai.router(chat))
@@ -145,15 +146,17 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
 
 def main() -> None:
     settings = GatewaySettings()
+    app = build_app(settings)
     uvicorn.run(
-        build_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         timeout_graceful_shutdown=10,
         # Slow and idle clients: a head must arrive within header_timeout_s (HeadTimeout),
         # a body within body_timeout_s (BodyGuard), an idle keep-alive connection closes.
-        http=head_timeout_protocol(settings.header_timeout_s),
+        # A burst's refusals are answered as their bodies are read (gateway/shed.py).
+        http=head_timeout_protocol(settings.header_timeout_s, refuse=app.state.gate.refusal),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,
         ws_max_size=settings.max_ws_frame_bytes,

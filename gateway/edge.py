@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -106,8 +107,9 @@ class _TooLarge(Exception):
     pass
 
 
-#: Scope key: when the request's first bytes were read (time.perf_counter()).
-ARRIVED = "arena.arrived"
+#: Scope keys: when the request's first bytes were read (time.perf_counter()); whether
+#: the protocol already answered it (HeadTimeoutProtocol.REFUSE).
+ARRIVED, REFUSED = "arena.arrived", "arena.refused"
 
 
 class ServerTiming:
@@ -121,6 +123,8 @@ class ServerTiming:
     async def __call__(self, scope: Scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get(REFUSED):
+            return None
         arrived = scope.get(ARRIVED) or time.perf_counter()
 
         async def timed(message: dict) -> None:
@@ -140,6 +144,9 @@ class HeadTimeoutProtocol(FastProtocol):
     after `HEADER_TIMEOUT_S` with a 408."""
 
     HEADER_TIMEOUT_S = 10.0
+    #: (scope, body, arrived) -> a whole HTTP response refusing the request as its body is
+    #: read, or None to serve it (gateway/shed.py: a burst's refusals, before any task runs).
+    REFUSE: Callable[[Scope, bytes, float], bytes | None] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -165,6 +172,21 @@ class HeadTimeoutProtocol(FastProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope[ARRIVED] = self._data_at  # type: ignore[literal-required]
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self.cycle
+        if self.REFUSE is None or cycle is None or cycle.response_started:
+            return
+        answer = self.REFUSE(self.scope, cycle.body, self._data_at)  # type: ignore[arg-type]
+        if answer is None:
+            return
+        # Answered here; the request's task (already created) returns at ServerTiming.
+        self.scope[REFUSED] = True  # type: ignore[literal-required]
+        cycle.response_started = cycle.response_complete = True
+        cycle.keep_alive = False
+        self.transport.write(answer)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -209,8 +231,14 @@ def _limited(app, connections: set, tasks: set, limit: int):
     return limited
 
 
-def head_timeout_protocol(timeout_s: float) -> type[HeadTimeoutProtocol]:
-    return type("HeadTimeout", (HeadTimeoutProtocol,), {"HEADER_TIMEOUT_S": timeout_s})
+def head_timeout_protocol(
+    timeout_s: float, refuse: Callable[[Scope, bytes, float], bytes | None] | None = None
+) -> type[HeadTimeoutProtocol]:
+    return type(
+        "HeadTimeout",
+        (HeadTimeoutProtocol,),
+        {"HEADER_TIMEOUT_S": timeout_s, "REFUSE": staticmethod(refuse) if refuse else None},
+    )
 
 
 class FrameError(ValueError):

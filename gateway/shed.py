@@ -39,8 +39,9 @@ from typing import Any
 import orjson
 
 from events import subjects
-from events.models import DEFAULT_MAX_TOKENS, new_id
+from events.models import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, new_id
 from gateway import admission
+from gateway.access import bearer
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN
@@ -49,6 +50,13 @@ from runtime.redis import REDIS_DOWN
 #: The routes whose requests go through admission, and how each names its token budget.
 ROUTES = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/chat": ("max_tokens",)}
 SUBJECT = subjects.GATEWAY_ADMITTED
+#: The early gate judges with a margin this much wider than the fleet-wide check's: its
+#: view (local, peers' news, heartbeats of the moment) differs a little from the one the
+#: Redis-backed check sees a moment later, and a request near the limit had better be
+#: refused at once than let on and refused there, behind the burst's work.
+STRICTER = 1.1
+#: Scope key: (model, member, tokens) of a request the protocol's check let through.
+PASSED = "arena.passed"
 
 
 @dataclass
@@ -144,7 +152,8 @@ class EarlyGate:
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S)
         queue = admission.combine(workers, stream, n, ahead, self.chat.recent.mean_budget)
-        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
+        margin = self.settings.admission_margin * STRICTER
+        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
         return est if est.finish_s > budget_s else None
 
     async def let_through(self, model: str, tokens: int) -> str:
@@ -163,10 +172,47 @@ class EarlyGate:
         if state != "pass":
             tokens = self.passed.get(model, {}).get(member, (0.0, 0))[1]
         self._mark(model, member, tokens, state)
+        await self._tell(model, member, tokens, state)
+
+    async def _tell(self, model: str, member: str, tokens: int, state: str) -> None:
         nc = getattr(self.pipeline, "nc", None)
         if nc is not None and nc.is_connected:
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
                 await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
+
+    def refusal(self, scope: dict, body: bytes, arrived: float) -> bytes | None:
+        """The whole HTTP response refusing a request as the protocol reads its body, before
+        any task runs for it (HeadTimeoutProtocol.REFUSE); None to serve it. Only for a
+        caller whose key is accepted (or keys off), with a readable body in the limits, a
+        served model, and a deadline the fleet cannot meet: else the routes answer."""
+        if scope.get("method") != "POST" or scope.get("path") not in ROUTES or scope.get("query_string"):
+            return None
+        if self.settings.api_keys and bearer(scope.get("headers", [])) not in self.settings.api_keys:
+            return None
+        if len(body) > self.settings.max_body_bytes or (request := self.request_of(scope["path"], body)) is None:
+            return None
+        model, tokens, budget_s = request
+        if self.pipeline.queue(model).slots <= 0:
+            return None
+        if (est := self.judge(model, tokens, budget_s)) is None:
+            # Let through, and counted at once: the requests read next are judged with it.
+            member = new_id()
+            self._mark(model, member, tokens, "pass")
+            scope[PASSED] = (model, member, tokens)
+            return None
+        METRICS.rejections.labels(reason="deadline_unreachable").inc()
+        METRICS.requests.labels(model, "429").inc()
+        err = overloaded(model, est, budget_s)
+        payload = orjson.dumps(err.body())
+        head = [
+            b"HTTP/1.1 429 Too Many Requests",
+            b"content-type: application/json",
+            b"content-length: %d" % len(payload),
+            b"retry-after: " + err.headers["Retry-After"].encode(),
+            b"server-timing: gateway;dur=%.1f" % ((time.perf_counter() - arrived) * 1000),
+            b"connection: close",
+        ]
+        return b"\r\n".join(head) + b"\r\n\r\n" + payload
 
     def request_of(self, path: str, body: bytes) -> tuple[str, int, float] | None:
         """(model, token budget, deadline) of an admission route's body; None when the
@@ -183,9 +229,15 @@ class EarlyGate:
         model = doc.get("model") or self.settings.default_model
         if not isinstance(model, str):
             return None
-        tokens = next((int(v) for n in names if (v := _number(doc.get(n))) is not None), DEFAULT_MAX_TOKENS)
-        deadline = _number(doc.get("deadline_s")) or self.settings.deadline_s
-        return model, tokens, min(deadline, self.settings.max_deadline_s)
+        # Fields this reads must be valid as the schema says, or the route's 400 names them.
+        budgets = [doc[n] for n in names if doc.get(n) is not None]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TOKENS_LIMIT for v in budgets):
+            return None
+        deadline = doc.get("deadline_s")
+        if deadline is not None and _number(deadline) is None:
+            return None
+        tokens = budgets[0] if budgets else DEFAULT_MAX_TOKENS
+        return model, tokens, min(deadline or self.settings.deadline_s, self.settings.max_deadline_s)
 
 
 class EarlyAdmission:
@@ -216,12 +268,17 @@ class EarlyAdmission:
         if request is None:
             return await self.app(scope, replay, send)
         model, tokens, budget_s = request
-        if self.gate.pipeline.queue(model).slots <= 0:  # not served, or not yet: the route answers
-            return await self.app(scope, replay, send)
-        if (est := self.gate.judge(model, tokens, budget_s)) is not None:
-            METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
-        edge = Edge(self.gate, model, await self.gate.let_through(model, tokens))
+        if (passed := scope.get(PASSED)) is not None:  # judged as the protocol read it
+            member = passed[1]
+            await self.gate._tell(model, member, tokens, "pass")
+        else:
+            if self.gate.pipeline.queue(model).slots <= 0:  # not served, or not yet: the route answers
+                return await self.app(scope, replay, send)
+            if (est := self.gate.judge(model, tokens, budget_s)) is not None:
+                METRICS.rejections.labels(reason="deadline_unreachable").inc()
+                return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
+            member = await self.gate.let_through(model, tokens)
+        edge = Edge(self.gate, model, member)
         token = _EDGE.set(edge)
         try:
             await asyncio.sleep(0)  # every request that arrived with this one is judged first

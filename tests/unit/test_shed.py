@@ -11,7 +11,7 @@ import pytest
 
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission import ModelQueue, StreamState
-from gateway.shed import EarlyGate
+from gateway.shed import STRICTER, EarlyGate
 from runtime.settings import GatewaySettings
 
 
@@ -47,18 +47,20 @@ def test_the_budget_and_deadline_are_read_from_the_body(gate):
     for bad in (b"not json", b"[1]", b'{"model": 3}'):
         assert gate.request_of("/v1/chat/completions", bad) is None
     assert gate.request_of("/v1/models", b"{}") is None
-    # A budget of the wrong type is left to validation; the default counts meanwhile.
-    assert gate.request_of("/chat", b'{"max_tokens": true}') == ("m", DEFAULT_MAX_TOKENS, 15.0)
+    # A field it reads that the schema refuses is left to validation, which names it.
+    for bad in (b'{"max_tokens": true}', b'{"max_tokens": 0}', b'{"max_tokens": 1e9}', b'{"deadline_s": "9"}'):
+        assert gate.request_of("/chat", bad) is None
 
 
 async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
-    """32 slots, 100 tokens at 20 ms: a wave takes 2 s; 15 s holds 7 waves (6 waiting + its own)."""
+    """32 slots, 100 tokens at 20 ms, 10% stricter than admission (STRICTER): a wave takes
+    2.2 s; 15 s holds 6 waves (5 waiting + its own), not the 7 the fleet-wide check allows."""
     passed = 0
     for _ in range(400):
         if gate.judge("m", 100, 15.0) is None:
             await gate.let_through("m", 100)
             passed += 1
-    assert passed == 7 * 32
+    assert STRICTER == 1.1 and passed == 6 * 32
     est = gate.judge("m", 100, 15.0)
     assert est is not None and est.finish_s > 15.0
     assert gate.judge("m", 100, 60.0) is None  # a longer deadline still fits
@@ -74,3 +76,22 @@ async def test_peers_and_publishes_move_the_count(gate):
     member = next(iter(gate.passed["m"]))
     await gate.forget("m", member)
     assert gate._ahead("m", time.time()) == (0, 0)
+
+
+def test_the_protocol_gets_a_whole_429_or_the_request_is_counted(gate):
+    """`refusal` runs as uvicorn's protocol reads a body: a request let through is counted
+    at once (the next one read is judged with it); past the limit, a complete response."""
+    scope = {"method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+    body = orjson.dumps({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
+    answers = [gate.refusal(dict(scope), body, time.perf_counter()) for _ in range(200)]
+    assert answers[: 6 * 32] == [None] * (6 * 32)
+    head, _, payload = answers[-1].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: " in head and b"server-timing: gateway;dur=" in head
+    assert orjson.loads(payload)["error"]["code"] == "overloaded"
+    passed = dict(scope)
+    gate.passed.clear()
+    assert gate.refusal(passed, body, time.perf_counter()) is None and passed["arena.passed"][0] == "m"
+    # Not the protocol's to answer: the routes do (401, 400, or a request in the URL's terms).
+    gate.settings.api_keys = ["sk-a"]
+    assert gate.refusal(dict(scope), body, time.perf_counter()) is None  # no key: the route says 401
+    assert gate.refusal({**scope, "path": "/v1/models"}, body, time.perf_counter()) is None
