@@ -111,7 +111,7 @@ def closed_loop(loaded: LoadedModel, users: int, workload: Workload, duration_s:
     started: dict[str, float] = {}
     first: dict[str, float] = {}
     records: list[dict] = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
 
     def add(i: int) -> None:
         turn = draw_session(workload, rng)[0]
@@ -144,8 +144,8 @@ def closed_loop(loaded: LoadedModel, users: int, workload: Workload, duration_s:
             if now < duration_s:
                 add(sent)
                 sent += 1
-    wall = time.perf_counter() - t0
-    return {"load": float(users), "load_label": f"{users} users", "summary": summarize(records, wall)}
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"load": float(users), "load_label": f"{users} users", "summary": summarize(records, wall), "cpu_s": cpu}
 
 
 def closed_loop_main(args: argparse.Namespace) -> None:
@@ -156,7 +156,11 @@ def closed_loop_main(args: argparse.Namespace) -> None:
     levels = [closed_loop(loaded, int(load), workload, args.duration) for load in args.loads.split(",")]
     for level in levels:
         s = level["summary"]
-        print(f"engine {level['load_label']:>10} {s['tokens_per_s']:>9.0f} tok/s  P50 {s['latency_p50']:.3f} s")
+        per_cpu = s["output_tokens"] / level["cpu_s"]
+        print(
+            f"engine {level['load_label']:>10} {s['tokens_per_s']:>9.0f} tok/s {per_cpu:>7.0f} tok/cpu-s"
+            f"  P50 {s['latency_p50']:.3f} s  TTFT P50 {s['ttft_p50']:.3f} s"
+        )
     row = {
         "name": "engine",
         "status": "ok",

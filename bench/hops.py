@@ -78,15 +78,21 @@ async def run(base: str, url: str, model: str, requests: int, tokens: int) -> li
     return rows
 
 
+def ms(values: list[float]) -> float:
+    return 1e3 * (percentile(values, 50) or 0.0)
+
+
 def report(rows: list[dict]) -> str:
+    if not rows:
+        return "no request was seen at every hop"
     lines = [f"{len(rows)} requests; medians (ms)", ""]
     for a, b in pairwise(STAGES):
-        lines.append(f"{a:>16} -> {b:<16} {1e3 * percentile([r[b] - r[a] for r in rows], 50):7.1f}")
+        lines.append(f"{a:>16} -> {b:<16} {ms([r[b] - r[a] for r in rows]):7.1f}")
     total = [r["answered"] - r["sent"] for r in rows]
     outside = [r["answered"] - r["sent"] - r["compute"] for r in rows]
-    lines.append(f"{'end to end':>36} {1e3 * percentile(total, 50):7.1f}")
-    lines.append(f"{'server compute':>36} {1e3 * percentile([r['compute'] for r in rows], 50):7.1f}")
-    lines.append(f"{'overhead (e2e - compute)':>36} {1e3 * percentile(outside, 50):7.1f}")
+    lines.append(f"{'end to end':>36} {ms(total):7.1f}")
+    lines.append(f"{'server compute':>36} {ms([r['compute'] for r in rows]):7.1f}")
+    lines.append(f"{'overhead (e2e - compute)':>36} {ms(outside):7.1f}")
     return "\n".join(lines)
 
 

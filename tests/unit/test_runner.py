@@ -63,7 +63,7 @@ async def test_outputs_reach_the_loop_in_step_order_with_wake_ups_coalesced():
     """Steps that end while the loop is busy go over in one wake-up, none lost or reordered."""
     calls: list[list] = []
     done = asyncio.Event()
-    runner = EngineRunner(CountingEngine(200), asyncio.get_running_loop(), lambda outs: calls.append(outs))  # type: ignore[arg-type]
+    runner = EngineRunner(CountingEngine(200), asyncio.get_running_loop(), calls.append)  # type: ignore[arg-type]
     try:
         time.sleep(0.2)  # the loop is blocked: the engine's outputs pile up for one delivery
         loop = asyncio.get_running_loop()
