@@ -61,11 +61,27 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-def start_py_spy(name: str, pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+def start_py_spy(name: str, pid: int, seconds: float, out: Path, gil: bool = False) -> subprocess.Popen | None:
     exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if exe is None:
         return None
-    cmd = [exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "50", "-f", "raw", "--nonblocking"]
+    cmd = [
+        exe,
+        "record",
+        "-p",
+        str(pid),
+        "-d",
+        str(int(seconds)),
+        "-r",
+        "50",
+        "-f",
+        "raw",
+        "--nonblocking",
+        "--threads",
+    ]
+    # --gil: only the thread holding the GIL (Python's own CPU time, no GIL waits, no
+    # native code that released it); without it, waiting for the GIL counts as busy.
+    cmd += ["--gil"] if gil else []
     cmd += ["-o", str(out / f"{name}.stacks")]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -109,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     parser.add_argument("--py-spy", action="store_true", help="sample every Python process with py-spy")
+    parser.add_argument("--gil", action="store_true", help="py-spy: sample only the thread holding the GIL")
     args = parser.parse_args(argv)
     procs.install_cleanup()
     out: Path = args.out
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         before = {name: cpu_s(p) for name, p in stack.items()}
         spies = (
             [
-                start_py_spy(n, p.pid, args.duration, out)
+                start_py_spy(n, p.pid, args.duration, out, args.gil)
                 for n, p in stack.items()
                 if n not in ("nats-server", "redis-server", "load generator")
             ]

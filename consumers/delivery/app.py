@@ -18,14 +18,13 @@ from collections.abc import Awaitable, Callable
 from faststream import AckPolicy, FastStream
 from faststream.exceptions import NackMessage
 from faststream.nats import NatsBroker
-from faststream.nats.annotations import NatsMessage
 from prometheus_client import Counter
 
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
 from runtime import jetstream, tracing
-from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
 from runtime.redis import REDIS_DOWN, redis_client
 from runtime.settings import DeliverySettings
 
@@ -81,7 +80,7 @@ def build_app(
 
     # Each request has one terminal event, so workers may deliver concurrently.
     @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)
-    async def on_output(message: NatsMessage) -> None:
+    async def on_output(message: PulledMessage) -> None:
         event = await decode_or_term(topology.DELIVERY.name, message)
         if event is None:
             return

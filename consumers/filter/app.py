@@ -8,7 +8,6 @@ from pathlib import Path
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
-from faststream.nats.annotations import NatsMessage
 
 from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
@@ -27,7 +26,7 @@ from events.models import (
     PromptRejected,
 )
 from runtime import jetstream, tracing
-from runtime.process import ProcessRuntime, Publish, decode_or_term, durable_pull, wire_lifecycle
+from runtime.process import ProcessRuntime, Publish, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
 from runtime.settings import FilterSettings
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ def build_app(
     metrics = METRICS
 
     @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
-    async def on_requested(message: NatsMessage) -> None:
+    async def on_requested(message: PulledMessage) -> None:
         event = await decode_or_term(topology.FILTER.name, message)
         if not isinstance(event, ChatRequested):
             return

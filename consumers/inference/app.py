@@ -9,7 +9,6 @@ import psutil
 import torch
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
-from faststream.nats.annotations import NatsMessage
 
 from consumers.inference import admin
 from consumers.inference.metrics import register_pool
@@ -18,7 +17,7 @@ from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
 from runtime import jetstream
-from runtime.process import ProcessRuntime, decode_or_term, durable_pull
+from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull
 from runtime.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     subscriber = durable_pull(broker, topology.INFERENCE, AckPolicy.MANUAL)
 
     @subscriber
-    async def on_accepted(message: NatsMessage) -> None:
+    async def on_accepted(message: PulledMessage) -> None:
         event = await decode_or_term(topology.INFERENCE.name, message)
         if event is None:
             return

@@ -4,12 +4,13 @@ The engine is synchronous and single-threaded by design: the consumer drives
 :meth:`BatchEngine.step` from one dedicated thread and feeds it with the thread-safe
 :meth:`BatchEngine.add` / :meth:`BatchEngine.cancel`; the event loop never runs torch.
 
-Batch layout. Running sequences are left-padded to a common length ``T``: the KV cache
-holds ``[batch, heads, T, head_dim]`` per layer, ``mask`` ``[batch, T]`` marks real
-tokens, and each sequence keeps its own absolute position, passed as ``position_ids``
-(so padding never shifts RoPE). Newcomers are prefilled as their own padded batch and
-merged by left-padding both caches to the longer length and concatenating rows;
-finished rows are dropped with ``index_select`` and leading all-padding columns trimmed.
+Batch layout. Running sequences are left-padded to a common length ``T`` in a
+preallocated KV cache written in place (:class:`~consumers.inference.kvcache.KVSlab`:
+``[rows, heads, columns, head_dim]`` per layer, a ``mask`` marking real tokens), and
+each sequence keeps its own absolute position, passed as ``position_ids`` (so padding
+never shifts RoPE). Newcomers are prefilled as their own padded batch and written into
+the free rows; a finished row is replaced by the batch's last row, and leading
+all-padding columns are dropped.
 
 Poison isolation. One bad request must never end its neighbours. Token selection is per
 row (a row that cannot be sampled ends alone with "error"), and a forward pass that
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from consumers.inference.errors import PermanentError, PromptTooLong
+from consumers.inference.kvcache import KVSlab
 from consumers.inference.models import LoadedModel
 from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
 
@@ -138,9 +140,8 @@ class BatchEngine:
         self._waiting: deque[GenRequest] = deque()
         self._cancelled: set[str] = set()
         self._active: dict[str, GenRequest] = {}  # added and not yet finished, wherever they are
-        self._seqs: list[_Seq] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # [batch, T] of 0/1
+        self._seqs: list[_Seq] = []  # the running batch, in the KV cache's row order
+        self._kv = KVSlab(max_batch_size)
 
     # ---- thread-safe producer side -------------------------------------------------
 
@@ -219,7 +220,7 @@ class BatchEngine:
             self._waiting = deque()
             self._cancelled.clear()
         running = {s.req.request_id: s for s in self._seqs}
-        self._seqs, self._cache, self._mask = [], None, None
+        self._seqs, self._kv = [], KVSlab(self.max_batch_size)
         return [
             running[rid].output([], "", "error")
             if rid in running
@@ -343,53 +344,48 @@ class BatchEngine:
             reason = "length"
         return seq.output([tok], text, reason)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
         kwargs = {self._cache_kw: cache, "use_cache": True}
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs)
         return out.logits[:, -1, :]
 
-    def _live(self) -> tuple[DynamicCache, torch.Tensor]:
-        """The running batch's cache and mask (there is a running batch)."""
-        assert self._cache is not None and self._mask is not None, "no running batch"
-        return self._cache, self._mask
-
     def _decode(self) -> list[StepOutput]:
         seqs = self._seqs
         dev = self._device
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         pos = torch.tensor([[s.next_pos] for s in seqs], device=dev)
-        cache, old_mask = self._live()
-        mask = torch.cat([old_mask, old_mask.new_ones(len(seqs), 1)], dim=1)
-        # The cache's tensors before the step: a failed forward may have extended some
-        # layers of self._cache (update() concatenates into new tensors, these stay intact).
-        before = [(layer.keys, layer.values) for layer in _layers(cache)]
+        kv = self._kv
+        cache, mask = kv.step_inputs()
 
-        def run(rows: list[int]) -> tuple[torch.Tensor, DynamicCache]:
+        def run(rows: list[int]) -> tuple[torch.Tensor, DynamicCache | None]:
             if len(rows) == len(seqs):  # the whole batch, in place: the usual path
-                return self._forward(ids, mask, pos, cache), cache
+                return self._forward(ids, mask, pos, cache), None
+            # A part of the batch, on copies of its rows (a failed forward may have
+            # written some layers' new column of the slab; the window is intact).
             idx = torch.tensor(rows, device=dev)
-            part = DynamicCache([(k.index_select(0, idx), v.index_select(0, idx)) for k, v in before])
+            part = DynamicCache(kv.snapshot(idx))
             return self._forward(ids[idx], mask[idx], pos[idx], part), part
 
         parts, failed = _isolating(list(range(len(seqs))), run, "decode step")
         outputs = [seqs[i].output([], "", "error") for i in failed]
-        in_parts = len(parts) != 1 or bool(failed)  # else the whole batch ran in place
-        if in_parts:
+        if len(parts) != 1 or failed:  # it ran in parts: the parts' caches become the batch
             rows = [i for part_rows, _ in parts for i in part_rows]
-            if not rows:
-                self._seqs, self._cache, self._mask = [], None, None
-                return outputs
-            self._cache = DynamicCache([_cat_layer(n, [c for _, (_, c) in parts]) for n in range(len(before))])
             self._seqs = [seqs[i] for i in rows]
-            mask = mask.index_select(0, torch.tensor(rows, device=mask.device))
-        self._mask = mask
+            if not rows:
+                kv.reset()
+                return outputs
+            part_mask = mask.index_select(0, torch.tensor(rows, device=mask.device))
+            caches = [c for _, (_, c) in parts if c is not None]
+            kv.reset([_cat_layer(n, caches) for n in range(len(kv.keys))], part_mask)
+        else:
+            kv.commit()
         for s in self._seqs:
             s.next_pos += 1
         logits = parts[0][1][0] if len(parts) == 1 else torch.cat([logits for _, (logits, _) in parts])
         more, alive = self._advance(self._seqs, logits)
-        if in_parts or len(alive) < len(self._seqs):
+        if len(alive) < len(self._seqs):
             self._keep_rows(alive)
         return outputs + more
 
@@ -429,49 +425,24 @@ class BatchEngine:
         cache = DynamicCache()
         return self._forward(ids, mask, pos, cache), cache, mask
 
-    # ---- KV cache surgery ----------------------------------------------------------
+    # ---- the running batch's rows ------------------------------------------------------
 
     def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> None:
+        """Newcomers (rows ``rows`` of their prefill's cache) join the running batch."""
+        layers = [(layer.keys, layer.values) for layer in _layers(cache)]
         if len(rows) < mask.shape[0]:
             idx = torch.tensor(rows, device=mask.device)
-            _select_rows(cache, idx)
+            layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers]
             mask = mask.index_select(0, idx)
-        if self._cache is None:
-            self._seqs, self._cache, self._mask = seqs, cache, mask
-            self._trim()
-            return
-        live, live_mask = self._live()
-        width = max(live_mask.shape[1], mask.shape[1])
-        for old, new in zip(_layers(live), _layers(cache), strict=True):
-            if old.keys is None or new.keys is None:
-                continue
-            old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)])
-            old.values = torch.cat([_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)])
-        self._mask = torch.cat([_left_pad(live_mask, width, -1), _left_pad(mask, width, -1)])
+        self._kv.add(layers, mask)
         self._seqs = self._seqs + seqs
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
-            self._seqs, self._cache, self._mask = [], None, None
+            self._seqs = []
+            self._kv.reset()
             return
-        cache, mask = self._live()
-        idx = torch.tensor(rows, device=mask.device)
-        _select_rows(cache, idx)
-        self._mask = mask.index_select(0, idx)
-        self._seqs = [self._seqs[i] for i in rows]
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop leading columns that are padding in every row."""
-        cache, mask = self._live()
-        first = int(mask.any(dim=0).long().argmax())
-        if first == 0:
-            return
-        self._mask = mask[:, first:]
-        for layer in _layers(cache):
-            if layer.keys is not None:
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
+        self._seqs = [self._seqs[i] for i in self._kv.keep(rows)]
 
 
 def _isolating(
@@ -504,18 +475,3 @@ def _cat_layer(n: int, caches: list[DynamicCache]) -> tuple[torch.Tensor, torch.
 def _layers(cache: DynamicCache) -> list[Any]:
     """The cache's layers; every layer here has `keys` and `values` (None until first used)."""
     return list(cache.layers)
-
-
-def _select_rows(cache: DynamicCache, idx: torch.Tensor) -> None:
-    for layer in _layers(cache):
-        if layer.keys is not None:
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    pad = [0, 0] * (-dim - 1) + [missing, 0]
-    return F.pad(t, pad)

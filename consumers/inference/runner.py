@@ -51,6 +51,11 @@ class EngineRunner:
         self.name = engine.loaded.spec.name
         self._wake = threading.Event()
         self._stop = False
+        # Outputs on their way to the loop: one wake-up carries every step's outputs that
+        # piled up before the loop ran it (a wake-up is a syscall and a GIL hand-off).
+        self._handoff_lock = threading.Lock()
+        self._handoff: list[StepOutput] = []
+        self._posted = False
         #: Recent decode step times (seconds) at small and at near-full batches: the
         #: gateway's admission estimates how long a new request would take from their medians.
         self._small: deque[float] = deque(maxlen=64)
@@ -104,7 +109,21 @@ class EngineRunner:
             METRICS.running.labels(self.name).set(self.engine.running)
             METRICS.waiting.labels(self.name).set(self.engine.waiting)
             if outputs:
-                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                self._post(outputs)
+
+    def _post(self, outputs: list[StepOutput]) -> None:
+        with self._handoff_lock:
+            self._handoff += outputs
+            if self._posted:
+                return
+            self._posted = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        """On the loop: every output posted since the last delivery, in step order."""
+        with self._handoff_lock:
+            outputs, self._handoff, self._posted = self._handoff, [], False
+        self.on_outputs(outputs)
 
     def _measure(self, batch: int, took: float) -> None:
         """A step's time (with the prefill of requests joining it: under a steady load

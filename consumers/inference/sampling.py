@@ -169,14 +169,22 @@ class TextTracker:
     def _completion(self, token_id: int) -> str:
         """The whole completion's text with ``token_id``; ends with U+FFFD inside a character."""
         self._ids.append(token_id)
-        if self._stream is None:
-            return self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
-        backend, stream = self._stream
-        piece = stream.step(backend, token_id)
-        if piece is None:  # inside a multi-byte character
-            return self._decoded + "\ufffd"
-        self._decoded += piece
-        return self._decoded
+        if self._stream is not None:
+            backend, stream = self._stream
+            try:
+                piece = stream.step(backend, token_id)
+            except Exception:  # noqa: BLE001 - see below
+                # DecodeStream refuses some byte sequences that are no UTF-8 (a stray
+                # continuation byte, then a word: "Invalid prefix encountered"); the
+                # request is fine, so it goes on with whole decodes from here.
+                self._stream = None
+                self._prefix_len = len(self._decode(self._prefix_ids))
+            else:
+                if piece is None:  # inside a multi-byte character
+                    return self._decoded + "\ufffd"
+                self._decoded += piece
+                return self._decoded
+        return self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
 
     def add(self, token_id: int) -> str:
         """Append a token; return the new text that is safe to emit (may be empty)."""

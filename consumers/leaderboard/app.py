@@ -15,14 +15,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one fit at a time on a sma
 
 from faststream import AckPolicy, FastStream
 from faststream.nats import NatsBroker
-from faststream.nats.annotations import NatsMessage
 
 from consumers.leaderboard.projection import VoteProjection, config_of
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
 from runtime import jetstream
-from runtime.process import ProcessRuntime, decode_or_term, durable_pull, wire_lifecycle
+from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
 from runtime.redis import redis_client
 from runtime.settings import LeaderboardSettings
 
@@ -56,7 +55,7 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
     tasks: list[asyncio.Task] = []
 
     @durable_pull(broker, role, AckPolicy.MANUAL)
-    async def on_battle_event(message: NatsMessage) -> None:
+    async def on_battle_event(message: PulledMessage) -> None:
         event = await decode_or_term(role.name, message)
         if event is None:
             return

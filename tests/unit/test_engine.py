@@ -159,13 +159,13 @@ def test_cache_shrinks_when_long_rows_leave(loaded):
     engine.add(GenRequest("long-prompt", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0, max_tokens=2)))
     engine.add(GenRequest("short-prompt", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=30)))
     engine.step()
-    wide = engine._mask.shape[1]
+    wide = engine._kv.width
     engine.step()  # long-prompt finishes; its padding columns go
     engine.step()
     assert engine.running == 1
-    assert engine._mask.shape[1] == len(ids(loaded, PROMPTS[3])) + 2
-    assert engine._mask.shape[1] < wide
-    assert engine._cache.layers[0].keys.shape[2] == engine._mask.shape[1]
+    assert engine._kv.width == len(ids(loaded, PROMPTS[3])) + 2
+    assert engine._kv.width < wide
+    assert engine._kv.window(0)[0].shape[2] == engine._kv.mask.shape[1] == engine._kv.width
 
 
 def test_expired_waiting_request_finishes_without_compute(loaded):

@@ -120,6 +120,15 @@ def test_tracker_never_splits_a_multibyte_character(tokenizer):
     assert _feed(tracker, byte_ids) == ["", "", "中"]
 
 
+def test_tracker_survives_bytes_that_are_no_utf8(tokenizer):
+    """tokenizers' DecodeStream raises on a stray continuation byte followed by a word
+    (found by test_poison's random requests); the tracker decodes in full instead."""
+    ids = tokenizer.convert_tokens_to_ids(["<0x00>", "<0x80>", "▁h", "▁t"])
+    tracker = TextTracker(tokenizer, [tokenizer.bos_token_id])
+    text = "".join([*_feed(tracker, ids), tracker.flush()])
+    assert text.endswith(" h t")  # the bytes themselves decode to replacement characters
+
+
 def test_tracker_trims_at_stop_string_and_holds_back_partial_match(tokenizer):
     prompt, gen = _split(tokenizer, "Once", " upon a time there was")
     tracker = TextTracker(tokenizer, prompt, stop=("a time",))
