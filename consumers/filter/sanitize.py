@@ -203,7 +203,9 @@ _STRONG_TOKEN = (
 _WEAK_TOKEN = r"<\s*/?\s*s\s*>"
 # A run of tokens, with the role name that follows a turn opener ("<|im_start|>system").
 _OPENER = rf"(?:{_STRONG_TOKEN})(?:[ \t]*{_ROLE}\b[ \t]*:?)?"
-_TOKEN_RUN = re.compile(rf"(?:(?:{_WEAK_TOKEN})\s*)*{_OPENER}(?:\s*(?:{_WEAK_TOKEN}|{_OPENER}))*")
+# Every run starts with "<" or "[": the lookahead rejects other positions at once (the
+# optional leading weak tokens leave re no prefix to scan for), a third of the time.
+_TOKEN_RUN = re.compile(rf"(?=[<\[])(?:(?:{_WEAK_TOKEN})\s*)*{_OPENER}(?:\s*(?:{_WEAK_TOKEN}|{_OPENER}))*")
 
 
 def _show(span: str) -> str:

