@@ -99,8 +99,14 @@ def skeleton(text: str) -> Skeleton:
         return Skeleton(low.translate(_FOLD) if "\r" in low or "\x0b" in low or "\x0c" in low else low, None)
     if not _IGNORABLE.search(text):
         return Skeleton(text.translate(_FOLD), None)
-    index = [i for i, ch in enumerate(text) if not _IGNORABLE.match(ch)]
-    return Skeleton("".join(text[i] for i in index).translate(_FOLD), index)
+    # the kept positions are the ranges between the (few) ignorable characters: no per-character loop
+    index: list[int] = []
+    kept = 0
+    for m in _IGNORABLE.finditer(text):
+        index.extend(range(kept, m.start()))
+        kept = m.end()
+    index.extend(range(kept, len(text)))
+    return Skeleton(_IGNORABLE.sub("", text).translate(_FOLD), index)
 
 
 # --- findings -------------------------------------------------------------------

@@ -67,8 +67,8 @@ _JAILBREAK = {
         r"|entirely hypothetical\w*|fictional purposes)"
     ),
 }
-# Words one of which each pattern needs: a substring test is far cheaper than a
-# regex scan, and most prompts contain none of them.
+# Strings one of which every match of a pattern contains: a substring test is far
+# cheaper than a regex scan, and most prompts contain none of them.
 _NEEDS = {
     "jailbreak:ignore_previous": ("ignor", "disregard", "forget", "override", "bypass"),
     "jailbreak:ignore_ethics": ("moral", "ethical", "legal"),
@@ -82,8 +82,16 @@ _NEEDS = {
         "moral",
         "character",
     ),
-    "jailbreak:no_refusal": ("never", "not ", "n't", "without"),
-    "jailbreak:prefill": ("start", "begin", "respond"),
+    # the text around the alternation's end, not its common words ("not " is in most long prompts)
+    "jailbreak:no_refusal": ("never ", " apologi", " refuse", " contain ", " include ", "without "),
+    "jailbreak:prefill": (
+        "start your ",
+        "start the ",
+        "begin your ",
+        "begin the ",
+        "respond with ",
+        "respond only with ",
+    ),
     "jailbreak:hypothetical": ("educational", "hypothetical", "fictional"),
 }
 # The letters every match of a pattern starts with. A pattern that opens with \b and an
