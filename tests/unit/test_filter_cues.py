@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from consumers.filter.corpus import family_of
-from consumers.filter.cues import CUE_NAMES, cue_vector
+from consumers.filter.cues import CUE_NAMES, _tokens, cue_vector
 from consumers.filter.features import normalize
 
 pytestmark = pytest.mark.timeout(30)
@@ -77,3 +79,12 @@ def test_every_phrase_match_contains_its_look_up_word():
 def test_phrases_count_only_at_word_starts():
     assert cues("footstep 1 and misstep 2")["phrase:step_n"] == 0
     assert cues("step 1: open the file")["phrase:step_n"] > 0
+
+
+@pytest.mark.parametrize(
+    "norm",
+    ["", "'", "- item one. - item two!", "--x 'y' don't-stop?!", "a.'b x-.y", "ünï-'abc 日本 self-harm", "''' -- ' x"],
+)
+def test_tokens_are_the_word_regex_matches(norm: str) -> None:
+    expected = [b"." if t in "!?" else t.encode() for t in re.findall(r"[a-z][a-z'\-]*|[.!?]", norm)]
+    assert _tokens(norm.encode()) == expected
