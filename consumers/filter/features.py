@@ -37,8 +37,8 @@ _MASK64 = (1 << 64) - 1
 _M = 0x100000001B3  # odd, so invertible modulo 2**64
 _M_INV = pow(_M, -1, 1 << 64)
 _WORD_TABLE = np.array([chr(c).isalnum() or c == 0x5F for c in range(0x10000)], dtype=bool)
-_KIND_SALT = {("c", n): 0x9E3779B97F4A7C15 * (n + 1) & _MASK64 for n in CHAR_ORDERS} | {
-    ("w", n): 0xC2B2AE3D27D4EB4F * (n + 7) & _MASK64 for n in WORD_ORDERS
+_KIND_SALT = {("c", n): np.uint64(0x9E3779B97F4A7C15 * (n + 1) & _MASK64) for n in CHAR_ORDERS} | {
+    ("w", n): np.uint64(0xC2B2AE3D27D4EB4F * (n + 7) & _MASK64) for n in WORD_ORDERS
 }
 
 
@@ -56,13 +56,23 @@ _POW_INV = _powers(_M_INV, MAX_CHARS + 2)
 _ARANGE = np.arange(MAX_CHARS + 2, dtype=np.int64)
 
 
+# splitmix64's (shift, factor) steps, as numpy scalars made once (the last step has no factor)
+_MIX_STEPS = tuple(
+    (np.uint64(shift), np.uint64(factor) if factor else None)
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 0))
+)
+
+
 def _mix(h: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: spreads the polynomial hash over all 64 bits."""
-    h = h ^ (h >> np.uint64(30))
-    h = h * np.uint64(0xBF58476D1CE4E5B9)
-    h = h ^ (h >> np.uint64(27))
-    h = h * np.uint64(0x94D049BB133111EB)
-    return h ^ (h >> np.uint64(31))
+    """splitmix64 finalizer, in place: spreads the polynomial hash over all 64 bits."""
+    # in place with one scratch array: a fresh 12k-element array per step cost as much as the arithmetic
+    tmp = np.empty_like(h)
+    for shift, factor in _MIX_STEPS:
+        np.right_shift(h, shift, out=tmp)
+        np.bitwise_xor(h, tmp, out=h)
+        if factor is not None:
+            np.multiply(h, factor, out=h)
+    return h
 
 
 @dataclass(frozen=True)
@@ -72,8 +82,17 @@ class Features:
     text: str  # the normalized text the n-grams were taken from
     index: np.ndarray  # int64 feature indices, sorted, distinct
     raw: np.ndarray  # the feature index of every n-gram occurrence
-    start: np.ndarray  # where each occurrence starts and ends in ``text``
-    end: np.ndarray
+    # per n-gram kind, in the order of ``raw``: where its occurrences start and end in ``text``
+    # (joined only when asked: only explaining a score reads them)
+    spans: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+
+    @property
+    def start(self) -> np.ndarray:
+        return np.concatenate([s for s, _ in self.spans]) if self.spans else np.zeros(0, dtype=np.int64)
+
+    @property
+    def end(self) -> np.ndarray:
+        return np.concatenate([e for _, e in self.spans]) if self.spans else np.zeros(0, dtype=np.int64)
 
 
 def normalize(text: str) -> str:
@@ -114,9 +133,11 @@ def featurize_views(
 
 def _prefix(text: str) -> tuple[str, np.ndarray, np.ndarray]:
     norm = normalize(text)
-    cps = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + np.uint64(1)
+    cps = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    cps += np.uint64(1)
     prefix = np.zeros(len(cps) + 1, dtype=np.uint64)
-    np.cumsum(cps * _POW_INV[: len(cps)], out=prefix[1:])
+    np.multiply(cps, _POW_INV[: len(cps)], out=prefix[1:])
+    np.add.accumulate(prefix[1:], out=prefix[1:])  # cumsum in place, without its Python wrapper
     return norm, prefix, cps
 
 
@@ -129,36 +150,43 @@ def _hashed(
     word_orders: tuple[int, ...],
 ) -> Features:
     n = len(cps)
-    hashes, starts, ends = [], [], []
-    for order in char_orders:
-        if n >= order:
-            m = n - order + 1
-            # slices, not fancy indexing: views of the prefix array, no gather
-            hashes.append((prefix[order:] - prefix[:m]) * _POW[:m] + np.uint64(_KIND_SALT["c", order]))
-            starts.append(_ARANGE[:m])
-            ends.append(_ARANGE[order : order + m])
+    # Every n-gram's hash is written into one preallocated array and mixed in place:
+    # per prompt, numpy's per-call cost and fresh arrays weighed more than the arithmetic.
+    orders = [order for order in char_orders if n >= order]
     ws, we = _word_spans(cps) if word_orders else (np.zeros(0, dtype=np.int64),) * 2
-    if len(ws) and word_orders:
+    word_kinds = [k for k in WORD_ORDERS if k in word_orders and len(ws) >= k]
+    sizes = [n - order + 1 for order in orders] + [len(ws) - k + 1 for k in word_kinds]
+    hashes = np.empty(sum(sizes), dtype=np.uint64)
+    pos = 0
+    for order, m in zip(orders, sizes, strict=False):
+        out = hashes[pos : pos + m]
+        # slices, not fancy indexing: views of the prefix array, no gather
+        np.subtract(prefix[order:], prefix[:m], out=out)
+        np.multiply(out, _POW[:m], out=out)
+        np.add(out, _KIND_SALT["c", order], out=out)
+        pos += m
+    if word_kinds:
         words = (prefix[we] - prefix[ws]) * _POW[ws]
-        if 1 in word_orders:
-            hashes.append(words + np.uint64(_KIND_SALT["w", 1]))
-            starts.append(ws)
-            ends.append(we)
-        if len(ws) > 1 and 2 in word_orders:
-            pairs = _mix(words[:-1]) * np.uint64(_M) + words[1:]
-            hashes.append(pairs + np.uint64(_KIND_SALT["w", 2]))
-            starts.append(ws[:-1])
-            ends.append(we[1:])
-    if not hashes:
+        if 1 in word_kinds:
+            np.add(words, _KIND_SALT["w", 1], out=hashes[pos : pos + len(ws)])
+            pos += len(ws)
+        if 2 in word_kinds:
+            pairs = _mix(words[:-1].copy()) * np.uint64(_M) + words[1:]
+            np.add(pairs, _KIND_SALT["w", 2], out=hashes[pos:])
+    if not len(hashes):
         empty = np.zeros(0, dtype=np.int64)
-        return Features(norm, empty, empty, empty, empty)
-    raw = (_mix(np.concatenate(hashes)) >> np.uint64(64 - bits)).astype(np.int64)
-    # sort + neighbour test: several times faster than np.unique on these sizes
-    ordered = np.sort(raw)
+        return Features(norm, empty, empty)
+    raw = np.right_shift(_mix(hashes), np.uint64(64 - bits), out=hashes).view(np.int64)  # < 2**bits: same values
+    # sort + neighbour test: several times faster than np.unique on these sizes; 32-bit
+    # keys sort in half the time, and take() of the kept positions beats a boolean mask
+    ordered = np.sort(raw.astype(np.int32) if bits < 32 else raw)
     keep = np.empty(len(ordered), dtype=bool)
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    return Features(norm, ordered[keep], raw, np.concatenate(starts), np.concatenate(ends))
+    index = ordered.take(np.flatnonzero(keep)).astype(np.int64, copy=False)
+    word_spans = {1: (ws, we), 2: (ws[:-1], we[1:])}
+    spans = [(_ARANGE[: n - order + 1], _ARANGE[order : n + 1]) for order in orders]
+    return Features(norm, index, raw, (*spans, *(word_spans[k] for k in word_kinds)))
 
 
 def _word_spans(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,4 +204,9 @@ def gram_text(features: Features, feature: int) -> str:
     hits = np.flatnonzero(features.raw == feature)
     if not len(hits):
         return ""
-    return features.text[features.start[hits[0]] : features.end[hits[0]]]
+    pos = int(hits[0])
+    for starts, ends in features.spans:  # the kind it belongs to, then its place there
+        if pos < len(starts):
+            return features.text[starts[pos] : ends[pos]]
+        pos -= len(starts)
+    return ""

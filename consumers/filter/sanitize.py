@@ -99,8 +99,14 @@ def skeleton(text: str) -> Skeleton:
         return Skeleton(low.translate(_FOLD) if "\r" in low or "\x0b" in low or "\x0c" in low else low, None)
     if not _IGNORABLE.search(text):
         return Skeleton(text.translate(_FOLD), None)
-    index = [i for i, ch in enumerate(text) if not _IGNORABLE.match(ch)]
-    return Skeleton("".join(text[i] for i in index).translate(_FOLD), index)
+    # the kept positions are the ranges between the (few) ignorable characters: no per-character loop
+    index: list[int] = []
+    kept = 0
+    for m in _IGNORABLE.finditer(text):
+        index.extend(range(kept, m.start()))
+        kept = m.end()
+    index.extend(range(kept, len(text)))
+    return Skeleton(_IGNORABLE.sub("", text).translate(_FOLD), index)
 
 
 # --- findings -------------------------------------------------------------------
@@ -203,7 +209,9 @@ _STRONG_TOKEN = (
 _WEAK_TOKEN = r"<\s*/?\s*s\s*>"
 # A run of tokens, with the role name that follows a turn opener ("<|im_start|>system").
 _OPENER = rf"(?:{_STRONG_TOKEN})(?:[ \t]*{_ROLE}\b[ \t]*:?)?"
-_TOKEN_RUN = re.compile(rf"(?:(?:{_WEAK_TOKEN})\s*)*{_OPENER}(?:\s*(?:{_WEAK_TOKEN}|{_OPENER}))*")
+# Every run starts with "<" or "[": the lookahead rejects other positions at once (the
+# optional leading weak tokens leave re no prefix to scan for), a third of the time.
+_TOKEN_RUN = re.compile(rf"(?=[<\[])(?:(?:{_WEAK_TOKEN})\s*)*{_OPENER}(?:\s*(?:{_WEAK_TOKEN}|{_OPENER}))*")
 
 
 def _show(span: str) -> str:

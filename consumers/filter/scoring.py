@@ -67,8 +67,8 @@ _JAILBREAK = {
         r"|entirely hypothetical\w*|fictional purposes)"
     ),
 }
-# Words one of which each pattern needs: a substring test is far cheaper than a
-# regex scan, and most prompts contain none of them.
+# Strings one of which every match of a pattern contains: a substring test is far
+# cheaper than a regex scan, and most prompts contain none of them.
 _NEEDS = {
     "jailbreak:ignore_previous": ("ignor", "disregard", "forget", "override", "bypass"),
     "jailbreak:ignore_ethics": ("moral", "ethical", "legal"),
@@ -82,11 +82,31 @@ _NEEDS = {
         "moral",
         "character",
     ),
-    "jailbreak:no_refusal": ("never", "not ", "n't", "without"),
-    "jailbreak:prefill": ("start", "begin", "respond"),
+    # the text around the alternation's end, not its common words ("not " is in most long prompts)
+    "jailbreak:no_refusal": ("never ", " apologi", " refuse", " contain ", " include ", "without "),
+    "jailbreak:prefill": (
+        "start your ",
+        "start the ",
+        "begin your ",
+        "begin the ",
+        "respond with ",
+        "respond only with ",
+    ),
     "jailbreak:hypothetical": ("educational", "hypothetical", "fictional"),
 }
-_JAILBREAK_RE = {code: (re.compile(p), _NEEDS[code]) for code, p in _JAILBREAK.items()}
+# The letters every match of a pattern starts with. A pattern that opens with \b and an
+# alternation gives re no prefix to scan for, so it tries every position: a lookahead
+# on the first letter rejects most positions at once (a third to a half of the time at
+# 4,000 characters) and matches exactly the same.
+_FIRST = {
+    "jailbreak:ignore_previous": "idfob",
+    "jailbreak:ignore_ethics": "idwrs",
+    "jailbreak:persona": "djuanws",
+    "jailbreak:no_refusal": "ndws",
+    "jailbreak:prefill": "sbr",
+    "jailbreak:hypothetical": "fpe",
+}
+_JAILBREAK_RE = {code: (re.compile(f"(?=[{_FIRST[code]}])" + p), _NEEDS[code]) for code, p in _JAILBREAK.items()}
 _NON_LATIN_LETTER = re.compile(r"[\u0370-\u03ff\u0400-\u04ff]")
 
 _MIXED_SCRIPT = re.compile(r"\b(?=\w*[a-zA-Z])(?=\w*[\u0370-\u03ff\u0400-\u04ff])\w+\b")
