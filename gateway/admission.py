@@ -54,14 +54,18 @@ class StreamState:
 def combine(
     workers: ModelQueue, stream: StreamState, local_requests: int, local_tokens: int, mean_budget: float
 ) -> ModelQueue:
-    """The queue a new request joins: the stream's requests (fresh, counted by the
-    consumers' state), the workers' token budgets and step times (heartbeats, up to a
-    beat old), and what this gateway admitted since the stream state was read. Requests
-    whose budgets no heartbeat reported yet count `mean_budget` tokens each."""
-    held = max(stream.held, workers.requests)
-    requests = stream.ahead + held + local_requests
-    unknown = max(0, requests - workers.requests - local_requests)
-    tokens = workers.tokens + local_tokens + round(unknown * mean_budget)
+    """The queue a new request joins: the stream's requests (counted by the consumers'
+    state when it was read), the admissions not visible in it yet (`local_*`: every
+    gateway's), and the workers' token budgets and step times (heartbeats, up to a beat
+    old). A heartbeat newer than the stream state may already hold some of those recent
+    admissions: they are counted once (the workers never hold more than all of them).
+    Requests whose budgets no heartbeat reported count `mean_budget` tokens each."""
+    requests = max(stream.ahead + stream.held + local_requests, workers.requests)
+    known, known_tokens = workers.requests + local_requests, workers.tokens + local_tokens
+    if known > requests:  # some recent admissions are in the heartbeat already
+        tokens = round(known_tokens * requests / known)
+    else:
+        tokens = known_tokens + round((requests - known) * mean_budget)
     return ModelQueue(
         workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at, workers.full_batch
     )

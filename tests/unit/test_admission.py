@@ -79,6 +79,16 @@ def test_combine_counts_the_stream_and_fresh_admissions_once():
     assert merged.tokens == 1000 + 300 + (5 + 10) * 64
 
 
+def test_a_heartbeat_newer_than_the_stream_state_is_not_counted_twice():
+    # The stream state was read before a burst (nothing held); since then 100 were admitted
+    # and the workers' heartbeat already shows 60 of them pulled.
+    workers = q(requests=60, tokens=60 * 128)
+    merged = combine(workers, StreamState(ahead=0, held=0, read_at=1.0), 100, 100 * 128, mean_budget=128)
+    assert merged.requests == 100 and merged.tokens == 100 * 128
+    # A heartbeat showing more than all of them (work from before the read) counts in full.
+    assert combine(q(requests=150, tokens=150 * 64), StreamState(), 0, 0, 128).requests == 150
+
+
 async def test_fleet_admissions_are_seen_by_every_gateway_at_once():
     redis = fakeredis.FakeAsyncRedis()
     one, two = FleetAdmissions(redis), FleetAdmissions(redis)  # two gateways, one Redis
