@@ -6,12 +6,13 @@ The routers only parse, call this, and shape the response.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,7 @@ class ChatService:
         self.in_flight: dict[str, int] = {}
         self.recent = admission.FleetAdmissions(pipeline.keys.redis)
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
+        self._background: set[asyncio.Task] = set()  # admission's bookkeeping after a publish
 
     # ---- admission -------------------------------------------------------------------
 
@@ -256,6 +258,20 @@ class ChatService:
                 else:
                     await self.recent.remove(model, member, tokens)
 
+    def _published(self, ticket: Ticket) -> None:
+        """`_settle(published=True)` off the request's path: its first token need not wait
+        for the Redis and NATS calls that only admission's counting needs."""
+        edge = shed.current()
+        if edge is not None and edge.claim():
+            self._later(edge.record(published=True))
+        if ticket.admission is not None:
+            self._later(self._settle(ticket, published=True))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
     ) -> tuple[Ticket, ChatRequested | None]:
@@ -375,7 +391,7 @@ class ChatService:
                 except REDIS_DOWN:
                     log.warning("could not release the idempotency key", extra={"request_id": ticket.request_id})
             raise
-        await self._settle(ticket, published=True)
+        self._published(ticket)
         return output
 
     async def answer(self, ticket: Ticket, event: ChatRequested | None) -> Any:

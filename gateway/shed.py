@@ -70,10 +70,16 @@ class Edge:
     entry: tuple[str, str, int] | None = None  # among the fleet's recent admissions
     settled: bool = False
 
+    def claim(self) -> bool:
+        """True once: the caller records the outcome (`record`)."""
+        claimed, self.settled = not self.settled, True
+        return claimed
+
     async def settle(self, published: bool) -> None:
-        if self.settled:
-            return
-        self.settled = True
+        if self.claim():
+            await self.record(published)
+
+    async def record(self, published: bool) -> None:
         recent = self.gate.chat.recent
         if published:
             await self.gate.published(self.model, self.member)
