@@ -175,3 +175,7 @@ class FleetAdmissions:
 
     async def remove(self, model: str, member: str, tokens: int) -> None:
         await self.redis.zrem(RECENT_KEY.format(model), f"{member}:{tokens}")
+
+    async def settle(self, model: str, member: str, tokens: int, published: bool) -> None:
+        """An admission published (`published`), or that never will be (removed)."""
+        await (self.published if published else self.remove)(model, member, tokens)

@@ -253,10 +253,7 @@ class ChatService:
             model, member, tokens = ticket.admission
             ticket.admission = None
             with suppress(*REDIS_DOWN):
-                if published:
-                    await self.recent.published(model, member, tokens)
-                else:
-                    await self.recent.remove(model, member, tokens)
+                await self.recent.settle(model, member, tokens, published)
 
     def _published(self, ticket: Ticket) -> None:
         """`_settle(published=True)` off the request's path: its first token need not wait

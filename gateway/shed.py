@@ -87,7 +87,7 @@ class Edge:
             await self.gate.forget(self.model, self.member)
         if self.entry is not None:
             with suppress(*REDIS_DOWN):
-                await (recent.published if published else recent.remove)(*self.entry)
+                await recent.settle(*self.entry, published)
 
 
 _EDGE: ContextVar[Edge | None] = ContextVar("arena_edge_admission", default=None)
