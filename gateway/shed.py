@@ -152,20 +152,30 @@ class EarlyGate:
             del passed[member]
         return len(passed), sum(tokens for _, tokens in passed.values())
 
-    def judge(self, model: str, tokens: int, budget_s: float) -> admission.Estimate | None:
-        """The estimate when the request cannot finish within `budget_s`; None to let it on."""
+    def decide(self, model: str, tokens: int, budget_s: float) -> tuple[admission.Estimate | None, str | None]:
+        """(the estimate, None) for a request to refuse; (None, its member) for one let
+        through, counted at once so the next one is judged with it (peers are told by
+        `tell`); (None, None) when the model is not served or not yet: the route answers."""
         workers = self.pipeline.queue(model)
+        if workers.slots <= 0:
+            return None, None
+        if (est := self.judge(model, tokens, budget_s, workers)) is not None:
+            return est, None
+        member = new_id()
+        self._mark(model, member, tokens, "pass")
+        return None, member
+
+    def judge(
+        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
+    ) -> admission.Estimate | None:
+        """The estimate when the request cannot finish within `budget_s`; None to let it on."""
+        workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S)
         queue = admission.combine(workers, stream, n, ahead, self.chat.recent.mean_budget)
         margin = self.settings.admission_margin * STRICTER
         est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
         return est if est.finish_s > budget_s else None
-
-    async def let_through(self, model: str, tokens: int) -> str:
-        member = new_id()
-        await self._set(model, member, tokens, "pass")
-        return member
 
     async def published(self, model: str, member: str) -> None:
         await self._set(model, member, 0, "pub")
@@ -178,9 +188,9 @@ class EarlyGate:
         if state != "pass":
             tokens = self.passed.get(model, {}).get(member, (0.0, 0))[1]
         self._mark(model, member, tokens, state)
-        await self._tell(model, member, tokens, state)
+        await self.tell(model, member, tokens, state)
 
-    async def _tell(self, model: str, member: str, tokens: int, state: str) -> None:
+    async def tell(self, model: str, member: str, tokens: int, state: str) -> None:
         nc = getattr(self.pipeline, "nc", None)
         if nc is not None and nc.is_connected:
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
@@ -198,13 +208,10 @@ class EarlyGate:
         if len(body) > self.settings.max_body_bytes or (request := self.request_of(scope["path"], body)) is None:
             return None
         model, tokens, budget_s = request
-        if self.pipeline.queue(model).slots <= 0:
-            return None
-        if (est := self.judge(model, tokens, budget_s)) is None:
-            # Let through, and counted at once: the requests read next are judged with it.
-            member = new_id()
-            self._mark(model, member, tokens, "pass")
-            scope[PASSED] = (model, member, tokens)
+        est, member = self.decide(model, tokens, budget_s)
+        if est is None:
+            if member is not None:
+                scope[PASSED] = (model, member, tokens)
             return None
         METRICS.rejections.labels(reason="deadline_unreachable").inc()
         METRICS.requests.labels(model, "429").inc()
@@ -276,14 +283,14 @@ class EarlyAdmission:
         model, tokens, budget_s = request
         if (passed := scope.get(PASSED)) is not None:  # judged as the protocol read it
             member = passed[1]
-            await self.gate._tell(model, member, tokens, "pass")
         else:
-            if self.gate.pipeline.queue(model).slots <= 0:  # not served, or not yet: the route answers
-                return await self.app(scope, replay, send)
-            if (est := self.gate.judge(model, tokens, budget_s)) is not None:
+            est, member = self.gate.decide(model, tokens, budget_s)
+            if est is not None:
                 METRICS.rejections.labels(reason="deadline_unreachable").inc()
                 return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
-            member = await self.gate.let_through(model, tokens)
+            if member is None:  # not served, or not yet: the route answers
+                return await self.app(scope, replay, send)
+        await self.gate.tell(model, member, tokens, "pass")
         edge = Edge(self.gate, model, member)
         token = _EDGE.set(edge)
         try:

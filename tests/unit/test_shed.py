@@ -57,9 +57,9 @@ async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
     2.2 s; 15 s holds 6 waves (5 waiting + its own), not the 7 the fleet-wide check allows."""
     passed = 0
     for _ in range(400):
-        if gate.judge("m", 100, 15.0) is None:
-            await gate.let_through("m", 100)
-            passed += 1
+        est, member = gate.decide("m", 100, 15.0)
+        assert (est is None) == (member is not None)
+        passed += member is not None
     assert STRICTER == 1.1 and passed == 6 * 32
     est = gate.judge("m", 100, 15.0)
     assert est is not None and est.finish_s > 15.0
@@ -67,7 +67,7 @@ async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
 
 
 async def test_peers_and_publishes_move_the_count(gate):
-    await gate.let_through("m", 100)
+    assert gate.decide("m", 100, 15.0)[1] is not None
     gate._mark("m", "other:r1", 100, "pass")  # a peer's, as _on_peer records it
     assert gate._ahead("m", time.time()) == (2, 200)
     gate._mark("m", "other:r1", 100, "pub")  # published: counted until a stream state read after it
