@@ -1,4 +1,4 @@
-"""Deadline-aware admission (pure logic): would a new request finish before its deadline?
+"""Deadline-aware admission: would a new request finish before its deadline?
 
 The queue a model has is the fleet's, not one gateway's: the inference heartbeats say
 what each worker holds (running and waiting requests, their remaining token budgets) and
@@ -16,11 +16,15 @@ its deadline, and a refused one is told when to retry.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
-from events.models import DEFAULT_MAX_TOKENS
+from events.models import DEFAULT_MAX_TOKENS, new_id
+from runtime.redis import REDIS_DOWN
 
 
 @dataclass(frozen=True)
@@ -121,20 +125,22 @@ def retry_after_s(est: Estimate, deadline_s: float) -> int:
 # Every gateway's admissions of the last seconds, in one sorted set per model. The score
 # is when the request became visible in the consumers' state: its publish (Redis's
 # clock), or PENDING_S ahead while it is admitted and not yet published, so it counts
-# until then. Adding one and reading those newer than the last stream state is one
-# atomic step, so gateways admitting a burst together each see the others at once.
+# until then. Adding a batch of them and reading those newer than the last stream state
+# is one atomic step, so gateways admitting a burst together each see the others at once.
 RECENT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local keep = tonumber(ARGV[4])
+local keep = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - keep)
-local own = ARGV[1] .. ':' .. ARGV[2]
 local n, tokens = 0, 0
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[3], '+inf')) do
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf')) do
   n = n + 1
   tokens = tokens + tonumber(string.match(m, ':(%d+)$'))
 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), own)
+local score = now + tonumber(ARGV[3])
+for i = 4, #ARGV do
+  redis.call('ZADD', KEYS[1], score, ARGV[i])
+end
 redis.call('EXPIRE', KEYS[1], math.ceil(keep))
 return {n, tokens}
 """
@@ -150,24 +156,106 @@ PENDING_S = 5.0
 #: the clocks of gateways and Redis may differ by that much (one host, or NTP).
 VISIBILITY_LAG_S = 0.05
 
+#: (the stream state, requests and tokens admitted ahead and not visible in it) -> the
+#: estimate when the request must be refused, None to admit it.
+Judge = Callable[[StreamState, int, int], Estimate | None]
+
+
+@dataclass
+class _Waiting:
+    tokens: int
+    judge: Judge
+    verdict: asyncio.Future
+
 
 class FleetAdmissions:
     """What every gateway admitted and the stream state does not show yet (it is read
-    every fraction of a second, and a burst must see itself, on every gateway)."""
+    every fraction of a second, and a burst must see itself, on every gateway).
 
-    def __init__(self, redis, keep_s: float = 10.0):
-        self.redis, self.keep_s = redis, keep_s
-        self.script = redis.register_script(RECENT)
+    The requests waiting to be judged are judged together: one Redis call adds them all
+    and reads what the other gateways admitted, then each is judged in arrival order
+    with the ones admitted before it. In a burst the refusals then leave after one round
+    trip, not behind every earlier request's own call (and its wait for a connection)."""
+
+    def __init__(self, redis, state: Callable[[], StreamState], judging_redis=None, keep_s: float = 10.0):
+        self.redis, self.state, self.keep_s = redis, state, keep_s
+        # The batch's call has a client of its own: it must not queue for a connection
+        # behind the burst's other Redis calls.
+        self.script = (judging_redis or redis).register_script(RECENT)
         self.publish_script = redis.register_script(PUBLISHED)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
+        self._waiting: dict[str, list[_Waiting]] = {}
+        self._judging: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
 
-    async def add(self, model: str, member: str, tokens: int, since: float) -> tuple[int, int]:
-        """Record an admission; the requests and tokens not yet visible at `since`."""
+    async def admit(self, model: str, tokens: int, judge: Judge) -> tuple[str, Estimate | None]:
+        """(its member, None) for a request admitted and recorded; (its member, the
+        estimate) for one refused (not recorded). Raises what Redis raises."""
+        return await self.submit(model, tokens, judge)
+
+    def submit(self, model: str, tokens: int, judge: Judge) -> asyncio.Future:
+        """`admit`'s verdict as a future, for a caller that cannot await (a protocol)."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
-        since = max(since, 0.0)
-        args = [member, tokens, repr(since), self.keep_s, PENDING_S]
-        n, total = await self.script(keys=[RECENT_KEY.format(model)], args=args)
-        return int(n), int(total)
+        verdict = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(model, []).append(_Waiting(tokens, judge, verdict))
+        if model not in self._judging:
+            self._judging[model] = asyncio.create_task(self._judge_all(model))
+        return verdict
+
+    async def _judge_all(self, model: str) -> None:
+        """Judges the waiting requests, a batch at a time, until none waits."""
+        try:
+            while batch := self._waiting.pop(model, None):
+                await self._judge(model, batch)
+        except asyncio.CancelledError:  # shutting down: no verdict will come
+            for w in self._waiting.pop(model, []):
+                w.verdict.cancel()
+            raise
+        finally:
+            del self._judging[model]
+
+    async def _judge(self, model: str, batch: list[_Waiting]) -> None:
+        stream = self.state()
+        members = [f"{new_id()}:{w.tokens}" for w in batch]
+        since = max(stream.read_at - VISIBILITY_LAG_S, 0.0)
+        try:
+            n, ahead = await self.script(
+                keys=[RECENT_KEY.format(model)], args=[repr(since), self.keep_s, PENDING_S, *members]
+            )
+        except BaseException as exc:
+            for w in batch:
+                if not w.verdict.done():
+                    if isinstance(exc, Exception):
+                        w.verdict.set_exception(exc)
+                    else:
+                        w.verdict.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        n, ahead = int(n), int(ahead)
+        admitted, refused, dropped = [], [], []
+        for member, w in zip(members, batch, strict=True):
+            if w.verdict.done():  # its caller is gone: not ahead of anyone
+                dropped.append(member)
+            elif (est := w.judge(stream, n, ahead)) is None:
+                n, ahead = n + 1, ahead + w.tokens
+                admitted.append((w, member))
+            else:
+                refused.append((w, member, est))
+                dropped.append(member)
+        # Refusals first: their tasks wake first and answer before the admitted go on.
+        for w, member, est in refused:
+            w.verdict.set_result((member.rpartition(":")[0], est))
+        for w, member in admitted:
+            w.verdict.set_result((member.rpartition(":")[0], None))
+        if dropped:
+            task = asyncio.create_task(self._drop(model, dropped))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _drop(self, model: str, members: list[str]) -> None:
+        with suppress(*REDIS_DOWN):  # they lapse after PENDING_S
+            await self.redis.zrem(RECENT_KEY.format(model), *members)
 
     async def published(self, model: str, member: str, tokens: int) -> None:
         """The admission is published: it shows in stream states read from now on."""

@@ -110,12 +110,20 @@ class _TooLarge(Exception):
 #: Scope keys: when the request's first bytes were read (time.perf_counter()); whether
 #: the protocol already answered it (HeadTimeoutProtocol.REFUSE).
 ARRIVED, REFUSED = "arena.arrived", "arena.refused"
+#: What `HeadTimeoutProtocol.REFUSE` answers for a request it will decide later.
+HOLD = object()
+Refuse = Callable[[Scope, bytes, float, Callable[[bytes | None], None]], "bytes | object | None"]
+
+#: Scope key: more Server-Timing entries, (name, ms), for stages a middleware timed.
+TIMINGS = "arena.timings"
 
 
 class ServerTiming:
     """Adds `Server-Timing: gateway;dur=<ms>` to each HTTP response: from the request's
     arrival to the response head, queueing in the event loop included (what a client's
-    latency is made of, less the network and the client's own loop)."""
+    latency is made of, less the network and the client's own loop); then the stages
+    timed on the way (`TIMINGS`: `queued`, from arrival to admission's first step, and
+    `admission`, the fleet-wide check)."""
 
     def __init__(self, app):
         self.app = app
@@ -129,7 +137,8 @@ class ServerTiming:
 
         async def timed(message: dict) -> None:
             if message["type"] == "http.response.start":
-                took = f"gateway;dur={(time.perf_counter() - arrived) * 1000:.1f}".encode()
+                stages = [("gateway", (time.perf_counter() - arrived) * 1000), *scope.get(TIMINGS, ())]
+                took = ", ".join(f"{name};dur={ms:.1f}" for name, ms in stages).encode()
                 message = {**message, "headers": [*message.get("headers", ()), (b"server-timing", took)]}
             await send(message)
 
@@ -144,9 +153,13 @@ class HeadTimeoutProtocol(FastProtocol):
     after `HEADER_TIMEOUT_S` with a 408."""
 
     HEADER_TIMEOUT_S = 10.0
-    #: (scope, body, arrived) -> a whole HTTP response refusing the request as its body is
-    #: read, or None to serve it (gateway/shed.py: a burst's refusals, before any task runs).
-    REFUSE: Callable[[Scope, bytes, float], bytes | None] | None = None
+    #: (scope, body, arrived, reply) -> a whole HTTP response refusing the request as its
+    #: body is read, None to serve it, or HOLD: its task gets the body only once `reply`
+    #: is called (with the refusal, or None to serve it; HOLD_S at most), so a request
+    #: waiting for a fleet-wide check does no work and its refusal needs no task
+    #: (gateway/shed.py: a burst's refusals).
+    REFUSE: Refuse | None = None
+    HOLD_S = 2.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -174,15 +187,31 @@ class HeadTimeoutProtocol(FastProtocol):
         self.scope[ARRIVED] = self._data_at  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
         cycle = self.cycle
-        if self.REFUSE is None or cycle is None or cycle.response_started:
-            return
-        answer = self.REFUSE(self.scope, cycle.body, self._data_at)  # type: ignore[arg-type]
-        if answer is None:
-            return
-        # Answered here; the request's task (already created) returns at ServerTiming.
-        self.scope[REFUSED] = True  # type: ignore[literal-required]
+        if self.REFUSE is None or cycle is None or cycle.response_started or self.parser.should_upgrade():
+            return super().on_message_complete()
+        replied = False
+
+        def reply(answer: bytes | None) -> None:
+            nonlocal replied
+            if replied:
+                return
+            replied = True
+            timer.cancel()
+            if answer is not None and not self.transport.is_closing() and not cycle.response_started:
+                self._refuse(cycle, answer)
+            cycle.more_body = False
+            cycle.message_event.set()  # the body, to its task (a disconnect when refused)
+
+        timer = self.loop.call_later(self.HOLD_S, reply, None)
+        answer = self.REFUSE(self.scope, cycle.body, self._data_at, reply)  # type: ignore[arg-type]
+        if answer is not HOLD:
+            reply(answer)  # type: ignore[arg-type]
+
+    def _refuse(self, cycle, answer: bytes) -> None:
+        """Answered here; the request's task (already created) returns at ServerTiming or,
+        when it was held, as its body is read."""
+        cycle.scope[REFUSED] = True
         cycle.response_started = cycle.response_complete = True
         cycle.keep_alive = False
         self.transport.write(answer)
@@ -231,9 +260,7 @@ def _limited(app, connections: set, tasks: set, limit: int):
     return limited
 
 
-def head_timeout_protocol(
-    timeout_s: float, refuse: Callable[[Scope, bytes, float], bytes | None] | None = None
-) -> type[HeadTimeoutProtocol]:
+def head_timeout_protocol(timeout_s: float, refuse: Refuse | None = None) -> type[HeadTimeoutProtocol]:
     return type(
         "HeadTimeout",
         (HeadTimeoutProtocol,),

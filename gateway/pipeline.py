@@ -64,6 +64,8 @@ class Pipeline:
         redis = redis_client(settings.redis_url)
         self.results = ReadModel(redis, settings.result_ttl_s)
         self.keys = GatewayKeys(redis, settings.result_ttl_s)
+        #: Admission's batched fleet-wide check alone (admission.FleetAdmissions).
+        self.admission_redis = redis_client(settings.redis_url, max_connections=2)
         self.beats: dict[tuple[str, str], dict] = {}
         #: The consumers' state (requests ahead of and held by the inference workers).
         self.stream_state = StreamState()
@@ -87,6 +89,7 @@ class Pipeline:
         if self.nc and not self.nc.is_closed:
             await self.nc.drain()
         await self.results.redis.aclose()
+        await self.admission_redis.aclose()
 
     # ---- the fleet, from heartbeats --------------------------------------------------
 

@@ -125,7 +125,9 @@ class ChatService:
         self.settings = settings
         self.pipeline = pipeline
         self.in_flight: dict[str, int] = {}
-        self.recent = admission.FleetAdmissions(pipeline.keys.redis)
+        self.recent = admission.FleetAdmissions(
+            pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
+        )
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
         self._background: set[asyncio.Task] = set()  # admission's bookkeeping after a publish
 
@@ -162,22 +164,29 @@ class ChatService:
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
 
+    def judge(self, model: str, tokens: int, budget_s: float) -> admission.Judge:
+        """The fleet-wide check of one request (FleetAdmissions): the estimate when the
+        fleet cannot finish it within `budget_s`, None to admit it."""
+
+        def judge(stream: admission.StreamState, n: int, ahead: int) -> admission.Estimate | None:
+            queue = admission.combine(self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
+            est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
+            return est if est.finish_s > budget_s else None
+
+        return judge
+
     async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
         """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
         its entry among the fleet's recent admissions (see admission.py) when it can.
 
-        The request is added to the fleet's recent admissions first, atomically with
-        reading the others', so concurrent admissions on any gateway see each other."""
-        stream, member = self.pipeline.stream_state, new_id()
-        since = stream.read_at - admission.VISIBILITY_LAG_S
-        n, ahead_tokens = await self.recent.add(model, member, tokens, since)
-        queue = admission.combine(self.pipeline.queue(model), stream, n, ahead_tokens, self.recent.mean_budget)
-        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
-        if est.finish_s <= budget_s:
+        The request is added to the fleet's recent admissions atomically with reading the
+        others' (with every request waiting for the same check), so concurrent
+        admissions on any gateway see each other."""
+        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s))
+        if refused is None:
             return model, member, tokens
-        await self.recent.remove(model, member, tokens)
         METRICS.rejections.labels(reason="deadline_unreachable").inc()
-        raise shed.overloaded(model, est, budget_s)
+        raise shed.overloaded(model, refused, budget_s)
 
     async def admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None = None

@@ -4,17 +4,21 @@ before the admitted ones do their heavier work.
 The event loop serves a burst in arrival order, stage by stage: without this, a request
 refused by admission waits behind every earlier request's body validation, Redis calls
 and publish, and its 429 leaves after about a second on a busy gateway. On the admission
-routes (`POST /v1/chat/completions`, `POST /chat`), `EarlyAdmission` reads the token
-budget and deadline from the body itself and
+routes (`POST /v1/chat/completions`, `POST /chat`), the gate reads the token budget and
+deadline from the body itself as uvicorn's protocol reads it (`EarlyGate.refusal`), and
 
-1. judges the request from what this process already knows, with no I/O (`EarlyGate`):
-   the fleet's queue (heartbeats, the consumers' state) plus the requests this gateway
-   and its peers let through lately (peers tell each other on core NATS, `SUBJECT`, so
-   gateways splitting a burst see most of each other's share at once);
-2. yields once, so every request that arrived with it is judged before any goes on;
-3. makes the fleet-wide check (`ChatService.in_time`: one Redis script shared by all
-   gateways) before any heavier step (validation, idempotency and ownership in Redis,
-   the publish).
+1. judges the request from what this process already knows, with no I/O: the fleet's
+   queue (heartbeats, the consumers' state) plus the requests this gateway and its
+   peers let through lately (peers tell each other on core NATS, `SUBJECT`); past the
+   deadline, the protocol writes the whole 429 before any task runs;
+2. holds a request it let through from its task (the task does no work) until the
+   fleet-wide check answers (`ChatService.judge` in `FleetAdmissions`: one Redis script
+   for every request waiting, shared by all gateways); a refusal there is written by
+   the protocol too, at once, so a burst split over several gateways is refused after
+   one Redis round trip, not behind the admitted requests' validation and publish.
+
+`EarlyAdmission` (middleware) does the same for a request the protocol did not judge
+(the check with `ChatService.in_time`, before any heavier step).
 
 Refusals are the same 429 with Retry-After that admission gives elsewhere (WebSocket and
 arena turns are judged by `ChatService.admit` alone). `Edge` follows the request: its
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from events import subjects
 from events.models import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, new_id
 from gateway import admission
 from gateway.access import bearer
+from gateway.edge import ARRIVED, HOLD, TIMINGS
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN
@@ -55,8 +61,9 @@ SUBJECT = subjects.GATEWAY_ADMITTED
 #: Redis-backed check sees a moment later, and a request near the limit had better be
 #: refused at once than let on and refused there, behind the burst's work.
 STRICTER = 1.1
-#: Scope key: (model, member, tokens) of a request the protocol's check let through.
-PASSED = "arena.passed"
+#: Scope keys: (model, member, tokens) of a request the protocol's gate let through, and
+#: its entry among the fleet's recent admissions once the fleet-wide check admitted it.
+PASSED, CHECKED = "arena.passed", "arena.checked"
 
 
 @dataclass
@@ -196,11 +203,13 @@ class EarlyGate:
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
                 await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
 
-    def refusal(self, scope: dict, body: bytes, arrived: float) -> bytes | None:
+    def refusal(self, scope: dict, body: bytes, arrived: float, reply: Callable[[bytes | None], None]) -> Any:
         """The whole HTTP response refusing a request as the protocol reads its body, before
-        any task runs for it (HeadTimeoutProtocol.REFUSE); None to serve it. Only for a
-        caller whose key is accepted (or keys off), with a readable body in the limits, a
-        served model, and a deadline the fleet cannot meet: else the routes answer."""
+        any task runs for it (HeadTimeoutProtocol.REFUSE); None to serve it; HOLD when
+        this gate let it through: its task waits for the fleet-wide check, whose refusal
+        `reply` writes at once. Only for a caller whose key is accepted (or keys off),
+        with a readable body in the limits, a served model, and a deadline the fleet
+        cannot meet: else the routes answer."""
         if scope.get("method") != "POST" or scope.get("path") not in ROUTES or scope.get("query_string"):
             return None
         if self.settings.api_keys and bearer(scope.get("headers", [])) not in self.settings.api_keys:
@@ -209,20 +218,42 @@ class EarlyGate:
             return None
         model, tokens, budget_s = request
         est, member = self.decide(model, tokens, budget_s)
-        if est is None:
-            if member is not None:
-                scope[PASSED] = (model, member, tokens)
+        if est is not None:
+            METRICS.rejections.labels(reason="deadline_unreachable").inc()
+            return self._refused(model, overloaded(model, est, budget_s), arrived)
+        if member is None:
             return None
-        METRICS.rejections.labels(reason="deadline_unreachable").inc()
+        scope[PASSED] = (model, member, tokens)
+        verdict = self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s))
+        checking = time.perf_counter()
+
+        def checked(done) -> None:
+            took = (time.perf_counter() - checking) * 1000
+            if done.cancelled() or done.exception() is not None:  # the middleware checks again
+                return reply(None)
+            entry, est = done.result()
+            if est is None:
+                scope[CHECKED] = (model, entry, tokens)
+                scope.setdefault(TIMINGS, []).append(("admission", took))
+                return reply(None)
+            self._mark(model, member, 0, "drop")  # peers were not told of it yet
+            METRICS.rejections.labels(reason="deadline_unreachable").inc()
+            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [("admission", took)]))
+
+        verdict.add_done_callback(checked)
+        return HOLD
+
+    @staticmethod
+    def _refused(model: str, err: APIError, arrived: float, timings: Sequence[tuple[str, float]] = ()) -> bytes:
         METRICS.requests.labels(model, "429").inc()
-        err = overloaded(model, est, budget_s)
         payload = orjson.dumps(err.body())
+        stages = [("gateway", (time.perf_counter() - arrived) * 1000), *timings]
         head = [
             b"HTTP/1.1 429 Too Many Requests",
             b"content-type: application/json",
             b"content-length: %d" % len(payload),
             b"retry-after: " + err.headers["Retry-After"].encode(),
-            b"server-timing: gateway;dur=%.1f" % ((time.perf_counter() - arrived) * 1000),
+            b"server-timing: " + ", ".join(f"{name};dur={ms:.1f}" for name, ms in stages).encode(),
             b"connection: close",
         ]
         return b"\r\n".join(head) + b"\r\n\r\n" + payload
@@ -263,6 +294,7 @@ class EarlyAdmission:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             return await self.app(scope, receive, send)
+        entered = time.perf_counter()
         state = scope.setdefault("state", {})
         if state.get("principal") is None:  # no valid key: the route answers 401
             return await self.app(scope, receive, send)
@@ -294,12 +326,20 @@ class EarlyAdmission:
         edge = Edge(self.gate, model, member)
         token = _EDGE.set(edge)
         try:
+            if (checked := scope.get(CHECKED)) is not None:  # admitted fleet-wide as the protocol held it
+                edge.entry = checked
+                return await self.app(scope, replay, send)
             await asyncio.sleep(0)  # every request that arrived with this one is judged first
+            checking = time.perf_counter()
+            timings = scope.setdefault(TIMINGS, [])
+            timings.append(("queued", (entered - scope.get(ARRIVED, entered)) * 1000))
             try:
                 with suppress(*REDIS_DOWN):  # the route's admission answers 503 then
                     edge.entry = await self.gate.chat.in_time(model, tokens, budget_s)
             except APIError as err:  # refused fleet-wide
+                timings.append(("admission", (time.perf_counter() - checking) * 1000))
                 return await self._refuse(model, err, scope, replay, send)
+            timings.append(("admission", (time.perf_counter() - checking) * 1000))
             return await self.app(scope, replay, send)
         finally:
             await edge.settle(published=False)  # nothing, when the request was published

@@ -78,7 +78,11 @@ async def _post(url: str, payload: dict, key: str) -> tuple[int, dict, bytes]:
 
 def server_ms(headers: dict) -> float:
     """The gateway's own time for a request (`Server-Timing: gateway;dur=<ms>`)."""
-    return float(headers.get("server-timing", "gateway;dur=nan").partition("dur=")[2])
+    for entry in headers.get("server-timing", "").split(","):
+        name, _, dur = entry.strip().partition(";dur=")
+        if name == "gateway":
+            return float(dur)
+    return math.nan
 
 
 async def _one(url: str, i: int) -> tuple[int, float, int, float, float]:

@@ -45,6 +45,7 @@ class FakePipeline(Pipeline):
         redis = fakeredis.FakeAsyncRedis()
         self.results = ReadModel(redis, settings.result_ttl_s)
         self.keys = GatewayKeys(redis, settings.result_ttl_s)
+        self.admission_redis = redis
         self.models = list(models)
         self.chunk_chars = chunk_chars
         self.stream: list = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import fakeredis
@@ -89,21 +90,66 @@ def test_a_heartbeat_newer_than_the_stream_state_is_not_counted_twice():
     assert combine(q(requests=150, tokens=150 * 64), StreamState(), 0, 0, 128).requests == 150
 
 
+class Judged:
+    """A judge that records what each request saw and refuses past `limit` ahead."""
+
+    def __init__(self, limit: int = 10**9):
+        self.limit, self.seen = limit, []
+
+    def __call__(self, stream, n: int, tokens: int):
+        self.seen.append((n, tokens))
+        return estimate(q(), 1, 0.0) if n >= self.limit else None
+
+
 async def test_fleet_admissions_are_seen_by_every_gateway_at_once():
     redis = fakeredis.FakeAsyncRedis()
-    one, two = FleetAdmissions(redis), FleetAdmissions(redis)  # two gateways, one Redis
-    since = time.time() - 1
-    assert await one.add("m", "r1", 128, since) == (0, 0)
-    assert await two.add("m", "r2", 64, since) == (1, 128)
-    assert await one.add("m", "r3", 32, since) == (2, 192)
-    await two.remove("m", "r3", 32)  # refused after all
+    state = StreamState(read_at=time.time() - 1)
+    one, two = FleetAdmissions(redis, lambda: state), FleetAdmissions(redis, lambda: state)  # two gateways
+    judge = Judged()
+    r1, _ = await one.admit("m", 128, judge)
+    r2, _ = await two.admit("m", 64, judge)
+    r3, _ = await one.admit("m", 32, judge)
+    assert judge.seen == [(0, 0), (1, 128), (2, 192)]
+    await two.remove("m", r3, 32)  # refused after all
     # Not yet published: counted whatever the stream state says, until published.
-    assert await two.add("m", "r4", 8, time.time() + 1) == (2, 192)
-    for member, tokens in (("r1", 128), ("r2", 64), ("r4", 8)):
+    state = StreamState(read_at=time.time() + 1)
+    r4, _ = await two.admit("m", 8, judge)
+    assert judge.seen[-1] == (2, 192)
+    for member, tokens in ((r1, 128), (r2, 64), (r4, 8)):
         await one.published("m", member, tokens)
-    assert await two.add("m", "r6", 8, time.time() - 1) == (3, 200)  # a state read before: not there yet
-    assert await two.add("m", "r7", 8, time.time() + 1) == (1, 8)  # read after: the stream shows them (r6 pending)
-    assert await one.add("other", "r5", 8, since) == (0, 0)
+    state = StreamState(read_at=time.time() - 1)  # a state read before: not there yet
+    await two.admit("m", 8, judge)
+    assert judge.seen[-1] == (3, 200)
+    state = StreamState(read_at=time.time() + 1)  # read after: the stream shows them (the last is pending)
+    await two.admit("m", 8, judge)
+    assert judge.seen[-1] == (1, 8)
+    await one.admit("other", 8, judge)
+    assert judge.seen[-1] == (0, 0)
+
+
+async def test_requests_waiting_together_are_judged_in_one_call_in_order():
+    """A burst's requests are judged with the ones admitted before them (not the refused),
+    the refusals are answered first, and a refused or abandoned request is not recorded."""
+    redis = fakeredis.FakeAsyncRedis()
+    gateway = FleetAdmissions(redis, StreamState)
+    judge, order = Judged(limit=3), []
+
+    async def one(i: int):
+        member, refused = await gateway.admit("m", 10, judge)
+        order.append(i)
+        return member, refused
+
+    abandoned = asyncio.ensure_future(gateway.admit("m", 10, judge))
+    tasks = [asyncio.ensure_future(one(i)) for i in range(5)]
+    await asyncio.sleep(0)
+    abandoned.cancel()
+    results = await asyncio.gather(*tasks)
+    assert judge.seen == [(0, 0), (1, 10), (2, 20), (3, 30), (3, 30)]  # the abandoned one is not judged
+    assert [refused is None for _, refused in results] == [True, True, True, False, False]
+    assert order[:2] == [3, 4]  # the refusals wake first
+    await asyncio.gather(*gateway._background)
+    kept = {m.decode().rpartition(":")[0] for m in await redis.zrange("arena:admitted:m", 0, -1)}
+    assert kept == {member for member, refused in results if refused is None}
 
 
 def test_a_burst_is_refused_beyond_what_fits_in_the_deadline():

@@ -3,14 +3,17 @@ in arrival order from what the process knows (pure logic, a stand-in pipeline)."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
+import fakeredis
 import orjson
 import pytest
 
 from events.models import DEFAULT_MAX_TOKENS
-from gateway.admission import ModelQueue, StreamState
+from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
+from gateway.edge import HOLD
 from gateway.shed import STRICTER, EarlyGate
 from runtime.settings import GatewaySettings
 
@@ -27,10 +30,22 @@ class Pipeline:
         return ModelQueue(32, 0, 0, 0.02, 0.02, time.time())
 
 
+class FleetCheck:
+    """The fleet-wide check's judge: admits the first `room` requests it judges."""
+
+    def __init__(self, room: int = 10**9):
+        self.room = room
+
+    def __call__(self, model: str, tokens: int, budget_s: float):
+        return lambda stream, n, ahead: None if n < self.room else estimate(Pipeline().queue(model), 10**4, 0.0)
+
+
 @pytest.fixture
 def gate() -> EarlyGate:
     settings = GatewaySettings(default_model="m", admission_overhead_s=0.0, admission_margin=1.0)
-    chat = SimpleNamespace(pipeline=Pipeline(), settings=settings, recent=SimpleNamespace(mean_budget=100.0))
+    pipeline = Pipeline()
+    recent = FleetAdmissions(fakeredis.FakeAsyncRedis(), lambda: pipeline.stream_state)
+    chat = SimpleNamespace(pipeline=pipeline, settings=settings, recent=recent, judge=FleetCheck())
     return EarlyGate(chat)
 
 
@@ -78,20 +93,35 @@ async def test_peers_and_publishes_move_the_count(gate):
     assert gate._ahead("m", time.time()) == (0, 0)
 
 
-def test_the_protocol_gets_a_whole_429_or_the_request_is_counted(gate):
+async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(gate):
     """`refusal` runs as uvicorn's protocol reads a body: a request let through is counted
-    at once (the next one read is judged with it); past the limit, a complete response."""
+    at once (the next one read is judged with it) and held for the fleet-wide check;
+    past the limit, a complete response at once."""
     scope = {"method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
     body = orjson.dumps({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
-    answers = [gate.refusal(dict(scope), body, time.perf_counter()) for _ in range(200)]
-    assert answers[: 6 * 32] == [None] * (6 * 32)
+    replies: list = []
+    scopes = [dict(scope) for _ in range(200)]
+    answers = [gate.refusal(sc, body, time.perf_counter(), replies.append) for sc in scopes]
+    assert answers[: 6 * 32] == [HOLD] * (6 * 32)
     head, _, payload = answers[-1].partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: " in head and b"server-timing: gateway;dur=" in head
     assert orjson.loads(payload)["error"]["code"] == "overloaded"
-    passed = dict(scope)
+    await asyncio.sleep(0.05)  # the fleet-wide check: one batch, every one admitted
+    assert replies == [None] * (6 * 32)
+    assert all(sc["arena.checked"][0] == "m" and sc["arena.passed"][0] == "m" for sc in scopes[: 6 * 32])
+    # Refused fleet-wide (another gateway's share): the protocol writes the 429, and this
+    # gate no longer counts it.
     gate.passed.clear()
-    assert gate.refusal(passed, body, time.perf_counter()) is None and passed["arena.passed"][0] == "m"
+    gate.chat.judge.room = 0
+    replies.clear()
+    held = dict(scope)
+    assert gate.refusal(held, body, time.perf_counter(), replies.append) is HOLD
+    assert gate._ahead("m", 0.0) == (1, 100)
+    await asyncio.sleep(0.05)
+    [refused] = replies
+    assert refused.startswith(b"HTTP/1.1 429 ") and b"admission;dur=" in refused and "arena.checked" not in held
+    assert gate._ahead("m", 0.0) == (0, 0)
     # Not the protocol's to answer: the routes do (401, 400, or a request in the URL's terms).
     gate.settings.api_keys = ["sk-a"]
-    assert gate.refusal(dict(scope), body, time.perf_counter()) is None  # no key: the route says 401
-    assert gate.refusal({**scope, "path": "/v1/models"}, body, time.perf_counter()) is None
+    assert gate.refusal(dict(scope), body, time.perf_counter(), replies.append) is None  # no key: 401
+    assert gate.refusal({**scope, "path": "/v1/models"}, body, time.perf_counter(), replies.append) is None
