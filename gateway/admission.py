@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 from events.models import DEFAULT_MAX_TOKENS, new_id
 from runtime.redis import REDIS_DOWN
@@ -185,7 +186,6 @@ class FleetAdmissions:
         self.publish_script = redis.register_script(PUBLISHED)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
         self._waiting: dict[str, list[_Waiting]] = {}
-        self._judging: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
 
     async def admit(self, model: str, tokens: int, judge: Judge) -> tuple[str, Estimate | None]:
@@ -197,22 +197,23 @@ class FleetAdmissions:
         """`admit`'s verdict as a future, for a caller that cannot await (a protocol)."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
         verdict = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(model, []).append(_Waiting(tokens, judge, verdict))
-        if model not in self._judging:
-            self._judging[model] = asyncio.create_task(self._judge_all(model))
+        if model not in self._waiting:  # the first of a batch: it goes out on the loop's next turn
+            self._waiting[model] = []
+            self._spawn(self._judge_waiting(model))
+        self._waiting[model].append(_Waiting(tokens, judge, verdict))
         return verdict
 
-    async def _judge_all(self, model: str) -> None:
-        """Judges the waiting requests, a batch at a time, until none waits."""
-        try:
-            while batch := self._waiting.pop(model, None):
-                await self._judge(model, batch)
-        except asyncio.CancelledError:  # shutting down: no verdict will come
-            for w in self._waiting.pop(model, []):
-                w.verdict.cancel()
-            raise
-        finally:
-            del self._judging[model]
+    async def _judge_waiting(self, model: str) -> None:
+        """Judges the requests waiting now. A batch does not wait for the one before it
+        to answer (each is one atomic step in Redis): one whose requests arrived while
+        another was out counts that one's refusals until they are dropped, a little
+        stricter, never looser."""
+        await self._judge(model, self._waiting.pop(model))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _judge(self, model: str, batch: list[_Waiting]) -> None:
         stream = self.state()
@@ -249,9 +250,7 @@ class FleetAdmissions:
         for w, member in admitted:
             w.verdict.set_result((member.rpartition(":")[0], None))
         if dropped:
-            task = asyncio.create_task(self._drop(model, dropped))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._drop(model, dropped))
 
     async def _drop(self, model: str, members: list[str]) -> None:
         with suppress(*REDIS_DOWN):  # they lapse after PENDING_S

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -129,18 +129,29 @@ class EarlyGate:
         self.chat, self.pipeline, self.settings = chat, chat.pipeline, chat.settings
         self.name = new_id()
         self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
+        self._telling: list[tuple[str, str, int]] = []  # let through by the protocol, peers not told yet
+        self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         if (nc := getattr(self.pipeline, "nc", None)) is not None:
             await nc.subscribe(SUBJECT, cb=self._on_peer)
 
     async def _on_peer(self, msg) -> None:
+        """A peer's news: `[gateway, model, member, tokens, state]`, or the requests its
+        protocol let through in one read, `[gateway, model, [[member, tokens], ...], "pass"]`."""
         try:
-            gateway, model, member, tokens, state = orjson.loads(msg.data)
+            news = orjson.loads(msg.data)
+            if len(news) == 4:
+                gateway, model, passed, state = news
+                items = [(member, tokens) for member, tokens in passed]
+            else:
+                gateway, model, member, tokens, state = news
+                items = [(member, tokens)]
         except (ValueError, TypeError):
             return
         if gateway != self.name:
-            self._mark(model, f"{gateway}:{member}", tokens, state)
+            for member, tokens in items:
+                self._mark(model, f"{gateway}:{member}", tokens, state)
 
     def _mark(self, model: str, member: str, tokens: int, state: str) -> None:
         """A request let through (`pass`: counted until published, PENDING_S at most),
@@ -187,6 +198,15 @@ class EarlyGate:
     async def published(self, model: str, member: str) -> None:
         await self._set(model, member, 0, "pub")
 
+    def forget_soon(self, model: str, member: str) -> None:
+        """`forget`, from a callback (the protocol's)."""
+        self._spawn(self.forget(model, member))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def forget(self, model: str, member: str) -> None:
         """A request refused after this gate, or attached to an earlier one: not ahead of anyone."""
         await self._set(model, member, 0, "drop")
@@ -196,6 +216,26 @@ class EarlyGate:
             tokens = self.passed.get(model, {}).get(member, (0.0, 0))[1]
         self._mark(model, member, tokens, state)
         await self.tell(model, member, tokens, state)
+
+    def tell_soon(self, model: str, member: str, tokens: int) -> None:
+        """Tells the peers of a request the protocol let through, with every other one let
+        through in the same read: one message, sent before any of them goes on, so a
+        peer reading its share of the same burst judges with this one's."""
+        if not self._telling:
+            self._spawn(self._tell_passed())
+        self._telling.append((model, member, tokens))
+
+    async def _tell_passed(self) -> None:
+        await asyncio.sleep(0)  # the rest of this read
+        passed, self._telling = self._telling, []
+        by_model: dict[str, list[tuple[str, int]]] = {}
+        for model, member, tokens in passed:
+            by_model.setdefault(model, []).append((member, tokens))
+        nc = getattr(self.pipeline, "nc", None)
+        if nc is not None and nc.is_connected:
+            with suppress(*NATS_DOWN):
+                for model, items in by_model.items():
+                    await nc.publish(SUBJECT, orjson.dumps([self.name, model, items, "pass"]))
 
     async def tell(self, model: str, member: str, tokens: int, state: str) -> None:
         nc = getattr(self.pipeline, "nc", None)
@@ -224,6 +264,7 @@ class EarlyGate:
         if member is None:
             return None
         scope[PASSED] = (model, member, tokens)
+        self.tell_soon(model, member, tokens)
         verdict = self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s))
         checking = time.perf_counter()
 
@@ -236,7 +277,7 @@ class EarlyGate:
                 scope[CHECKED] = (model, entry, tokens)
                 scope.setdefault(TIMINGS, []).append(("admission", took))
                 return reply(None)
-            self._mark(model, member, 0, "drop")  # peers were not told of it yet
+            self.forget_soon(model, member)
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             reply(self._refused(model, overloaded(model, est, budget_s), arrived, [("admission", took)]))
 
@@ -322,7 +363,8 @@ class EarlyAdmission:
                 return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
             if member is None:  # not served, or not yet: the route answers
                 return await self.app(scope, replay, send)
-        await self.gate.tell(model, member, tokens, "pass")
+        if passed is None:  # (the protocol told the peers of its own)
+            await self.gate.tell(model, member, tokens, "pass")
         edge = Edge(self.gate, model, member)
         token = _EDGE.set(edge)
         try:

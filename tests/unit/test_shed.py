@@ -91,6 +91,13 @@ async def test_peers_and_publishes_move_the_count(gate):
     member = next(iter(gate.passed["m"]))
     await gate.forget("m", member)
     assert gate._ahead("m", time.time()) == (0, 0)
+    # What a peer's protocol let through in one read comes as one message.
+    news = [["r2", 100], ["r3", 50]]
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps(["other", "m", news, "pass"])))
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps([gate.name, "m", [["r4", 9]], "pass"])))  # its own
+    assert gate._ahead("m", time.time()) == (2, 150)
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps(["other", "m", "r2", 0, "drop"])))
+    assert gate._ahead("m", time.time()) == (1, 50)
 
 
 async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(gate):
