@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -198,15 +199,22 @@ class HeadTimeoutProtocol(FastProtocol):
                 return
             replied = True
             timer.cancel()
+            cycle.more_body = False
             if answer is not None and not self.transport.is_closing() and not cycle.response_started:
                 self._refuse(cycle, answer)
-            cycle.more_body = False
+            elif held:  # let on: its task resumes with others, a few a turn (`_resume`)
+                _RESUMING.append(cycle)
+                if len(_RESUMING) == 1:
+                    self.loop.call_soon(_resume, self.loop)
+                return
             cycle.message_event.set()  # the body, to its task (a disconnect when refused)
 
+        held = False
         timer = self.loop.call_later(self.HOLD_S, reply, None)
         answer = self.REFUSE(self.scope, cycle.body, self._data_at, reply)  # type: ignore[arg-type]
         if answer is not HOLD:
             reply(answer)  # type: ignore[arg-type]
+        held = True
 
     def _refuse(self, cycle, answer: bytes) -> None:
         """Answered here; the request's task (already created) returns at ServerTiming or,
@@ -238,6 +246,21 @@ class HeadTimeoutProtocol(FastProtocol):
         )
         self.transport.write(head + body.replace(b"request body", b"request head"))
         self.transport.close()
+
+
+#: Held requests let on, whose tasks have not resumed yet (HeadTimeoutProtocol).
+_RESUMING: deque = deque()
+#: How many resume in one turn of the event loop: a burst admitted at once must not fill
+#: a turn with hundreds of requests' validation and publish, while connections that
+#: arrived with it (refusals, mostly: answered as soon as they are read) wait unread.
+RESUME_PER_TURN = 8
+
+
+def _resume(loop: asyncio.AbstractEventLoop) -> None:
+    for _ in range(min(RESUME_PER_TURN, len(_RESUMING))):
+        _RESUMING.popleft().message_event.set()
+    if _RESUMING:
+        loop.call_soon(_resume, loop)
 
 
 def _limited(app, connections: set, tasks: set, limit: int):
