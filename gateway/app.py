@@ -25,7 +25,7 @@ from gateway.fleet import FLEET
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from gateway.shed import EarlyAdmission, EarlyGate
-from runtime import tracing
+from runtime import heap, tracing
 from runtime.settings import GatewaySettings
 
 
@@ -41,6 +41,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
         await pipeline.start()
         await gate.start()
         watcher = asyncio.create_task(FLEET.watch(pipeline))  # the fleet's series on /metrics
+        heap.freeze()  # startup's objects: no full collection walks them in a burst
         yield
         watcher.cancel()
         await pipeline.stop()

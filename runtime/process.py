@@ -23,7 +23,7 @@ from prometheus_client import Counter
 from events import decode, subjects, topology
 from events.models import EventBase
 from events.topology import Role
-from runtime import jetstream, tracing
+from runtime import heap, jetstream, tracing
 from runtime.http import ProcessEndpoint
 from runtime.stream import read_events
 
@@ -146,6 +146,7 @@ def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -
 
     @app.after_startup
     async def _ready() -> None:
+        heap.freeze()
         runtime.ready = True
 
     @app.on_shutdown

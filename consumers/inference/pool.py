@@ -18,7 +18,6 @@ All methods must be called from one event loop; state is only touched between aw
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections import OrderedDict
@@ -31,6 +30,7 @@ import torch
 
 from consumers.inference.errors import PermanentError, PoolExhausted, UnknownModel
 from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from runtime import heap
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +327,6 @@ class ModelPool:
             self._free_device_memory()
 
     def _free_device_memory(self) -> None:
+        heap.release()  # the model's reference cycles, frozen with it at startup
         if self._cuda:
-            gc.collect()
             torch.cuda.empty_cache()
