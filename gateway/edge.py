@@ -123,8 +123,9 @@ class ServerTiming:
     """Adds `Server-Timing: gateway;dur=<ms>` to each HTTP response: from the request's
     arrival to the response head, queueing in the event loop included (what a client's
     latency is made of, less the network and the client's own loop); then the stages
-    timed on the way (`TIMINGS`: `queued`, from arrival to admission's first step, and
-    `admission`, the fleet-wide check)."""
+    timed on the way (`TIMINGS`: `read`, from its first bytes to its whole body;
+    `queued`, from arrival to admission's first step in a task; `admission`, the
+    fleet-wide check)."""
 
     def __init__(self, app):
         self.app = app

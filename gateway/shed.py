@@ -257,10 +257,11 @@ class EarlyGate:
         if len(body) > self.settings.max_body_bytes or (request := self.request_of(scope["path"], body)) is None:
             return None
         model, tokens, budget_s = request
+        read = ("read", (time.perf_counter() - arrived) * 1000)  # from its first bytes to its whole body
         est, member = self.decide(model, tokens, budget_s)
         if est is not None:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            return self._refused(model, overloaded(model, est, budget_s), arrived)
+            return self._refused(model, overloaded(model, est, budget_s), arrived, [read])
         if member is None:
             return None
         scope[PASSED] = (model, member, tokens)
@@ -275,11 +276,11 @@ class EarlyGate:
             entry, est = done.result()
             if est is None:
                 scope[CHECKED] = (model, entry, tokens)
-                scope.setdefault(TIMINGS, []).append(("admission", took))
+                scope.setdefault(TIMINGS, []).extend([read, ("admission", took)])
                 return reply(None)
             self.forget_soon(model, member)
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [("admission", took)]))
+            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, ("admission", took)]))
 
         verdict.add_done_callback(checked)
         return HOLD

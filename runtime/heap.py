@@ -12,12 +12,32 @@ takes well under a millisecond (`python -m bench.heap` measures both).
 from __future__ import annotations
 
 import gc
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+#: A collection longer than this is logged (a warning: it stalled the process).
+SLOW_MS = 20.0
+_started: list[float] = []
 
 
 def freeze() -> None:
-    """Everything alive now (startup's objects) is left out of later collections."""
+    """Everything alive now (startup's objects) is left out of later collections; from
+    now on a collection longer than SLOW_MS is logged."""
     gc.collect()
     gc.freeze()
+    if _timed not in gc.callbacks:
+        gc.callbacks.append(_timed)
+
+
+def _timed(phase: str, info: dict) -> None:
+    if phase == "start":
+        _started[:] = [time.perf_counter()]
+    elif _started and (ms := (time.perf_counter() - _started[0]) * 1000) > SLOW_MS:
+        log.warning(
+            "garbage collection of generation %d took %.0f ms (%d freed)", info["generation"], ms, info["collected"]
+        )
 
 
 def release() -> None:

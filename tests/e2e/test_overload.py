@@ -85,12 +85,13 @@ def server_ms(headers: dict) -> float:
     return math.nan
 
 
-async def _one(url: str, i: int) -> tuple[int, float, int, float, float]:
+async def _one(url: str, i: int) -> tuple[int, float, int, float, float, str]:
     started = time.perf_counter()
     status, headers, content = await _post(url, body(i), FREE)
     took = time.perf_counter() - started
     tokens = json.loads(content)["usage"]["completion_tokens"] if status == 200 else 0
-    return status, took, tokens, float(headers.get("retry-after", 0)), server_ms(headers)
+    timing = headers.get("server-timing", "")
+    return status, took, tokens, float(headers.get("retry-after", 0)), server_ms(headers), timing
 
 
 async def _client_floor(n: int) -> float:
@@ -121,7 +122,7 @@ async def _client_floor(n: int) -> float:
         await proc.wait()
 
 
-async def _burst(urls: list[str], n: int) -> tuple[list[tuple[int, float, int, float, float]], float]:
+async def _burst(urls: list[str], n: int) -> tuple[list[tuple[int, float, int, float, float, str]], float]:
     started = time.perf_counter()
     results = await asyncio.gather(*(_one(urls[i % len(urls)], i) for i in range(n)))
     return list(results), time.perf_counter() - started
@@ -138,7 +139,7 @@ async def _steady(urls: list[str], users: int, seconds: float) -> float:
         nonlocal tokens
         i = k
         while time.perf_counter() < end:
-            status, _, got, retry_after, _ = await _one(urls[i % len(urls)], i)
+            status, _, got, retry_after, *_ = await _one(urls[i % len(urls)], i)
             tokens += got
             if status == 429:
                 await asyncio.sleep(min(retry_after, max(0.0, end - time.perf_counter())))
@@ -163,7 +164,8 @@ def test_burst_of_400_is_answered_in_time_or_refused_fast(gateways, n_gateways):
     codes = [c for c, *_ in results]
     ok = [t for c, t, *_ in results if c == 200]
     refused = [t for c, t, *_ in results if c == 429]
-    refused_server = [ms for c, *_, ms in results if c == 429]
+    refused_server = [ms for c, _, _, _, ms, _ in results if c == 429]
+    slowest = max((r for r in results if r[0] == 429), key=lambda r: r[4], default=None)
     floor = asyncio.run(_client_floor(400))
     burst_tps = sum(tok for _, _, tok, *_ in results) / max(ok, default=took)
     figures = {
@@ -178,6 +180,7 @@ def test_burst_of_400_is_answered_in_time_or_refused_fast(gateways, n_gateways):
         "refused_server_p50_ms": round(p(refused_server, 0.5), 1),
         "refused_server_p99_ms": round(p(refused_server, 0.99), 1),
         "client_floor_p99_ms": round(floor * 1000, 1),
+        "slowest_refusal_server_timing": slowest[5] if slowest else None,  # its stages
         "burst_wall_s": round(took, 2),
         "burst_tokens_per_s": round(burst_tps, 1),
         "steady_tokens_per_s": round(steady, 1),
