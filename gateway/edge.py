@@ -156,10 +156,12 @@ class HeadTimeoutProtocol(FastProtocol):
 
     HEADER_TIMEOUT_S = 10.0
     #: (scope, body, arrived, reply) -> a whole HTTP response refusing the request as its
-    #: body is read, None to serve it, or HOLD: its task gets the body only once `reply`
-    #: is called (with the refusal, or None to serve it; HOLD_S at most), so a request
-    #: waiting for a fleet-wide check does no work and its refusal needs no task
-    #: (gateway/shed.py: a burst's refusals).
+    #: body is read, None to serve it, or HOLD: its task gets the end of its body only
+    #: once `reply` is called (with the refusal, or None to serve it; HOLD_S at most), so
+    #: a request waiting for a fleet-wide check does no work past reading it, and its
+    #: refusal needs no task (gateway/shed.py: a burst's refusals). `body` is what the
+    #: task has not taken yet: all of it when it came in one read, as a burst's requests
+    #: do; a part otherwise, which the gate cannot parse and leaves to the routes.
     REFUSE: Refuse | None = None
     HOLD_S = 2.0
 
