@@ -84,6 +84,11 @@ def step_at(q: ModelQueue, batch: int) -> float | None:
     full = q.full_step_s if q.full_step_s is not None else small
     if small is None or full is None:
         return None
+    # A bigger batch never steps faster: small batches, measured while a load ramps up or
+    # drains, are mostly steps with a prompt's prefill in them, and their median can come
+    # out above the full batches' (30 ms against 13 ms seen in one burst's heartbeat,
+    # which then refused half of what the fleet served in time in the next).
+    small = min(small, full)
     at = q.full_batch if q.full_batch and q.full_batch > 1 else max(2, q.slots)
     share = max(0.0, (min(batch, q.slots) - 1) / (at - 1))
     return max(small, small + (full - small) * share)

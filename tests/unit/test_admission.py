@@ -162,3 +162,14 @@ def test_a_burst_is_refused_beyond_what_fits_in_the_deadline():
         if est.finish_s <= 15.0:
             admitted, tokens = admitted + 1, tokens + 128
     assert 32 * 3 <= admitted <= 32 * 5
+
+
+def test_a_small_batch_measured_slower_than_a_full_one_is_not_believed():
+    """Prefill-heavy small batches can have a median above the full batches': the step at
+    any batch is then at most the full one (extrapolated beyond the batch it was seen at)."""
+    inflated = ModelQueue(64, 0, 0, 0.030, 0.013, time.time(), full_batch=48)
+    assert step_at(inflated, 1) == pytest.approx(0.013)
+    assert step_at(inflated, 48) == pytest.approx(0.013)
+    assert step_at(inflated, 64) == pytest.approx(0.013)
+    usual = ModelQueue(64, 0, 0, 0.010, 0.013, time.time(), full_batch=48)
+    assert step_at(usual, 64) == pytest.approx(0.010 + 0.003 * 63 / 47)
