@@ -2,7 +2,9 @@
 
 Model: one linear score over views of a prompt, each fitted as its own logistic
 regression with sample weights that give each class half the weight and each
-source family the same share of its class (heldout.family_weights):
+source family the same share of its class (heldout.family_weights), except that
+the dev file's families, trained on by default (``--train-on-dev``), weigh
+``DEV_WEIGHT`` times as much (``--dev-weight``):
 
 * ``chars``: hashed character 3-5-grams (features.py; liblinear dual, C=10), the
   surface of the attacks seen in training, robust to obfuscation;
@@ -27,8 +29,14 @@ benign prompts the model did not train on:
 * ``loso_attack``: attack families held out, benign data always trained on (less
   one fold, scored for the threshold): "an attack family never seen";
 * ``in_distribution``: stratified 5-fold;
-* ``dev``: the dev file (JailbreakBench attacks, arena-hard benign), final model,
-  at the LOSO threshold and at the attack-held-out one.
+* ``dev_split``: the dev file in distribution: 5-fold over the dev rows, the train
+  file in every fold, threshold on the held-out arena-hard rows; the classifier
+  alone and the whole filter (rules, then classifier);
+* ``dev``: the dev file (JailbreakBench attacks, arena-hard benign) at the LOSO
+  threshold and at the attack-held-out one, scored by the final model, or by the
+  dev split's k-fold models when the final model trained on the dev file.
+
+With the dev file in training, every protocol runs over the train and dev rows.
 
 scikit-learn is needed here only; serving scores the saved weights with numpy.
 """
@@ -65,10 +73,10 @@ VIEW_MIX = {"chars": 1.0, "words": 1.0, "cues": 0.25}
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
 DEV_FOLDS = 5
-TRAIN_ON_DEV = False  # the shipped artifact's recipe: is the dev file in its training rows?
+TRAIN_ON_DEV = True  # the shipped artifact's recipe: is the dev file in its training rows?
 # Each dev family weighs this many times a train family of its class, in every fit that has dev
 # rows: the dev file is the deployment's own traffic (arena prompts, JailbreakBench attacks).
-DEV_WEIGHT = 1.0
+DEV_WEIGHT = 8.0  # chosen on the dev split among 1 to 32 (docs/filter.md): that figure is optimistic by the choice
 
 
 def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS):
