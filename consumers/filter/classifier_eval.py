@@ -6,8 +6,9 @@ Two kinds of figures:
   (rules, then classifier, mode block) per source family, at the artifact's
   threshold;
 * recorded at training (they need many trainings): leave-one-source-out per
-  family and mean, attack families held out, in-distribution k-fold, and the
-  dev file, from the artifact's metadata (consumers/filter/heldout.py).
+  family and mean, attack families held out, in-distribution k-fold, the dev
+  file, and the dev split in distribution (k-fold over the dev file, classifier
+  alone and whole filter), from the artifact's metadata (consumers/filter/heldout.py).
 """
 
 from __future__ import annotations
@@ -85,11 +86,38 @@ def _recorded(name: str, t: dict[str, Any]) -> list[str]:
     return out
 
 
+def _dev_split(split: dict[str, Any]) -> list[str]:
+    clf, flt = split["classifier"], split["filter"]
+    out = [
+        "-- recorded at training: dev split in distribution (5-fold over the dev file by family and label; each fold's"
+        " model trained on the train file and the other dev folds; thresholds flag at most 0.3% of the held-out"
+        " benign dev rows, pooled)",
+        f"classifier alone: threshold {clf['threshold']:.4f}, mean catch {_rate(clf['mean_catch'])},"
+        f" pooled {_rate(clf['pooled_catch'])}, benign flagged {_rate(clf['fp'])}",
+        f"whole filter (rules, then classifier): classifier threshold {flt['threshold']:.4f},"
+        f" mean catch {_rate(flt['mean_catch'])}, pooled {_rate(flt['pooled_catch'])},"
+        f" benign rejected or altered {_rate(flt['fp'])}",
+        f"{'family':<62} {'attacks':>7} {'clf':>7} {'filter':>7} {'benign':>7} {'clf FP':>7} {'flt FP':>7}",
+    ]
+    for fam, c in clf["families"].items():
+        f = flt["families"][fam]
+        out.append(
+            f"{fam[:62]:<62} {c['attacks']:7d} {_rate(c['caught'])} {_rate(f['caught'])}"
+            f" {c['benign']:7d} {_rate(c['fp'])} {_rate(f['fp'])}"
+        )
+    return out
+
+
 def classifier_tables(path: str, classifier: Classifier, config: FilterConfig | None = None) -> str:
     """The classifier's section of the filter-eval printout."""
     out = [f"classifier {classifier.version}, threshold {classifier.threshold:.4f}", ""]
-    out += _measured(path, measure(path, classifier, config))
     report = classifier.meta.get("report", {}) if isinstance(classifier, LinearClassifier) else {}
+    if report.get("dev_in_training"):
+        out.append(
+            "note: this artifact trained on the dev file too: measured on that file, the figures below are in"
+            " sample; the dev split table (last) is the held-out figure"
+        )
+    out += _measured(path, measure(path, classifier, config))
     titles = {
         "loso": "recorded at training: leave-one-source-out, every family (threshold on held-out benign sources)",
         "loso_attack": (
@@ -97,12 +125,15 @@ def classifier_tables(path: str, classifier: Classifier, config: FilterConfig | 
             " (threshold on a held-out benign fold)"
         ),
         "in_distribution": "recorded at training: in-distribution, stratified 5-fold",
-        "dev": "recorded at training: dev file, final model at the LOSO threshold (the shipped one)",
-        "dev_at_attack_threshold": "recorded at training: dev file, final model at the attack-held-out threshold",
+        "dev": "recorded at training: dev file, {} at the LOSO threshold (the shipped one)",
+        "dev_at_attack_threshold": "recorded at training: dev file, {} at the attack-held-out threshold",
     }
+    scored_by = report.get("dev_scored_by", "final model")
     for key, title in titles.items():
         if key in report:
-            out += ["", *_recorded(title, report[key])]
+            out += ["", *_recorded(title.format(scored_by), report[key])]
+    if "dev_split" in report:
+        out += ["", *_dev_split(report["dev_split"])]
     if not report.get("loso"):
         out += ["", f"(no held-out figures recorded: threshold from {report.get('threshold_from', 'unknown')})"]
     return "\n".join(out)

@@ -13,7 +13,9 @@ of harm and of prompt injection, not fitted to any collection:
   framing, compliance pressure ("never refuse", "disclaimer"), output coercion,
   encodings ("decode", "base64", "reversed");
 * a few phrase patterns ("from now on", "sure, here is", "you are now"...) and the
-  text's shape (length, scripts, an embedded base64 run).
+  text's shape (length, scripts, an embedded base64 run, and the rules' adversarial
+  suffix signals as numbers: odd glued word fragments and unbalanced brackets at
+  the end of the last line).
 
 Word categories are densities (count / sqrt(words)), so a long benign document does
 not score by length alone, plus the maximum in any one sentence, so one injected
@@ -31,9 +33,11 @@ import re
 
 import numpy as np
 
+from consumers.filter.scoring import suffix_shape
+
 __all__ = ["CUES_VERSION", "CUE_NAMES", "cue_vector"]
 
-CUES_VERSION = "cues-1"
+CUES_VERSION = "cues-2"  # cues-2: the suffix shape (share of odd words, unbalanced brackets)
 
 _CATEGORIES: dict[str, str] = {
     "harm_violence": (
@@ -170,6 +174,8 @@ _SHAPE = (
     "questions",
     "you_density",
     "symbols",
+    "suffix_odd",
+    "suffix_unbalanced",
 )
 CUE_NAMES: tuple[str, ...] = (
     *(f"density:{c}" for c in _CATEGORIES),
@@ -334,6 +340,7 @@ def _shape(original: str, words: float, you: int) -> list[float]:
         math.log1p(original.count("?")),
         you / max(words, 1.0),
         (len(ascii_) - len(ascii_.translate(None, _PUNCT))) / n,
+        *suffix_shape(original),
     ]
 
 

@@ -12,22 +12,30 @@ scores (logits; higher means attack):
   stratified benign fold that is scored for the threshold. This is the question
   "does the filter catch an attack family it has never seen" at a benign false
   positive rate measured on prompts it did not train on;
-* :func:`kfold_scores`, in-distribution: stratified k-fold, strata = family x label.
+* :func:`kfold_scores`, in-distribution: stratified k-fold, strata = family x label;
+  with ``folded``, only those rows are split (the dev file: each dev fold is scored by a
+  model trained on the whole train file and the other dev folds);
+* :func:`dev_split`, the dev-split tables: the classifier alone, and the whole filter
+  (rules, then classifier), each at a threshold flagging at most the cap of the
+  held-out benign dev rows, pooled over folds.
 
 :func:`family_weights` balances training: each class weighs half, and within a class
 every family weighs the same, so one large collection's style (1,200 SAP personas,
 1,460 awesome-chatgpt-prompts) does not decide what "attack" and "benign" look like.
+Every protocol takes ``boost``, families weighing more than the others (the dev
+file's, when the shipped model trains on it), and passes it to every fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 __all__ = [
     "Fit",
+    "dev_split",
     "family_weights",
     "kfold_scores",
     "loso_attack_scores",
@@ -41,8 +49,11 @@ __all__ = [
 Fit = Callable[[Any, np.ndarray, np.ndarray], Callable[[Any], np.ndarray]]
 
 
-def family_weights(y: np.ndarray, families: np.ndarray, balance: str = "family") -> np.ndarray:
-    """Sample weights averaging 1: each class half; within a class, per family (``family``) or per row (``row``)."""
+def family_weights(
+    y: np.ndarray, families: np.ndarray, balance: str = "family", boost: Mapping[str, float] | None = None
+) -> np.ndarray:
+    """Sample weights averaging 1: each class half; within a class, per family (``family``) or per row
+    (``row``), a family named in ``boost`` weighing that many times as much as it would."""
     w = np.ones(len(y))
     for cls in (True, False):
         sel = y == cls
@@ -55,19 +66,24 @@ def family_weights(y: np.ndarray, families: np.ndarray, balance: str = "family")
                 w[s] = 1.0 / (len(fams) * s.sum())
         else:
             w[sel] = 1.0 / sel.sum()
+        if boost:
+            w[sel] *= np.array([boost.get(str(f), 1.0) for f in families[sel]])
+            w[sel] /= w[sel].sum()
     return w * len(y) / w.sum()
 
 
-def _fit_on(fit: Fit, x, y, families, rows: np.ndarray, balance: str):
-    return fit(x[rows], y[rows], family_weights(y[rows], families[rows], balance))
+def _fit_on(fit: Fit, x, y, families, rows: np.ndarray, balance: str, boost: Mapping[str, float] | None = None):
+    return fit(x[rows], y[rows], family_weights(y[rows], families[rows], balance, boost))
 
 
-def loso_scores(x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family") -> np.ndarray:
+def loso_scores(
+    x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family", boost: Mapping[str, float] | None = None
+) -> np.ndarray:
     """Each row's score from a model that never saw the row's family."""
     out = np.zeros(len(y))
     for fam in np.unique(families):
         held = families == fam
-        out[held] = _fit_on(fit, x, y, families, np.flatnonzero(~held), balance)(x[held])
+        out[held] = _fit_on(fit, x, y, families, np.flatnonzero(~held), balance, boost)(x[held])
     return out
 
 
@@ -82,7 +98,14 @@ def benign_folds(y: np.ndarray, families: np.ndarray, k: int, seed: int) -> np.n
 
 
 def loso_attack_scores(
-    x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family", k: int = 5, seed: int = 0
+    x,
+    y: np.ndarray,
+    families: np.ndarray,
+    fit: Fit,
+    balance: str = "family",
+    k: int = 5,
+    seed: int = 0,
+    boost: Mapping[str, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attack rows scored with their family held out, and the benign scores that set the threshold.
 
@@ -95,24 +118,62 @@ def loso_attack_scores(
     benign: list[np.ndarray] = []
     for i, fam in enumerate(np.unique(families[y])):
         held_attack, held_benign = y & (families == fam), fold == i % k
-        score = _fit_on(fit, x, y, families, np.flatnonzero(~held_attack & ~held_benign), balance)
+        score = _fit_on(fit, x, y, families, np.flatnonzero(~held_attack & ~held_benign), balance, boost)
         attack_scores[held_attack] = score(x[held_attack])
         benign.append(score(x[held_benign]))
     return attack_scores, np.concatenate(benign)
 
 
-def kfold_scores(x, y: np.ndarray, families: np.ndarray, fit: Fit, balance: str = "family", k: int = 5, seed: int = 0):
-    """Out-of-fold scores of a k-fold split stratified by family and label."""
+def kfold_scores(
+    x,
+    y: np.ndarray,
+    families: np.ndarray,
+    fit: Fit,
+    balance: str = "family",
+    k: int = 5,
+    seed: int = 0,
+    folded: np.ndarray | None = None,
+    boost: Mapping[str, float] | None = None,
+):
+    """Out-of-fold scores of a k-fold split stratified by family and label.
+
+    With ``folded`` (a boolean mask), only those rows are split and scored; every other
+    row is in every fold's training set and gets NaN.
+    """
     from sklearn.model_selection import StratifiedKFold  # noqa: PLC0415
 
-    strata = np.array([f"{f}|{a}" for f, a in zip(families, y, strict=True)])
+    split = np.flatnonzero(folded) if folded is not None else np.arange(len(y))
+    strata = np.array([f"{f}|{a}" for f, a in zip(families[split], y[split], strict=True)])
     _, counts = np.unique(strata, return_counts=True)
     if counts.min() < k:  # tiny strata (a 3-prompt family): fold by label only
-        strata = y
-    out = np.zeros(len(y))
-    for train, test in StratifiedKFold(k, shuffle=True, random_state=seed).split(np.zeros(len(y)), strata):
-        out[test] = _fit_on(fit, x, y, families, train, balance)(x[test])
+        strata = y[split]
+    fixed = np.setdiff1d(np.arange(len(y)), split)
+    out = np.full(len(y), np.nan)
+    for train, test in StratifiedKFold(k, shuffle=True, random_state=seed).split(np.zeros(len(split)), strata):
+        held = split[test]
+        out[held] = _fit_on(fit, x, y, families, np.concatenate([fixed, split[train]]), balance, boost)(x[held])
     return out
+
+
+def dev_split(
+    scores: np.ndarray,
+    y: np.ndarray,
+    families: np.ndarray,
+    rules: np.ndarray,
+    fp_cap: float,
+    prob: Callable[[float], float],
+) -> dict[str, Any]:
+    """The classifier alone and the whole filter on out-of-fold dev scores, each at its own threshold.
+
+    ``rules``: the rules flagged the row (rejected or altered it). The whole filter flags a
+    row the rules flagged or the classifier scores at or above the threshold, so its
+    threshold is the lowest keeping the *filter's* benign flags within ``fp_cap``.
+    """
+    whole = np.where(rules, np.inf, scores)
+    return {
+        "classifier": table(scores, y, families, threshold_at(scores[~y], fp_cap), prob),
+        "filter": table(whole, y, families, threshold_at(whole[~y], fp_cap), prob),
+    }
 
 
 def threshold_at(benign_scores: np.ndarray, fp_cap: float) -> float:

@@ -10,11 +10,12 @@ the reject threshold was chosen on data (docs/filter.md).
 from __future__ import annotations
 
 import re
+import string
 from typing import Literal
 
 from consumers.filter.sanitize import Skeleton
 
-__all__ = ["RULE_WEIGHTS", "decide", "gibberish", "score"]
+__all__ = ["RULE_WEIGHTS", "decide", "gibberish", "score", "suffix_shape"]
 
 Action = Literal["pass", "sanitized", "reject"]
 
@@ -113,7 +114,7 @@ _MIXED_SCRIPT = re.compile(r"\b(?=\w*[a-zA-Z])(?=\w*[\u0370-\u03ff\u0400-\u04ff]
 _SYMBOLS = set("{}[]()<>|\\$^~=`\"'*#@&;")
 _GLUED = re.compile(r"[a-z][A-Z]|[A-Za-z]\d[A-Za-z]|[({\[][({\[]|[)}\]][({\[.]")
 _CLOSE = {")": "(", "]": "[", "}": "{"}
-_BRACKETS = frozenset("()[]{}")
+_BRACKET_RE = re.compile(r"[()\[\]{}]")
 # Kinds of evidence that the text is code or LaTeX, where glued symbols are normal.
 _CODE = re.compile(
     r";[ \t]*(?:$|\\n)|==|->|\breturn\b|\bdef |#include|\bimport\b|\\n|\\section|\\label"
@@ -124,7 +125,7 @@ _CODE = re.compile(
 
 def _unbalanced(tail: str) -> int:
     """Closing brackets without their opener, plus openers never closed."""
-    brackets = [c for c in tail if c in _BRACKETS]
+    brackets = _BRACKET_RE.findall(tail)
     if not brackets:
         return 0
     stack: list[str] = []
@@ -139,6 +140,26 @@ def _unbalanced(tail: str) -> int:
     return unbalanced + len(stack)
 
 
+def _tail(text: str) -> str:
+    """The end of the last line: where an optimized suffix sits."""
+    return text[-1000:].rstrip().rpartition("\n")[2][-240:]
+
+
+_DROP_SYMBOLS = str.maketrans("", "", "".join(_SYMBOLS))
+# a symbol, or what _GLUED finds without one: no match means no odd word
+_MAYBE_ODD = re.compile("[" + re.escape("".join(sorted(_SYMBOLS))) + "]|[a-z][A-Z]|[A-Za-z]\\d[A-Za-z]")
+_DROP_ASCII_LETTERS = str.maketrans("", "", string.ascii_letters)
+
+
+def _odd(w: str) -> bool:
+    """A word fragment glued to symbols or to another word ("ToS'.", "(.umerate((quantity|_{]", "summarText")."""
+    if w.isalpha():  # most words: odd only when glued, which needs a lower then an upper case letter
+        return len(w) > 3 and not (w.islower() or w.isupper() or w.istitle()) and bool(_GLUED.search(w))
+    symbols = len(w) - len(w.translate(_DROP_SYMBOLS))
+    letters = len(w) - len(w.translate(_DROP_ASCII_LETTERS)) if w.isascii() else sum(map(str.isalpha, w))
+    return bool(letters) and (symbols >= 2 or (bool(symbols or letters > 3) and bool(_GLUED.search(w))))
+
+
 def gibberish(text: str) -> float:
     """How much the last line of ``text`` looks like an optimized adversarial suffix.
 
@@ -147,24 +168,30 @@ def gibberish(text: str) -> float:
     with unbalanced brackets; prose rarely has both, and text showing two kinds
     of code evidence is let off. Returns 0..0.8.
     """
-    tail = text[-1000:].rstrip().rpartition("\n")[2][-240:]
+    tail = _tail(text)
     unbalanced = _unbalanced(tail)  # cheap, and zero for most prompts: test it first
     if not unbalanced:
         return 0.0
     words = tail.split()[-24:]
     if len(words) < 6:
         return 0.0
-    odd = 0
-    for w in words:
-        letters = sum(c.isalpha() for c in w)
-        symbols = sum(c in _SYMBOLS for c in w)
-        if letters and (symbols >= 2 or (symbols and _GLUED.search(w)) or (letters > 3 and _GLUED.search(w))):
-            odd += 1
+    odd = sum(map(_odd, words))
     if odd < 3:
         return 0.0
     if len({m.group(0).strip() for m in _CODE.finditer(text)}) >= 2:
         return 0.0
     return min(0.8, 0.15 * odd + 0.1 * min(unbalanced, 3))
+
+
+def suffix_shape(text: str) -> tuple[float, float]:
+    """The suffix heuristic's two signals as numbers, without its gates (cues for the classifier):
+    the share of odd words among the last line's last 24 words (of at least 6), and its
+    unbalanced brackets (at most 3) over 3."""
+    tail = _tail(text)
+    if not _MAYBE_ODD.search(tail):  # prose: no symbol (so no bracket) and nothing glued
+        return 0.0, 0.0
+    words = tail.split()[-24:]
+    return sum(map(_odd, words)) / max(len(words), 6), min(_unbalanced(tail), 3) / 3
 
 
 def score(sk: Skeleton, original: str, found: tuple[str, ...] = ()) -> tuple[float, tuple[str, ...]]:

@@ -2,7 +2,9 @@
 
 Model: one linear score over views of a prompt, each fitted as its own logistic
 regression with sample weights that give each class half the weight and each
-source family the same share of its class (heldout.family_weights):
+source family the same share of its class (heldout.family_weights), except that
+the dev file's families, trained on by default (``--train-on-dev``), weigh
+``DEV_WEIGHT`` times as much (``--dev-weight``):
 
 * ``chars``: hashed character 3-5-grams (features.py; liblinear dual, C=10), the
   surface of the attacks seen in training, robust to obfuscation;
@@ -27,8 +29,14 @@ benign prompts the model did not train on:
 * ``loso_attack``: attack families held out, benign data always trained on (less
   one fold, scored for the threshold): "an attack family never seen";
 * ``in_distribution``: stratified 5-fold;
-* ``dev``: the dev file (JailbreakBench attacks, arena-hard benign), final model,
-  at the LOSO threshold and at the attack-held-out one.
+* ``dev_split``: the dev file in distribution: 5-fold over the dev rows, the train
+  file in every fold, threshold on the held-out arena-hard rows; the classifier
+  alone and the whole filter (rules, then classifier);
+* ``dev``: the dev file (JailbreakBench attacks, arena-hard benign) at the LOSO
+  threshold and at the attack-held-out one, scored by the final model, or by the
+  dev split's k-fold models when the final model trained on the dev file.
+
+With the dev file in training, every protocol runs over the train and dev rows.
 
 scikit-learn is needed here only; serving scores the saved weights with numpy.
 """
@@ -40,6 +48,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,7 @@ from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
 from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
+from consumers.filter.policy import inspect_prompt
 
 __all__ = ["evaluate", "fit", "fit_views", "main", "matrix", "train"]
 
@@ -62,6 +72,11 @@ CUE_C = 1.0
 VIEW_MIX = {"chars": 1.0, "words": 1.0, "cues": 0.25}
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
+DEV_FOLDS = 5
+TRAIN_ON_DEV = True  # the shipped artifact's recipe: is the dev file in its training rows?
+# Each dev family weighs this many times a train family of its class, in every fit that has dev
+# rows: the dev file is the deployment's own traffic (arena prompts, JailbreakBench attacks).
+DEV_WEIGHT = 8.0  # chosen on the dev split among 1 to 32 (docs/filter.md): that figure is optimistic by the choice
 
 
 def matrix(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS):
@@ -169,6 +184,21 @@ def _prob(logit: float) -> float:
     return float(1.0 / (1.0 + np.exp(-logit)))
 
 
+@dataclass(frozen=True)
+class DevFile:
+    """The dev file as :func:`evaluate` needs it."""
+
+    rows: Sequence[Row]
+    x: Any  # the rows' views
+    rules: np.ndarray  # the rules (no classifier) reject or alter the row
+    in_training: bool  # the evaluated training rows end with these rows
+
+
+def rules_flag(rows: Sequence[Row]) -> np.ndarray:
+    """Whether the rules alone (default config, no classifier) reject or alter each row."""
+    return np.array([inspect_prompt(r.text).action != "pass" for r in rows], dtype=bool)
+
+
 def evaluate(
     rows: Sequence[Row],
     x,
@@ -177,36 +207,63 @@ def evaluate(
     balance: str,
     seed: int,
     fp_cap: float,
-    dev: tuple[Sequence[Row], Callable[[], np.ndarray]] | None = None,
+    dev: DevFile | None = None,
+    final: Callable[[Any], np.ndarray] | None = None,
+    boost: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], float]:
     """The held-out report (see :mod:`consumers.filter.heldout`) and the shipped threshold (a logit).
 
     The shipped threshold is the leave-one-source-out one: the benign cap then holds
     for benign sources the model never saw, which is what production traffic is.
+    ``final`` scores the dev rows with the final model when it did not train on them;
+    ``boost`` weighs families more (heldout.family_weights) in every fit.
     """
     y = np.array([r.attack for r in rows])
     fam = np.array([r.family for r in rows])
     report: dict[str, Any] = {}
     log(f"leave-one-source-out over {len(set(fam))} families ...")
-    loso = heldout.loso_scores(x, y, fam, fit_rows, balance)
+    loso = heldout.loso_scores(x, y, fam, fit_rows, balance, boost)
     t = heldout.threshold_at(loso[~y], fp_cap)
     report["loso"] = heldout.table(loso, y, fam, t, _prob)
     report["loso"]["nested_benign_fp"] = heldout.nested_benign_fp(loso, y, fam, fp_cap)
     log(f"attack families held out ({len(set(fam[y]))}), benign always trained on (one fold held out) ...")
-    att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed)
+    att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed, boost=boost)
     t_att = heldout.threshold_at(ben, fp_cap)
     report["loso_attack"] = heldout.table(att, y, fam, t_att, _prob)
     report["loso_attack"]["fp"] = float((ben >= t_att).mean())
     log("in-distribution 5-fold ...")
-    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, seed=seed)
+    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, seed=seed, boost=boost)
     report["in_distribution"] = heldout.table(kf, y, fam, heldout.threshold_at(kf[~y], fp_cap), _prob)
     if dev is not None:
-        dev_rows, dev_scores = dev
-        yd, fd, sd = np.array([r.attack for r in dev_rows]), np.array([r.family for r in dev_rows]), dev_scores()
-        report["dev"] = heldout.table(sd, yd, fd, t, _prob)
-        report["dev_at_attack_threshold"] = heldout.table(sd, yd, fd, t_att, _prob)
+        thresholds = (t, t_att)
+        report.update(_dev_tables(x, y, fam, fit_rows, dev, thresholds, balance, seed, fp_cap, final, boost, log))
     return report, t
+
+
+def _dev_tables(
+    x, y, fam, fit_rows, dev: DevFile, thresholds, balance, seed, fp_cap, final, boost, log
+) -> dict[str, Any]:
+    """The dev split in distribution (k-fold over the dev file, the train file always trained on),
+    and the dev file at the LOSO and attack-held-out thresholds."""
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    n = len(dev.rows)
+    yd, fd = np.array([r.attack for r in dev.rows]), np.array([r.family for r in dev.rows])
+    if not dev.in_training:
+        x, y, fam = sp.vstack([x, dev.x], format="csr"), np.r_[y, yd], np.r_[fam, fd]
+    folded = np.arange(len(y)) >= len(y) - n
+    log(f"dev split in distribution: {DEV_FOLDS}-fold over the dev file, the train file in every fold ...")
+    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, k=DEV_FOLDS, seed=seed, folded=folded, boost=boost)
+    kf = kf[folded]
+    scores = kf if dev.in_training or final is None else final(dev.x)
+    t, t_att = thresholds
+    return {
+        "dev_split": heldout.dev_split(kf, yd, fd, dev.rules, fp_cap, _prob),
+        "dev": heldout.table(scores, yd, fd, t, _prob),
+        "dev_at_attack_threshold": heldout.table(scores, yd, fd, t_att, _prob),
+        "dev_scored_by": "dev k-fold models" if scores is kf else "final model",
+    }
 
 
 def train(
@@ -221,20 +278,44 @@ def train(
     cues: bool = True,
     evaluate_heldout: bool = True,
     dev: Sequence[Row] = (),
+    train_on_dev: bool = TRAIN_ON_DEV,
+    dev_weight: float = DEV_WEIGHT,
     fp_cap: float = FP_CAP,
     log: Callable[[str], None] = print,
 ) -> tuple[np.ndarray, float, dict[str, Any]]:
-    """Fit on ``rows``; with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
-    y = np.array([r.attack for r in rows])
-    fam = np.array([r.family for r in rows])
+    """Fit on ``rows`` (and ``dev`` with ``train_on_dev``, each dev family weighing ``dev_weight``
+    train families); with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
+    fitted = [*rows, *dev] if train_on_dev else list(rows)
+    y = np.array([r.attack for r in fitted])
+    fam = np.array([r.family for r in fitted])
     names = view_names(word_orders, cues)
-    x = views(rows, bits, char_orders, word_orders, cues)
-    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance), bits, names)
-    report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(rows), "attacks": int(y.sum()), "balance": balance}
+    x_all = views([*rows, *dev], bits, char_orders, word_orders, cues)
+    x = x_all[: len(fitted)]
+    boost = {r.family: dev_weight for r in dev} if dev and dev_weight != 1.0 else None
+    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance, boost), bits, names)
+    report: dict[str, Any] = {
+        "fp_cap": fp_cap,
+        "rows": len(fitted),
+        "attacks": int(y.sum()),
+        "balance": balance,
+        "dev_in_training": bool(train_on_dev and dev),
+        "dev_weight": dev_weight,
+    }
     if evaluate_heldout:
-        dev_pair = (dev, lambda: _logits(views(dev, bits, char_orders, word_orders, cues), w, b)) if dev else None
+        dev_file = DevFile(dev, x_all[len(rows) :], rules_flag(dev), train_on_dev) if dev else None
         fitter = _fitter(c, seed, bits, names)
-        held, t = evaluate(rows, x, fitter, balance=balance, seed=seed, fp_cap=fp_cap, dev=dev_pair, log=log)
+        held, t = evaluate(
+            fitted,
+            x,
+            fitter,
+            balance=balance,
+            seed=seed,
+            fp_cap=fp_cap,
+            dev=dev_file,
+            final=lambda xs: _logits(xs, w, b),
+            boost=boost,
+            log=log,
+        )
         report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
         t = heldout.threshold_at(_logits(x, w, b)[~y], fp_cap)
@@ -265,10 +346,20 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``arena filter-train [--train FILE] [--dev FILE] [--out PATH] [--seed N] [--limit N] [--no-eval]``."""
+    """``arena filter-train [--train FILE] [--dev FILE] [--[no-]train-on-dev] [--out PATH] [--seed N] [--limit N]
+    [--no-eval]``."""
     p = argparse.ArgumentParser(prog="arena filter-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--train", default=str(TRAIN_FILE), help="labelled JSONL: {text, label, source}")
-    p.add_argument("--dev", default=str(DEV_FILE), help="extra test file reported per family ('' to skip)")
+    p.add_argument("--dev", default=str(DEV_FILE), help="dev file: k-fold in distribution, per family ('' to skip)")
+    p.add_argument(
+        "--train-on-dev",
+        action=argparse.BooleanOptionalAction,
+        default=TRAIN_ON_DEV,
+        help="fit the final model (and the held-out protocols) on the train and dev files",
+    )
+    p.add_argument(
+        "--dev-weight", type=float, default=DEV_WEIGHT, help="weight of a dev family relative to a train family"
+    )
     p.add_argument("--out", default=str(DEFAULT_ARTIFACT), help="artifact path (.npz)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
@@ -281,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         rows = load_rows(args.train, args.limit)
-        dev = load_rows(args.dev, args.limit) if args.dev and Path(args.dev).is_file() and not args.no_eval else []
+        wanted = args.train_on_dev or not args.no_eval
+        dev = load_rows(args.dev, args.limit) if args.dev and Path(args.dev).is_file() and wanted else []
     except (OSError, ValueError, KeyError) as exc:
         print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
         return 2
@@ -296,11 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         cues=not args.no_cues,
         evaluate_heldout=not args.no_eval,
         dev=dev,
+        train_on_dev=args.train_on_dev,
+        dev_weight=args.dev_weight,
     )
     save_linear(args.out, w, b, meta)
     size = Path(args.out).stat().st_size
     print(f"wrote {args.out} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
-    print(f"trained on {len(rows)} rows in {time.perf_counter() - start:.0f} s; `arena filter-eval` prints the tables")
+    took = time.perf_counter() - start
+    print(f"trained on {meta['report']['rows']} rows in {took:.0f} s; `arena filter-eval` prints the tables")
     return 0
 
 

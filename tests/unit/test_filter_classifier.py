@@ -184,13 +184,35 @@ def test_training_records_every_held_out_table():
             (BENIGN[2], False, "ben-two:x"),
         )
     ]
-    _, _, meta = train(rows, bits=12, dev=rows[:8], log=lambda _: None)
+    _, _, meta = train(rows, bits=12, dev=rows[:20], train_on_dev=False, log=lambda _: None)
     report = meta["report"]
-    assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold"} <= set(report)
+    assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold", "dev_split"} <= set(report)
+    assert set(report["dev_split"]) == {"classifier", "filter"} and report["dev_scored_by"] == "final model"
     assert set(report["loso_attack"]["families"]) == {"atk-one", "atk-two"}  # attack families only
     assert report["threshold_from"] == "loso" and report["balance"] == "family"
     assert meta["word_orders"] == [] and meta["char_orders"] == [3, 4, 5]
     assert meta["views"] == ["chars", "cues"] and "nested_benign_fp" in report["loso"]
+
+
+def test_training_on_the_dev_file_scores_it_only_out_of_fold():
+    rows = [
+        Row(f"{t} #{i}", a, src, family_of(src))
+        for i in range(6)
+        for t, a, src in ((ATTACKS[i % 3], True, "atk-one:x"), (BENIGN[i % 3], False, "ben-one:x"))
+    ]
+    dev = [
+        Row(f"{t} dev #{i}", a, src, family_of(src))
+        for i in range(10)
+        for t, a, src in ((ATTACKS[i % 2], True, "atk-dev:x"), (BENIGN[i % 2], False, "ben-dev:x"))
+    ]
+    w_dev, _, meta = train(rows, bits=12, dev=dev, train_on_dev=True, log=lambda _: None)
+    w_train, _, _ = train(rows, bits=12, dev=dev, train_on_dev=False, evaluate_heldout=False, log=lambda _: None)
+    report = meta["report"]
+    assert report["dev_in_training"] and report["rows"] == len(rows) + len(dev)
+    assert not np.array_equal(w_dev, w_train)  # the dev rows changed the fit
+    # the dev tables come from the k-fold models, never from the final model that saw the rows
+    assert report["dev_scored_by"] == "dev k-fold models"
+    assert "atk-dev" in report["loso"]["families"]  # the dev families are held out like the others
 
 
 @pytest.mark.parametrize(

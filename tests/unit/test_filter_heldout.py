@@ -54,6 +54,33 @@ def test_loso_and_kfold_score_every_row():
     assert (loso[y].mean() > loso[~y].mean()) and (kf[y].mean() > kf[~y].mean())
 
 
+def test_kfold_over_a_subset_trains_every_fold_on_the_rest():
+    x, y, fams = _corpus()
+    folded = np.isin(fams, ["a2", "b2"])  # a dev file: only its rows are folded and scored
+    seen = []
+
+    def fit(xs, ys, w):
+        seen.append(len(ys))
+        return _fit(xs, ys, w)
+
+    kf = heldout.kfold_scores(x, y, fams, fit, k=5, folded=folded)
+    assert not np.isnan(kf[folded]).any() and np.isnan(kf[~folded]).all()
+    # each fold trains on every unfolded row and four fifths of the folded ones
+    assert seen == [(~folded).sum() + folded.sum() * 4 // 5] * 5
+
+
+def test_dev_split_sets_the_filter_threshold_with_the_rules_flags_counted():
+    y = np.array([True] * 10 + [False] * 100)
+    fams = np.array(["a"] * 10 + ["b"] * 100)
+    scores = np.r_[np.linspace(1, 2, 10), np.linspace(0, 1, 100)]
+    rules = np.zeros(110, dtype=bool)
+    rules[[0, 10]] = True  # the rules catch one attack and flag one benign row
+    split = heldout.dev_split(scores, y, fams, rules, 0.02, float)
+    assert split["classifier"]["fp"] == 0.02 and split["classifier"]["mean_catch"] == 1.0
+    # one of the two benign rows allowed is spent by the rules: the classifier may add only one more
+    assert split["filter"]["fp"] == 0.02 and split["filter"]["threshold"] > split["classifier"]["threshold"]
+
+
 def test_threshold_caps_benign_flags():
     benign = np.arange(1000.0)
     t = heldout.threshold_at(benign, 0.003)
