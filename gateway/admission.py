@@ -17,6 +17,7 @@ its deadline, and a refused one is told when to retry.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
@@ -26,6 +27,8 @@ from typing import Any
 
 from events.models import DEFAULT_MAX_TOKENS, new_id
 from runtime.redis import REDIS_DOWN
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,20 @@ class _Waiting:
     tokens: int
     judge: Judge
     verdict: asyncio.Future
+    at_once: Callable[[asyncio.Future], None] | None = None  # called as the verdict is set
+
+    def settle(self, result: object = None, error: BaseException | None = None) -> None:
+        if error is None:
+            self.verdict.set_result(result)
+        elif isinstance(error, Exception):
+            self.verdict.set_exception(error)
+        else:
+            self.verdict.cancel()
+        if self.at_once is not None:
+            try:
+                self.at_once(self.verdict)
+            except Exception:
+                log.exception("an admission verdict's callback failed")
 
 
 class FleetAdmissions:
@@ -198,14 +215,18 @@ class FleetAdmissions:
         estimate) for one refused (not recorded). Raises what Redis raises."""
         return await self.submit(model, tokens, judge)
 
-    def submit(self, model: str, tokens: int, judge: Judge) -> asyncio.Future:
-        """`admit`'s verdict as a future, for a caller that cannot await (a protocol)."""
+    def submit(
+        self, model: str, tokens: int, judge: Judge, at_once: Callable[[asyncio.Future], None] | None = None
+    ) -> asyncio.Future:
+        """`admit`'s verdict as a future, for a caller that cannot await (a protocol);
+        `at_once(verdict)` is called as soon as it is set, not a turn of the loop later
+        as a done-callback would be (in a burst, a turn is many requests' work)."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
         verdict = asyncio.get_running_loop().create_future()
         if model not in self._waiting:  # the first of a batch: it goes out on the loop's next turn
             self._waiting[model] = []
             self._spawn(self._judge_waiting(model))
-        self._waiting[model].append(_Waiting(tokens, judge, verdict))
+        self._waiting[model].append(_Waiting(tokens, judge, verdict, at_once))
         return verdict
 
     async def _judge_waiting(self, model: str) -> None:
@@ -231,10 +252,7 @@ class FleetAdmissions:
         except BaseException as exc:
             for w in batch:
                 if not w.verdict.done():
-                    if isinstance(exc, Exception):
-                        w.verdict.set_exception(exc)
-                    else:
-                        w.verdict.cancel()
+                    w.settle(error=exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -251,9 +269,9 @@ class FleetAdmissions:
                 dropped.append(member)
         # Refusals first: their tasks wake first and answer before the admitted go on.
         for w, member, est in refused:
-            w.verdict.set_result((member.rpartition(":")[0], est))
+            w.settle((member.rpartition(":")[0], est))
         for w, member in admitted:
-            w.verdict.set_result((member.rpartition(":")[0], None))
+            w.settle((member.rpartition(":")[0], None))
         if dropped:
             self._spawn(self._drop(model, dropped))
 

@@ -266,7 +266,6 @@ class EarlyGate:
             return None
         scope[PASSED] = (model, member, tokens)
         self.tell_soon(model, member, tokens)
-        verdict = self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s))
         checking = time.perf_counter()
 
         def checked(done) -> None:
@@ -282,7 +281,7 @@ class EarlyGate:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, ("admission", took)]))
 
-        verdict.add_done_callback(checked)
+        self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s), at_once=checked)
         return HOLD
 
     @staticmethod
