@@ -208,6 +208,7 @@ class FleetAdmissions:
         self.publish_script = redis.register_script(PUBLISHED)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
         self._waiting: dict[str, list[_Waiting]] = {}
+        self._judging: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
 
     async def admit(self, model: str, tokens: int, judge: Judge) -> tuple[str, Estimate | None]:
@@ -223,18 +224,23 @@ class FleetAdmissions:
         as a done-callback would be (in a burst, a turn is many requests' work)."""
         self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
         verdict = asyncio.get_running_loop().create_future()
-        if model not in self._waiting:  # the first of a batch: it goes out on the loop's next turn
-            self._waiting[model] = []
-            self._spawn(self._judge_waiting(model))
-        self._waiting[model].append(_Waiting(tokens, judge, verdict, at_once))
+        self._waiting.setdefault(model, []).append(_Waiting(tokens, judge, verdict, at_once))
+        if model not in self._judging:
+            self._judging[model] = asyncio.create_task(self._judge_all(model))
         return verdict
 
-    async def _judge_waiting(self, model: str) -> None:
-        """Judges the requests waiting now. A batch does not wait for the one before it
-        to answer (each is one atomic step in Redis): one whose requests arrived while
-        another was out counts that one's refusals until they are dropped, a little
-        stricter, never looser."""
-        await self._judge(model, self._waiting.pop(model))
+    async def _judge_all(self, model: str) -> None:
+        """Judges the waiting requests, a batch at a time, until none waits: one call out
+        at a time, each batch judged with everything admitted before it."""
+        try:
+            while batch := self._waiting.pop(model, None):
+                await self._judge(model, batch)
+        except asyncio.CancelledError:  # shutting down: no verdict will come
+            for w in self._waiting.pop(model, []):
+                w.settle(error=asyncio.CancelledError())
+            raise
+        finally:
+            del self._judging[model]
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

@@ -65,7 +65,7 @@ class Pipeline:
         self.results = ReadModel(redis, settings.result_ttl_s)
         self.keys = GatewayKeys(redis, settings.result_ttl_s)
         #: Admission's batched fleet-wide check alone (admission.FleetAdmissions).
-        self.admission_redis = redis_client(settings.redis_url, max_connections=4)
+        self.admission_redis = redis_client(settings.redis_url, max_connections=2)
         self.beats: dict[tuple[str, str], dict] = {}
         #: The consumers' state (requests ahead of and held by the inference workers).
         self.stream_state = StreamState()
