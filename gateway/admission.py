@@ -20,12 +20,12 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
 
 from events.models import DEFAULT_MAX_TOKENS, new_id
+from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class FleetAdmissions:
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
         self._waiting: dict[str, list[_Waiting]] = {}
         self._judging: dict[str, asyncio.Task] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background = Background()
 
     async def admit(self, model: str, tokens: int, judge: Judge) -> tuple[str, Estimate | None]:
         """(its member, None) for a request admitted and recorded; (its member, the
@@ -241,11 +241,6 @@ class FleetAdmissions:
             raise
         finally:
             del self._judging[model]
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _judge(self, model: str, batch: list[_Waiting]) -> None:
         stream = self.state()
@@ -279,7 +274,7 @@ class FleetAdmissions:
         for w, member in admitted:
             w.settle((member.rpartition(":")[0], None))
         if dropped:
-            self._spawn(self._drop(model, dropped))
+            self._background.spawn(self._drop(model, dropped))
 
     async def _drop(self, model: str, members: list[str]) -> None:
         with suppress(*REDIS_DOWN):  # they lapse after PENDING_S

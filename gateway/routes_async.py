@@ -14,7 +14,6 @@ that was never accepted or whose records expired (`result_ttl_s`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -27,6 +26,7 @@ from gateway.errors import APIError, errors
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
 from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
+from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
 # A request with no terminal event this long after its deadline never will have one.
@@ -93,7 +93,7 @@ def completed(request_id: str, terminal) -> JSONResponse:
 def router(chat: ChatService) -> APIRouter:
     r = APIRouter(tags=["async"])
     results = chat.pipeline.results
-    watchers: set[asyncio.Task] = set()
+    watchers = Background()
 
     async def watch(ticket: Ticket, output: Output, started: float) -> None:
         """Count the request as in flight until it ends (admission control sees it), and
@@ -113,9 +113,7 @@ def router(chat: ChatService) -> APIRouter:
             ticket.release()
         else:
             output = await chat.start(ticket, event)  # published (or 503) before the 202
-            task_ = asyncio.create_task(watch(ticket, output, started))
-            watchers.add(task_)
-            task_.add_done_callback(watchers.discard)
+            watchers.spawn(watch(ticket, output, started))
         response = pending(ticket.request_id)
         response.headers.update(ticket.headers)
         return response

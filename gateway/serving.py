@@ -6,13 +6,12 @@ The routers only parse, call this, and shape the response.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
 from gateway.variants import model_defaults, with_model_defaults
 from runtime import tracing
+from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -129,7 +129,7 @@ class ChatService:
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
-        self._background: set[asyncio.Task] = set()  # admission's bookkeeping after a publish
+        self._background = Background()  # admission's bookkeeping after a publish
 
     # ---- admission -------------------------------------------------------------------
 
@@ -269,14 +269,9 @@ class ChatService:
         for the Redis and NATS calls that only admission's counting needs."""
         edge = shed.current()
         if edge is not None and edge.claim():
-            self._later(edge.record(published=True))
+            self._background.spawn(edge.record(published=True))
         if ticket.admission is not None:
-            self._later(self._settle(ticket, published=True))
-
-    def _later(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            self._background.spawn(self._settle(ticket, published=True))
 
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ from gateway.edge import ARRIVED, HOLD, TIMINGS
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN
+from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
 #: The routes whose requests go through admission, and how each names its token budget.
@@ -130,7 +131,7 @@ class EarlyGate:
         self.name = new_id()
         self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
         self._telling: list[tuple[str, str, int]] = []  # let through by the protocol, peers not told yet
-        self._background: set[asyncio.Task] = set()
+        self._background = Background()
 
     async def start(self) -> None:
         if (nc := getattr(self.pipeline, "nc", None)) is not None:
@@ -200,12 +201,7 @@ class EarlyGate:
 
     def forget_soon(self, model: str, member: str) -> None:
         """`forget`, from a callback (the protocol's)."""
-        self._spawn(self.forget(model, member))
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(self.forget(model, member))
 
     async def forget(self, model: str, member: str) -> None:
         """A request refused after this gate, or attached to an earlier one: not ahead of anyone."""
@@ -222,7 +218,7 @@ class EarlyGate:
         through in the same read: one message, sent before any of them goes on, so a
         peer reading its share of the same burst judges with this one's."""
         if not self._telling:
-            self._spawn(self._tell_passed())
+            self._background.spawn(self._tell_passed())
         self._telling.append((model, member, tokens))
 
     async def _tell_passed(self) -> None:

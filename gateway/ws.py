@@ -41,6 +41,7 @@ from gateway.metrics import METRICS
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
 from gateway.serving import ChatService, Ticket, outcome, usage_of
+from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 from runtime.settings import GatewaySettings
 
@@ -94,12 +95,10 @@ class Gone(Exception):
 @dataclass
 class Deps:
     chat: ChatService
-    background: set = field(default_factory=set)
+    background: Background = field(default_factory=Background)
 
     def spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self.background.spawn(coro)
 
 
 class Session:
