@@ -30,6 +30,7 @@ else:
     specs = load_models_config(settings.models_config, settings.models_dir)
     keep = load_model(next(s for s in specs if s.name == settings.default_model))
 from runtime import heap
+heap.enable()
 
 def full_ms():
     times = []

@@ -23,7 +23,7 @@ from infra.asyncapi import schema_json
 from infra.replay import audit_window, parse_window
 from infra.servers import start_nats
 from infra.supervisor import up
-from runtime import jetstream, logs
+from runtime import heap, jetstream, logs
 from runtime.recovery import rebuild
 from runtime.redis import redis_client
 from runtime.settings import CommonSettings, OperatorSettings
@@ -35,6 +35,7 @@ def run_role(role: str) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     module, func = topology.role(role).entry.split(":")
     logs.setup(CommonSettings().log_level, role)
+    heap.enable()  # startup's objects are frozen out of the collector once the process is up
     getattr(importlib.import_module(module), func)()
     return 0
 

@@ -20,13 +20,23 @@ log = logging.getLogger(__name__)
 #: A collection longer than this is logged (a warning: it stalled the process).
 SLOW_MS = 20.0
 _started: list[float] = []
+#: Only a process of the topology freezes its heap (`arena run <role>` calls `enable`), not
+#: one that builds an app in-process (tests, an embedding program).
+_enabled: list[bool] = []
+
+
+def enable() -> None:
+    _enabled[:] = [True]
 
 
 def freeze() -> None:
     """Everything alive now (startup's objects) is left out of later collections; from
-    now on a collection longer than SLOW_MS is logged."""
+    now on a collection longer than SLOW_MS is logged. A no-op until `enable`d."""
+    if not _enabled:
+        return
     gc.collect()
     gc.freeze()
+    log.info("startup's %d objects frozen out of garbage collection", gc.get_freeze_count())
     if _timed not in gc.callbacks:
         gc.callbacks.append(_timed)
 
@@ -43,5 +53,6 @@ def _timed(phase: str, info: dict) -> None:
 def release() -> None:
     """After dropping something frozen (a model evicted from the pool): collect its
     reference cycles too, then freeze what is still alive again."""
-    gc.unfreeze()
-    freeze()
+    if _enabled:
+        gc.unfreeze()
+        freeze()
