@@ -152,13 +152,7 @@ class ChatService:
             )
         if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
             METRICS.rejections.labels(reason="overloaded").inc()
-            raise APIError(
-                429,
-                f"model '{model}' has {self.in_flight[model]} requests queued; retry later",
-                "overloaded",
-                None,
-                headers={"Retry-After": "1"},
-            )
+            raise shed.backstop(model, self.in_flight[model])
         return model
 
     def budget_s(self, req: ChatCompletionRequest) -> float:
@@ -227,6 +221,8 @@ class ChatService:
         model = self._check(req)
         # Counted from here, with no await since the queue check, so a burst sees itself.
         release = self.reserve(model)
+        if (edge := shed.current()) is not None:  # (the early gate counted it until now)
+            edge.gate.reserved(edge.model, edge.member)
         admission_entry: tuple[str, str, int] | None = None
         try:
             checked = shed.current()

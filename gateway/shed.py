@@ -17,6 +17,17 @@ deadline from the body itself as uvicorn's protocol reads it (`EarlyGate.refusal
    the protocol too, at once, so a burst split over several gateways is refused after
    one Redis round trip, not behind the admitted requests' validation and publish.
 
+With several gateways, each reads its part of a burst before any peer's news of theirs
+arrives; judged on its own passes alone, every gateway would let through the whole
+room, and the fleet-wide check would refuse the excess only after its Redis round trip.
+So each gate lets through, on its own, its *share* of the room: its own requests not yet
+heard of by the peers count 1/share times (`Demand`: this gateway's requests over all
+gateways' in the last few seconds, which peers report every second), as a lease of
+capacity split by demand (Google's Doorman does the same for rate limits). A peer's news,
+once here, replaces that assumption. Equal traffic gives equal shares; a gateway that
+alone gets the traffic gets the whole room within the window; with no news, the room
+is split evenly among the gateways heard from.
+
 `EarlyAdmission` (middleware) does the same for a request the protocol did not judge
 (the check with `ChatService.in_time`, before any heavier step).
 
@@ -65,6 +76,39 @@ STRICTER = 1.1
 #: Scope keys: (model, member, tokens) of a request the protocol's gate let through, and
 #: its entry among the fleet's recent admissions once the fleet-wide check admitted it.
 PASSED, CHECKED = "arena.passed", "arena.checked"
+#: Demand (requests judged) is compared over this many whole seconds before the current
+#: one; peers report theirs every DEMAND_EVERY_S and are gone when silent PEER_SILENT_S.
+DEMAND_WINDOW_S, DEMAND_EVERY_S, PEER_SILENT_S = 5, 1.0, 3.5
+
+
+class Demand:
+    """Requests judged per model, in one-second buckets."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, dict[int, int]] = {}
+
+    def count(self, model: str, now: float) -> None:
+        buckets = self.buckets.setdefault(model, {})
+        second = int(now)
+        buckets[second] = buckets.get(second, 0) + 1
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Requests per second over the window before the current second, per model."""
+        second, rates = int(now), {}
+        for model, buckets in self.buckets.items():
+            for old in [s for s in buckets if s < second - DEMAND_WINDOW_S]:
+                del buckets[old]
+            rates[model] = sum(n for s, n in buckets.items() if s < second) / DEMAND_WINDOW_S
+        return rates
+
+
+def share(mine: float, theirs: list[float]) -> float:
+    """This gateway's share of a model's room: its demand over every live gateway's; an
+    even split without demand, and never under it (a gateway with little recent demand
+    leaves its excess to the fleet-wide check rather than refuse what the fleet could serve)."""
+    even = 1 / (1 + len(theirs))
+    total = mine + sum(theirs)
+    return even if total <= 0 else max(even, mine / total)
 
 
 @dataclass
@@ -119,6 +163,17 @@ def overloaded(model: str, est: admission.Estimate, budget_s: float) -> APIError
     )
 
 
+def backstop(model: str, queued: int) -> APIError:
+    """The 429 past the hard cap of requests in flight per model and gateway."""
+    return APIError(
+        429,
+        f"model '{model}' has {queued} requests queued; retry later",
+        "overloaded",
+        None,
+        headers={"Retry-After": "1"},
+    )
+
+
 def _number(value: Any) -> float | None:
     return value if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
@@ -131,24 +186,51 @@ class EarlyGate:
         self.name = new_id()
         self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
         self._telling: list[tuple[str, str, int]] = []  # let through by the protocol, peers not told yet
+        self.demand = Demand()
+        self.unreserved: dict[str, dict[str, float]] = {}  # model -> member let through -> until when it counts
+        self.peers: dict[str, tuple[float, dict[str, float]]] = {}  # gateway -> (heard at, its demand)
         self._background = Background()
 
     async def start(self) -> None:
         if (nc := getattr(self.pipeline, "nc", None)) is not None:
             await nc.subscribe(SUBJECT, cb=self._on_peer)
+            self._background.spawn(self._report_demand())
+
+    async def _report_demand(self) -> None:
+        """Tells the peers this gateway's demand every DEMAND_EVERY_S (also: it is alive)."""
+        while True:
+            await asyncio.sleep(DEMAND_EVERY_S)
+            nc = getattr(self.pipeline, "nc", None)
+            if nc is not None and nc.is_connected:
+                with suppress(*NATS_DOWN):
+                    await nc.publish(
+                        SUBJECT, orjson.dumps({"gateway": self.name, "demand": self.demand.rates(time.time())})
+                    )
+
+    def share(self, model: str, now: float) -> float:
+        """This gateway's share of the model's room (1 alone)."""
+        alive = [demand for heard, demand in self.peers.values() if now - heard <= PEER_SILENT_S]
+        if not alive:
+            return 1.0
+        return share(self.demand.rates(now).get(model, 0.0), [demand.get(model, 0.0) for demand in alive])
 
     async def _on_peer(self, msg) -> None:
-        """A peer's news: `[gateway, model, member, tokens, state]`, or the requests its
-        protocol let through in one read, `[gateway, model, [[member, tokens], ...], "pass"]`."""
+        """A peer's news: `[gateway, model, member, tokens, state]`, the requests its
+        protocol let through in one read, `[gateway, model, [[member, tokens], ...], "pass"]`,
+        or its demand, `{"gateway": ..., "demand": {model: requests per second}}`."""
         try:
             news = orjson.loads(msg.data)
+            if isinstance(news, dict):
+                if news["gateway"] != self.name:
+                    self.peers[news["gateway"]] = (time.time(), {str(m): float(r) for m, r in news["demand"].items()})
+                return
             if len(news) == 4:
                 gateway, model, passed, state = news
                 items = [(member, tokens) for member, tokens in passed]
             else:
                 gateway, model, member, tokens, state = news
                 items = [(member, tokens)]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             return
         if gateway != self.name:
             for member, tokens in items:
@@ -163,26 +245,49 @@ class EarlyGate:
         elif state == "pass" or member in passed:
             passed[member] = (time.time() + (admission.PENDING_S if state == "pass" else 0.0), tokens)
 
-    def _ahead(self, model: str, since: float) -> tuple[int, int]:
+    def _ahead(self, model: str, since: float, share: float = 1.0) -> tuple[int, int]:
         """Requests and tokens let through and not visible at `since` (older ones are
-        dropped: the consumers' state has them)."""
+        dropped: the consumers' state has them). This gateway's own count 1/`share` times
+        unless the peers' news says more: the peers are taken to be letting through
+        their shares of the same traffic."""
         passed = self.passed.get(model, {})
         for member in [m for m, (t, _) in passed.items() if t <= since]:
             del passed[member]
-        return len(passed), sum(tokens for _, tokens in passed.values())
+        n, tokens = len(passed), sum(t for _, t in passed.values())
+        if share >= 1.0:
+            return n, tokens
+        own = [t for member, (_, t) in passed.items() if ":" not in member]  # peers' are "gateway:member"
+        return max(n, math.ceil(len(own) / share)), max(tokens, math.ceil(sum(own) / share))
 
-    def decide(self, model: str, tokens: int, budget_s: float) -> tuple[admission.Estimate | None, str | None]:
-        """(the estimate, None) for a request to refuse; (None, its member) for one let
+    def decide(self, model: str, tokens: int, budget_s: float) -> tuple[APIError | None, str | None]:
+        """(the 429, None) for a request to refuse; (None, its member) for one let
         through, counted at once so the next one is judged with it (peers are told by
-        `tell`); (None, None) when the model is not served or not yet: the route answers."""
+        `tell`); (None, None) when the model is not served or not yet: the route answers.
+        Refused too past the backstop (`max_queue_per_model` requests of this gateway in
+        flight or let through here and not yet counted there): the route would refuse
+        it, after a burst's worth of other requests' work."""
         workers = self.pipeline.queue(model)
         if workers.slots <= 0:
             return None, None
+        now = time.time()
+        self.demand.count(model, now)
+        waiting = self.unreserved.setdefault(model, {})
+        for member in [m for m, until in waiting.items() if until <= now]:
+            del waiting[member]
+        if (queued := self.chat.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
+            METRICS.rejections.labels(reason="overloaded").inc()
+            return backstop(model, queued), None
         if (est := self.judge(model, tokens, budget_s, workers)) is not None:
-            return est, None
+            METRICS.rejections.labels(reason="deadline_unreachable").inc()
+            return overloaded(model, est, budget_s), None
         member = new_id()
         self._mark(model, member, tokens, "pass")
+        waiting[member] = now + admission.PENDING_S
         return None, member
+
+    def reserved(self, model: str, member: str) -> None:
+        """A request this gate let through is counted in the route's queue now."""
+        self.unreserved.get(model, {}).pop(member, None)
 
     def judge(
         self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
@@ -190,7 +295,7 @@ class EarlyGate:
         """The estimate when the request cannot finish within `budget_s`; None to let it on."""
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
-        n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S)
+        n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S, self.share(model, time.time()))
         queue = admission.combine(workers, stream, n, ahead, self.chat.recent.mean_budget)
         margin = self.settings.admission_margin * STRICTER
         est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
@@ -205,6 +310,7 @@ class EarlyGate:
 
     async def forget(self, model: str, member: str) -> None:
         """A request refused after this gate, or attached to an earlier one: not ahead of anyone."""
+        self.reserved(model, member)
         await self._set(model, member, 0, "drop")
 
     async def _set(self, model: str, member: str, tokens: int, state: str) -> None:
@@ -253,16 +359,17 @@ class EarlyGate:
         if len(body) > self.settings.max_body_bytes or (request := self.request_of(scope["path"], body)) is None:
             return None
         model, tokens, budget_s = request
-        read = ("read", (time.perf_counter() - arrived) * 1000)  # from its first bytes to its whole body
-        est, member = self.decide(model, tokens, budget_s)
-        if est is not None:
-            METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            return self._refused(model, overloaded(model, est, budget_s), arrived, [read])
+        judging = time.perf_counter()
+        read = ("read", (judging - arrived) * 1000)  # from its first bytes to its whole body
+        err, member = self.decide(model, tokens, budget_s)
+        if err is not None:
+            return self._refused(model, err, arrived, [read])
         if member is None:
             return None
         scope[PASSED] = (model, member, tokens)
         self.tell_soon(model, member, tokens)
         checking = time.perf_counter()
+        gate = ("gate", (checking - judging) * 1000)
 
         def checked(done) -> None:
             took = (time.perf_counter() - checking) * 1000
@@ -275,7 +382,7 @@ class EarlyGate:
                 return reply(None)
             self.forget_soon(model, member)
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, ("admission", took)]))
+            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, gate, ("admission", took)]))
 
         self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s), at_once=checked)
         return HOLD
@@ -353,10 +460,9 @@ class EarlyAdmission:
         if (passed := scope.get(PASSED)) is not None:  # judged as the protocol read it
             member = passed[1]
         else:
-            est, member = self.gate.decide(model, tokens, budget_s)
-            if est is not None:
-                METRICS.rejections.labels(reason="deadline_unreachable").inc()
-                return await self._refuse(model, overloaded(model, est, budget_s), scope, replay, send)
+            err, member = self.gate.decide(model, tokens, budget_s)
+            if err is not None:
+                return await self._refuse(model, err, scope, replay, send)
             if member is None:  # not served, or not yet: the route answers
                 return await self.app(scope, replay, send)
         if passed is None:  # (the protocol told the peers of its own)

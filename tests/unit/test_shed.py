@@ -14,7 +14,7 @@ import pytest
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
 from gateway.edge import HOLD
-from gateway.shed import STRICTER, EarlyGate
+from gateway.shed import DEMAND_WINDOW_S, STRICTER, Demand, EarlyGate, share
 from runtime.settings import GatewaySettings
 
 
@@ -45,7 +45,7 @@ def gate() -> EarlyGate:
     settings = GatewaySettings(default_model="m", admission_overhead_s=0.0, admission_margin=1.0)
     pipeline = Pipeline()
     recent = FleetAdmissions(fakeredis.FakeAsyncRedis(), lambda: pipeline.stream_state)
-    chat = SimpleNamespace(pipeline=pipeline, settings=settings, recent=recent, judge=FleetCheck())
+    chat = SimpleNamespace(pipeline=pipeline, settings=settings, recent=recent, judge=FleetCheck(), in_flight={})
     return EarlyGate(chat)
 
 
@@ -72,8 +72,8 @@ async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
     2.2 s; 15 s holds 6 waves (5 waiting + its own), not the 7 the fleet-wide check allows."""
     passed = 0
     for _ in range(400):
-        est, member = gate.decide("m", 100, 15.0)
-        assert (est is None) == (member is not None)
+        err, member = gate.decide("m", 100, 15.0)
+        assert (err is None) == (member is not None)
         passed += member is not None
     assert STRICTER == 1.1 and passed == 6 * 32
     est = gate.judge("m", 100, 15.0)
@@ -98,6 +98,60 @@ async def test_peers_and_publishes_move_the_count(gate):
     assert gate._ahead("m", time.time()) == (2, 150)
     await gate._on_peer(SimpleNamespace(data=orjson.dumps(["other", "m", "r2", 0, "drop"])))
     assert gate._ahead("m", time.time()) == (1, 50)
+
+
+async def test_the_backstop_counts_what_the_gate_let_through(gate):
+    """The hard cap per gateway (`max_queue_per_model`) is the route's; the gate counts
+    the requests it let through and the route has not counted yet, so a burst past the
+    cap is refused as it is read, not after the admitted requests' work."""
+    gate.settings.max_queue_per_model = 50
+    gate.chat.in_flight["m"] = 20
+    verdicts = [gate.decide("m", 1, 15.0) for _ in range(40)]
+    assert sum(member is not None for _, member in verdicts) == 30
+    err = verdicts[-1][0]
+    assert err is not None and err.status == 429 and err.code == "overloaded" and "50 requests queued" in err.message
+    # The route counts one (reserve): the gate stops counting it. A forgotten one frees its place.
+    first, second = verdicts[0][1], verdicts[1][1]
+    gate.reserved("m", first)
+    gate.chat.in_flight["m"] += 1
+    assert gate.decide("m", 1, 15.0)[0] is not None
+    await gate.forget("m", second)
+    assert gate.decide("m", 1, 15.0)[1] is not None
+
+
+def test_shares_follow_demand():
+    assert share(0.0, []) == 1.0
+    assert share(0.0, [0.0]) == 0.5  # no demand anywhere: an even split
+    assert share(30.0, [10.0]) == 0.75
+    assert share(1.0, [99.0]) == 0.5  # never under an even split: the fleet-wide check judges the rest
+    demand = Demand()
+    for second in range(100, 100 + DEMAND_WINDOW_S + 1):
+        for _ in range(10):
+            demand.count("m", second + 0.5)
+    # the current second is not counted yet; older than the window are dropped
+    assert demand.rates(100 + DEMAND_WINDOW_S + 0.9) == {"m": 10.0}
+    assert demand.rates(100 + 3 * DEMAND_WINDOW_S) == {"m": 0.0} and demand.buckets["m"] == {}
+
+
+async def test_with_peers_a_gateway_lets_through_its_share_of_a_burst(gate):
+    """Two gateways with the same traffic lately: each lets through half the room on its
+    own (the peer is taken to be letting through its half of the same burst); the
+    peer's news, once here, counts instead."""
+    now = time.time()
+    for second in range(int(now) - DEMAND_WINDOW_S, int(now)):
+        for _ in range(20):
+            gate.demand.count("m", second + 0.5)
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps({"gateway": "other", "demand": {"m": 20.0}})))
+    assert gate.share("m", time.time()) == 0.5
+    passed = sum(gate.decide("m", 100, 15.0)[1] is not None for _ in range(400))
+    assert passed == 3 * 32  # half of the 6 waves a lone gateway lets through
+    # The peer's news of its own share replaces the assumption (no double count).
+    news = [[f"r{i}", 100] for i in range(3 * 32)]
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps(["other", "m", news, "pass"])))
+    assert gate._ahead("m", 0.0, gate.share("m", time.time())) == (6 * 32, 6 * 32 * 100)
+    # A silent peer is gone: alone again.
+    gate.peers["other"] = (time.time() - 60, {"m": 20.0})
+    assert gate.share("m", time.time()) == 1.0
 
 
 async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(gate):
