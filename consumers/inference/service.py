@@ -454,16 +454,12 @@ class InferenceService:
         without its chunks and terminal event in the stream.
         """
         try:
-            raw = encode(terminal)
-            if self.live is not None:
-                # Live at once, as the chunks went: the gateway answers while the stream
-                # confirms. Should that fail, the message is given back and the request
-                # computed again, seeded, to the same answer (delivery fans the stored
-                # terminal out as well).
-                with suppress(Exception):
-                    await self.live(subjects.live_subject(terminal.request_id), raw)
             await self._confirm_chunks(job)
+            raw = encode(terminal)
             await self._publish_retrying(terminal, raw=raw)
+            if self.live is not None:
+                with suppress(Exception):  # delivery fans the stored terminal out as well
+                    await self.live(subjects.live_subject(terminal.request_id), raw)
         except Exception:
             log.exception("terminal event not published; message given back", extra={"request_id": terminal.request_id})
             with suppress(Exception):
