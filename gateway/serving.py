@@ -158,12 +158,16 @@ class ChatService:
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
 
-    def judge(self, model: str, tokens: int, budget_s: float) -> admission.Judge:
+    def judge(
+        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
+    ) -> admission.Judge:
         """The fleet-wide check of one request (FleetAdmissions): the estimate when the
-        fleet cannot finish it within `budget_s`, None to admit it."""
+        fleet cannot finish it within `budget_s`, None to admit it. `workers`: the
+        workers' queue to judge with (the early gate's, so the two judge the same fleet
+        and differ only in what the others admitted); else as the heartbeats say then."""
 
         def judge(stream: admission.StreamState, n: int, ahead: int) -> admission.Estimate | None:
-            queue = admission.combine(self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
+            queue = admission.combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
             est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
             return est if est.finish_s > budget_s else None
 

@@ -384,7 +384,8 @@ class EarlyGate:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, gate, ("admission", took)]))
 
-        self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s), at_once=checked)
+        workers = self.pipeline.queue(model)  # what the gate judged with (a heartbeat may come before the check)
+        self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s, workers), at_once=checked)
         return HOLD
 
     @staticmethod

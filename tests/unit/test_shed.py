@@ -36,7 +36,7 @@ class FleetCheck:
     def __init__(self, room: int = 10**9):
         self.room = room
 
-    def __call__(self, model: str, tokens: int, budget_s: float):
+    def __call__(self, model: str, tokens: int, budget_s: float, workers=None):
         return lambda stream, n, ahead: None if n < self.room else estimate(Pipeline().queue(model), 10**4, 0.0)
 
 
