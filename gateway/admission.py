@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from events.models import DEFAULT_MAX_TOKENS, new_id
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
+from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +81,8 @@ def combine(
 
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
-    """Step time at a batch size, linear from the small-batch time (at 1) through the
-    near-full one (at the batch it was measured at, else all the slots), extrapolated
-    beyond it: a burst fills batches no steady load reached."""
-    small = q.step_s if q.step_s is not None else q.full_step_s
-    full = q.full_step_s if q.full_step_s is not None else small
-    if small is None or full is None:
-        return None
-    # A bigger batch never steps faster: small batches, measured while a load ramps up or
-    # drains, are mostly steps with a prompt's prefill in them, and their median can come
-    # out above the full batches' (30 ms against 13 ms seen in one burst's heartbeat,
-    # which then refused half of what the fleet served in time in the next).
-    small = min(small, full)
-    at = q.full_batch if q.full_batch and q.full_batch > 1 else max(2, q.slots)
-    share = max(0.0, (min(batch, q.slots) - 1) / (at - 1))
-    return max(small, small + (full - small) * share)
+    """Step time at a batch size (`runtime.steps.step_time`, from the heartbeats' figures)."""
+    return step_time(q.step_s, q.full_step_s, q.full_batch, q.slots, batch)
 
 
 #: An idle fleet whose step times are older than this is probed with one request instead

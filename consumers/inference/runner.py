@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS
+from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,13 @@ class EngineRunner:
         if len(recent) < MIN_SAMPLES:
             return None
         running, waiting = e.budgets()
-        return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * statistics.median(recent)
+        # The step time at the batch it will run in, extrapolated as the gateway does: at
+        # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
+        load = self.load()
+        batch = min(e.max_batch_size, len(running) + len(waiting) + 1)
+        step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], e.max_batch_size, batch)
+        step = max(step or 0.0, statistics.median(recent))
+        return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * step
 
     def load(self) -> dict:
         """What this engine holds and how fast it steps (for heartbeats)."""
