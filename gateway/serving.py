@@ -229,8 +229,7 @@ class ChatService:
             edge.gate.reserved(edge.model, edge.member)
         admission_entry: tuple[str, str, int] | None = None
         try:
-            checked = shed.current()
-            if checked is None or checked.entry is None:  # not judged fleet-wide at the edge
+            if edge is None or edge.entry is None:  # not judged fleet-wide at the edge
                 try:
                     admission_entry = await self.in_time(model, req.token_limit(), self.budget_s(req))
                 except REDIS_DOWN as exc:

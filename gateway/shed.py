@@ -259,14 +259,17 @@ class EarlyGate:
         own = [t for member, (_, t) in passed.items() if ":" not in member]  # peers' are "gateway:member"
         return max(n, math.ceil(len(own) / share)), max(tokens, math.ceil(sum(own) / share))
 
-    def decide(self, model: str, tokens: int, budget_s: float) -> tuple[APIError | None, str | None]:
+    def decide(
+        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
+    ) -> tuple[APIError | None, str | None]:
         """(the 429, None) for a request to refuse; (None, its member) for one let
         through, counted at once so the next one is judged with it (peers are told by
         `tell`); (None, None) when the model is not served or not yet: the route answers.
         Refused too past the backstop (`max_queue_per_model` requests of this gateway in
         flight or let through here and not yet counted there): the route would refuse
-        it, after a burst's worth of other requests' work."""
-        workers = self.pipeline.queue(model)
+        it, after a burst's worth of other requests' work. `workers`: the workers' queue
+        to judge with (else as the heartbeats say now)."""
+        workers = workers or self.pipeline.queue(model)
         if workers.slots <= 0:
             return None, None
         now = time.time()
@@ -361,7 +364,8 @@ class EarlyGate:
         model, tokens, budget_s = request
         judging = time.perf_counter()
         read = ("read", (judging - arrived) * 1000)  # from its first bytes to its whole body
-        err, member = self.decide(model, tokens, budget_s)
+        workers = self.pipeline.queue(model)  # the fleet-wide check judges with the same (a heartbeat may come between)
+        err, member = self.decide(model, tokens, budget_s, workers)
         if err is not None:
             return self._refused(model, err, arrived, [read])
         if member is None:
@@ -384,7 +388,6 @@ class EarlyGate:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, gate, ("admission", took)]))
 
-        workers = self.pipeline.queue(model)  # what the gate judged with (a heartbeat may come before the check)
         self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s, workers), at_once=checked)
         return HOLD
 
