@@ -44,6 +44,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
         heap.freeze()  # startup's objects: no full collection walks them in a burst
         yield
         watcher.cancel()
+        await gate.stop()
         await pipeline.stop()
         tracing.shutdown()
 

@@ -196,6 +196,13 @@ class EarlyGate:
             await nc.subscribe(SUBJECT, cb=self._on_peer)
             self._background.spawn(self._report_demand())
 
+    async def stop(self) -> None:
+        """Stops reporting demand (and any news still being sent) before the connection closes."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _report_demand(self) -> None:
         """Tells the peers this gateway's demand every DEMAND_EVERY_S (also: it is alive)."""
         while True:
