@@ -104,7 +104,9 @@ async def run_target(target: targets.Target, workload: Workload, loads: list[flo
         return {"status": "failed", "reason": f"warm-up failed: {sorted(map(str, errors))[:2]}", "levels": []}
     levels = await sweep(target.base_url, workload, loads)
     records = await overhead.measure(target.base_url, target.served_name, turns, target.send_ignore_eos)
-    return {"status": "ok", "levels": levels, "overhead": overhead.overhead_row(records, compute)}
+    streamed = await overhead.measure(target.base_url, target.served_name, turns, target.send_ignore_eos, stream=True)
+    row = overhead.overhead_row(records, compute) | overhead.first_token_row(streamed)
+    return {"status": "ok", "levels": levels, "overhead": row}
 
 
 def measure(name: str, setup: targets.Setup, args, workload, loads, turns, compute) -> dict:

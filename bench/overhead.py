@@ -6,6 +6,13 @@ latency - the batch-1 `generate` time that `bench.ceiling` measured in-process f
 same prompt and `max_tokens`. Where the server reports its own compute time
 (arenaflow's `x_arena.timings.compute_s`), latency minus that is given as well: the
 pipeline's own share, free of any difference between its model code and `generate`.
+
+The same requests are then sent again streamed, for the overhead to the first token
+(request in, first token out, minus the engine's own time): the client's time to the
+first token minus the server-reported time from the request's start in the engine to
+its first token (`ttft_s - queue_wait_s`: the engine thread's wake-up and the prefill
+step). It leaves out what the end-to-end figure also counts after the last token (the
+terminal event stored and fanned out, the answer's body).
 """
 
 from __future__ import annotations
@@ -15,15 +22,20 @@ from typing import Any
 
 import httpx
 
-from bench.client import RequestRecord, chat_body, check_local, complete_chat
+from bench.client import RequestRecord, chat_body, check_local, complete_chat, stream_chat
 from bench.stats import percentile
 from bench.workload import Turn
 
 
 async def measure(
-    base_url: str, model: str, turns: list[Turn], ignore_eos: bool = True, timeout_s: float = 120.0
+    base_url: str,
+    model: str,
+    turns: list[Turn],
+    ignore_eos: bool = True,
+    timeout_s: float = 120.0,
+    stream: bool = False,
 ) -> list[RequestRecord]:
-    """The requests, sequentially, over one connection pool."""
+    """The requests, sequentially, over one connection pool (`stream`: as SSE, timing the first token)."""
     base = check_local(base_url)
     records = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client:
@@ -31,7 +43,8 @@ async def measure(
         for index, turn in enumerate(turns):
             record = RequestRecord(session=index, turn=0, max_tokens=turn.max_tokens, start_s=0.0)
             body = chat_body(model, [{"role": "user", "content": turn.user_message}], turn.max_tokens, ignore_eos)
-            records.append(await complete_chat(client, base, body, record, t0))
+            send = stream_chat if stream else complete_chat
+            records.append(await send(client, base, body, record, t0))
     return records
 
 
@@ -57,3 +70,21 @@ def overhead_row(records: list[RequestRecord], compute: list[dict]) -> dict:
         row["server_overhead_p50"] = percentile([lat - c for lat, c in server], 50)
         row["server_overhead_p99"] = percentile([lat - c for lat, c in server], 99)
     return row
+
+
+def first_token_row(records: list[RequestRecord]) -> dict:
+    """P50/P99 of the overhead to the first token over streamed requests whose server
+    reported its timings (empty when none did)."""
+    over = [
+        r.ttft_s - (r.timings["ttft_s"] - r.timings["queue_wait_s"])
+        for r in records
+        if r.status == "ok" and r.ttft_s is not None and r.timings and r.timings.get("ttft_s") is not None
+    ]
+    if not over:
+        return {}
+    return {
+        "first_token_requests": len(over),
+        "first_token_ttft_p50": percentile([r.ttft_s for r in records if r.ttft_s is not None], 50),
+        "first_token_overhead_p50": percentile(over, 50),
+        "first_token_overhead_p99": percentile(over, 99),
+    }

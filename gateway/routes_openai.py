@@ -44,7 +44,9 @@ async def stream_events(
         else:
             if rest := output.remainder():
                 yield sse(chunk_body(rid, model, {"content": rest}))
-            yield sse(chunk_body(rid, model, {}, terminal.finish_reason))
+            # The finish chunk carries what the JSON answer's `x_arena` does (ids, the
+            # server's own timings), so a streaming client can tell its wait from the model's.
+            yield sse(chunk_body(rid, model, {}, terminal.finish_reason) | {"x_arena": extra_of(ticket, terminal)})
             if include_usage:
                 yield sse(chunk_body(rid, model, {}, usage=usage_of(terminal), with_choice=False))
         finished = True

@@ -59,6 +59,9 @@ def test_streaming_sends_chunks_in_order_then_done():
     text = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies if b["choices"])
     assert text == "Once upon a time"
     assert bodies[-1]["usage"]["completion_tokens"] == 4
+    finish = next(b for b in bodies if b["choices"] and b["choices"][0]["finish_reason"])
+    assert finish["x_arena"]["request_id"] == r.headers["x-request-id"]  # the server's timings, as JSON answers carry
+    assert set(finish["x_arena"]["timings"]) >= {"queue_wait_s", "ttft_s", "compute_s"}
 
 
 def test_failure_maps_to_status_and_error_shape():
