@@ -26,7 +26,9 @@ gateways' in the last few seconds, which peers report every second), as a lease 
 capacity split by demand (Google's Doorman does the same for rate limits). A peer's news,
 once here, replaces that assumption. Equal traffic gives equal shares; a gateway that
 alone gets the traffic gets the whole room within the window; with no news, the room
-is split evenly among the gateways heard from.
+is split evenly among the gateways heard from. A gateway with no peer alive (`ALONE`)
+skips step 2 and the news: its gate sees what the check would, so the request goes on
+with no Redis round trip before its publish (1-2 ms of a lone request's first token).
 
 `EarlyAdmission` (middleware) does the same for a request the protocol did not judge
 (the check with `ChatService.in_time`, before any heavier step).
@@ -79,6 +81,10 @@ PASSED, CHECKED = "arena.passed", "arena.checked"
 #: Demand (requests judged) is compared over this many whole seconds before the current
 #: one; peers report theirs every DEMAND_EVERY_S and are gone when silent PEER_SILENT_S.
 DEMAND_WINDOW_S, DEMAND_EVERY_S, PEER_SILENT_S = 5, 1.0, 3.5
+#: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
+#: peer alive, the gate sees every request the fleet-wide check would (its own), so
+#: neither the check's Redis round trip nor news to peers is spent on it.
+ALONE: tuple[str, str, int] = ("", "", 0)
 
 
 class Demand:
@@ -137,7 +143,7 @@ class Edge:
             await self.gate.published(self.model, self.member)
         else:
             await self.gate.forget(self.model, self.member)
-        if self.entry is not None:
+        if self.entry is not None and self.entry is not ALONE:
             with suppress(*REDIS_DOWN):
                 await recent.settle(*self.entry, published)
 
@@ -213,6 +219,12 @@ class EarlyGate:
                     await nc.publish(
                         SUBJECT, orjson.dumps({"gateway": self.name, "demand": self.demand.rates(time.time())})
                     )
+
+    def alone(self, now: float | None = None) -> bool:
+        """No peer gateway heard in the last PEER_SILENT_S (each reports its demand every
+        DEMAND_EVERY_S, so a gateway starting beside others is alone for a second at most)."""
+        now = time.time() if now is None else now
+        return all(now - heard > PEER_SILENT_S for heard, _ in self.peers.values())
 
     def share(self, model: str, now: float) -> float:
         """This gateway's share of the model's room (1 alone)."""
@@ -333,6 +345,8 @@ class EarlyGate:
         """Tells the peers of a request the protocol let through, with every other one let
         through in the same read: one message, sent before any of them goes on, so a
         peer reading its share of the same burst judges with this one's."""
+        if self.alone():
+            return
         if not self._telling:
             self._background.spawn(self._tell_passed())
         self._telling.append((model, member, tokens))
@@ -351,7 +365,7 @@ class EarlyGate:
 
     async def tell(self, model: str, member: str, tokens: int, state: str) -> None:
         nc = getattr(self.pipeline, "nc", None)
-        if nc is not None and nc.is_connected:
+        if nc is not None and nc.is_connected and not self.alone():
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
                 await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
 
@@ -378,6 +392,10 @@ class EarlyGate:
         if member is None:
             return None
         scope[PASSED] = (model, member, tokens)
+        if self.alone():  # the gate's verdict is the fleet's: served at once
+            scope[CHECKED] = ALONE
+            scope.setdefault(TIMINGS, []).append(read)
+            return None
         self.tell_soon(model, member, tokens)
         checking = time.perf_counter()
         gate = ("gate", (checking - judging) * 1000)
@@ -483,6 +501,9 @@ class EarlyAdmission:
         try:
             if (checked := scope.get(CHECKED)) is not None:  # admitted fleet-wide as the protocol held it
                 edge.entry = checked
+                return await self.app(scope, replay, send)
+            if self.gate.alone():  # the gate's verdict is the fleet's (ALONE)
+                edge.entry = ALONE
                 return await self.app(scope, replay, send)
             await asyncio.sleep(0)  # every request that arrived with this one is judged first
             checking = time.perf_counter()

@@ -14,7 +14,7 @@ import pytest
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
 from gateway.edge import HOLD
-from gateway.shed import DEMAND_WINDOW_S, STRICTER, Demand, EarlyGate, share
+from gateway.shed import ALONE, DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, share
 from runtime.settings import GatewaySettings
 
 
@@ -154,6 +154,43 @@ async def test_with_peers_a_gateway_lets_through_its_share_of_a_burst(gate):
     assert gate.share("m", time.time()) == 1.0
 
 
+def _with_an_idle_peer(gate: EarlyGate) -> None:
+    """A live peer gateway with no traffic, while this one had all of it lately (its
+    share is the whole room, but the fleet-wide check is needed)."""
+    now = time.time()
+    for second in range(int(now) - DEMAND_WINDOW_S, int(now)):
+        gate.demand.count("m", second + 0.5)
+    gate.peers["other"] = (now, {"m": 0.0})
+    assert not gate.alone() and gate.share("m", now) == 1.0
+
+
+async def test_a_lone_gateway_admits_on_its_gate_alone(gate):
+    """With no peer alive, the gate sees every request the fleet-wide check would: a
+    request let through is served at once, with no Redis round trip and no news."""
+    published: list = []
+    gate.pipeline.nc = SimpleNamespace(is_connected=True, publish=lambda *a: published.append(a) or asyncio.sleep(0))
+    scope = {"method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+    body = orjson.dumps({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
+    assert gate.alone()
+    scopes = [dict(scope) for _ in range(200)]
+    answers = [gate.refusal(sc, body, time.perf_counter(), lambda _: None) for sc in scopes]
+    assert answers[: 6 * 32] == [None] * (6 * 32) and all(sc["arena.checked"] is ALONE for sc in scopes[: 6 * 32])
+    assert answers[-1].startswith(b"HTTP/1.1 429 ")  # the gate still refuses past the room
+    await gate.tell("m", "r1", 100, "pass")
+    await asyncio.sleep(0.01)
+    assert published == [] and await gate.chat.recent.redis.keys("*") == []
+    # A peer reports: news and the fleet-wide check again.
+    await gate._on_peer(SimpleNamespace(data=orjson.dumps({"gateway": "other", "demand": {"m": 1.0}})))
+    assert not gate.alone()
+    gate.passed.clear()
+    assert gate.refusal(dict(scope), body, time.perf_counter(), lambda _: None) is HOLD
+    await asyncio.sleep(0.05)
+    assert published and await gate.chat.recent.redis.keys("*") != []
+    # Silent for PEER_SILENT_S: alone again.
+    gate.peers["other"] = (time.time() - PEER_SILENT_S - 1, {"m": 1.0})
+    assert gate.alone()
+
+
 async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(gate):
     """`refusal` runs as uvicorn's protocol reads a body: a request let through is counted
     at once (the next one read is judged with it) and held for the fleet-wide check;
@@ -161,6 +198,7 @@ async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_
     scope = {"method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
     body = orjson.dumps({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
     replies: list = []
+    _with_an_idle_peer(gate)
     scopes = [dict(scope) for _ in range(200)]
     answers = [gate.refusal(sc, body, time.perf_counter(), replies.append) for sc in scopes]
     assert answers[: 6 * 32] == [HOLD] * (6 * 32)
