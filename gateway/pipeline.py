@@ -209,13 +209,40 @@ class Pipeline:
         except APIError:
             log.warning("could not publish the cancellation", extra={"request_id": request_id})
 
-    async def subscribe(self, request_id: str) -> Any:
+    async def subscribe(self, request_id: str) -> LiveSub:
         """Subscribe to a request's live output; do it BEFORE publishing the request."""
         assert self.nc is not None
-        return await self.nc.subscribe(subjects.live_subject(request_id))
+        live = LiveSub()
+        live.sub = await self.nc.subscribe(subjects.live_subject(request_id), cb=live.put)
+        return live
 
     def output(self, request_id: str, until: float, *, after_seq: int = -1, replay: bool = False) -> Output:
         return Output(self, request_id, until, after_seq=after_seq, replay=replay)
+
+
+class LiveSub:
+    """A request's live subject, read with a timeout: the subscription's callback queues
+    each message, and a read takes one at once when one is there. (nats-py's `next_msg`
+    starts two tasks and draws a UUID for every message: for a stream of chunks, a
+    share of the gateway's work per token.)"""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sub: Any = None
+
+    async def put(self, msg) -> None:
+        self.queue.put_nowait(msg)
+
+    async def next_msg(self, timeout: float) -> Any:
+        """The next message; TimeoutError when none comes within `timeout` seconds."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        async with asyncio.timeout(timeout):
+            return await self.queue.get()
+
+    async def unsubscribe(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
 
 
 class Output:
