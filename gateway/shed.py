@@ -28,7 +28,7 @@ once here, replaces that assumption. Equal traffic gives equal shares; a gateway
 alone gets the traffic gets the whole room within the window; with no news, the room
 is split evenly among the gateways heard from. A gateway with no peer alive (`ALONE`)
 skips step 2 and the news: its gate sees what the check would, so the request goes on
-with no Redis round trip before its publish (1-2 ms of a lone request's first token).
+with no Redis round trip before its publish.
 
 `EarlyAdmission` (middleware) does the same for a request the protocol did not judge
 (the check with `ChatService.in_time`, before any heavier step).
