@@ -145,6 +145,14 @@ PUBLISHED = """
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
 """
+#: A lone gateway's admission, recorded once published (none was added at admission):
+#: peers that join later, and this gateway's own WebSocket and arena turns (judged by the
+#: script above), count it until a stream state shows it.
+PUBLISHED_HERE = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])))
+"""
 RECENT_KEY = "arena:admitted:{}"
 #: An admitted request not yet published counts this long at most (one that never is,
 #: and was not removed, lapses then).
@@ -194,10 +202,16 @@ class FleetAdmissions:
         # behind the burst's other Redis calls.
         self.script = (judging_redis or redis).register_script(RECENT)
         self.publish_script = redis.register_script(PUBLISHED)
+        self.publish_here_script = redis.register_script(PUBLISHED_HERE)
         self.mean_budget = float(DEFAULT_MAX_TOKENS)
         self._waiting: dict[str, list[_Waiting]] = {}
         self._judging: dict[str, asyncio.Task] = {}
         self._background = Background()
+
+    def observe(self, tokens: int) -> None:
+        """A request's token budget into the running mean: what each request ahead whose
+        budget no heartbeat reported counts (`combine`)."""
+        self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
 
     async def admit(self, model: str, tokens: int, judge: Judge) -> tuple[str, Estimate | None]:
         """(its member, None) for a request admitted and recorded; (its member, the
@@ -210,7 +224,7 @@ class FleetAdmissions:
         """`admit`'s verdict as a future, for a caller that cannot await (a protocol);
         `at_once(verdict)` is called as soon as it is set, not a turn of the loop later
         as a done-callback would be (in a burst, a turn is many requests' work)."""
-        self.mean_budget = 0.95 * self.mean_budget + 0.05 * tokens
+        self.observe(tokens)
         verdict = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(model, []).append(_Waiting(tokens, judge, verdict, at_once))
         if model not in self._judging:
@@ -271,6 +285,10 @@ class FleetAdmissions:
     async def published(self, model: str, member: str, tokens: int) -> None:
         """The admission is published: it shows in stream states read from now on."""
         await self.publish_script(keys=[RECENT_KEY.format(model)], args=[f"{member}:{tokens}"])
+
+    async def published_here(self, model: str, member: str, tokens: int) -> None:
+        """A request admitted without the check (a lone gateway's), published: recorded now."""
+        await self.publish_here_script(keys=[RECENT_KEY.format(model)], args=[f"{member}:{tokens}", self.keep_s])
 
     async def remove(self, model: str, member: str, tokens: int) -> None:
         await self.redis.zrem(RECENT_KEY.format(model), f"{member}:{tokens}")

@@ -83,7 +83,8 @@ PASSED, CHECKED = "arena.passed", "arena.checked"
 DEMAND_WINDOW_S, DEMAND_EVERY_S, PEER_SILENT_S = 5, 1.0, 3.5
 #: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
 #: peer alive, the gate sees every request the fleet-wide check would (its own), so
-#: neither the check's Redis round trip nor news to peers is spent on it.
+#: neither the check's Redis round trip nor news to peers is spent on it; it is recorded
+#: among the fleet's recent admissions once published, off the request's path.
 ALONE: tuple[str, str, int] = ("", "", 0)
 
 
@@ -139,12 +140,16 @@ class Edge:
 
     async def record(self, published: bool) -> None:
         recent = self.gate.chat.recent
+        tokens = self.gate.passed.get(self.model, {}).get(self.member, (0.0, 0))[1]
         if published:
             await self.gate.published(self.model, self.member)
         else:
             await self.gate.forget(self.model, self.member)
-        if self.entry is not None and self.entry is not ALONE:
-            with suppress(*REDIS_DOWN):
+        with suppress(*REDIS_DOWN):
+            if self.entry is ALONE:
+                if published:  # off the request's path (ChatService._published)
+                    await recent.published_here(self.model, self.member, tokens)
+            elif self.entry is not None:
                 await recent.settle(*self.entry, published)
 
 
@@ -393,6 +398,7 @@ class EarlyGate:
             return None
         scope[PASSED] = (model, member, tokens)
         if self.alone():  # the gate's verdict is the fleet's: served at once
+            self.chat.recent.observe(tokens)
             scope[CHECKED] = ALONE
             scope.setdefault(TIMINGS, []).append(read)
             return None
@@ -503,6 +509,7 @@ class EarlyAdmission:
                 edge.entry = checked
                 return await self.app(scope, replay, send)
             if self.gate.alone():  # the gate's verdict is the fleet's (ALONE)
+                self.gate.chat.recent.observe(tokens)
                 edge.entry = ALONE
                 return await self.app(scope, replay, send)
             await asyncio.sleep(0)  # every request that arrived with this one is judged first

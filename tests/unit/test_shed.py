@@ -14,7 +14,7 @@ import pytest
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
 from gateway.edge import HOLD
-from gateway.shed import ALONE, DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, share
+from gateway.shed import ALONE, DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, Edge, share
 from runtime.settings import GatewaySettings
 
 
@@ -176,9 +176,16 @@ async def test_a_lone_gateway_admits_on_its_gate_alone(gate):
     answers = [gate.refusal(sc, body, time.perf_counter(), lambda _: None) for sc in scopes]
     assert answers[: 6 * 32] == [None] * (6 * 32) and all(sc["arena.checked"] is ALONE for sc in scopes[: 6 * 32])
     assert answers[-1].startswith(b"HTTP/1.1 429 ")  # the gate still refuses past the room
+    assert gate.chat.recent.mean_budget > DEFAULT_MAX_TOKENS  # what unknown requests ahead count follows them
     await gate.tell("m", "r1", 100, "pass")
     await asyncio.sleep(0.01)
     assert published == [] and await gate.chat.recent.redis.keys("*") == []
+    # Published: recorded among the fleet's recent admissions (for peers joining later,
+    # and this gateway's turns judged by the Redis-backed check), after the fact.
+    member = next(iter(gate.passed["m"]))
+    await Edge(gate, "m", member, ALONE).settle(published=True)
+    assert await gate.chat.recent.redis.zrange("arena:admitted:m", 0, -1) == [f"{member}:100".encode()]
+    await gate.chat.recent.redis.delete("arena:admitted:m")
     # A peer reports: news and the fleet-wide check again.
     await gate._on_peer(SimpleNamespace(data=orjson.dumps({"gateway": "other", "demand": {"m": 1.0}})))
     assert not gate.alone()
