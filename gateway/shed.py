@@ -225,15 +225,18 @@ class EarlyGate:
                         SUBJECT, orjson.dumps({"gateway": self.name, "demand": self.demand.rates(time.time())})
                     )
 
-    def alone(self, now: float | None = None) -> bool:
-        """No peer gateway heard in the last PEER_SILENT_S (each reports its demand every
-        DEMAND_EVERY_S, so a gateway starting beside others is alone for a second at most)."""
-        now = time.time() if now is None else now
-        return all(now - heard > PEER_SILENT_S for heard, _ in self.peers.values())
+    def _alive(self, now: float) -> list[dict[str, float]]:
+        """The demand of every peer heard in the last PEER_SILENT_S."""
+        return [demand for heard, demand in self.peers.values() if now - heard <= PEER_SILENT_S]
+
+    def alone(self) -> bool:
+        """No peer gateway alive (each reports its demand every DEMAND_EVERY_S, so a
+        gateway starting beside others is alone for a second at most)."""
+        return not self._alive(time.time())
 
     def share(self, model: str, now: float) -> float:
         """This gateway's share of the model's room (1 alone)."""
-        alive = [demand for heard, demand in self.peers.values() if now - heard <= PEER_SILENT_S]
+        alive = self._alive(now)
         if not alive:
             return 1.0
         return share(self.demand.rates(now).get(model, 0.0), [demand.get(model, 0.0) for demand in alive])
@@ -350,8 +353,6 @@ class EarlyGate:
         """Tells the peers of a request the protocol let through, with every other one let
         through in the same read: one message, sent before any of them goes on, so a
         peer reading its share of the same burst judges with this one's."""
-        if self.alone():
-            return
         if not self._telling:
             self._background.spawn(self._tell_passed())
         self._telling.append((model, member, tokens))

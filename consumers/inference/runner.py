@@ -164,7 +164,8 @@ class EngineRunner:
         load = self.load()
         batch = min(e.max_batch_size, len(running) + len(waiting) + 1)
         step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], e.max_batch_size, batch)
-        step = max(step or 0.0, typical_step(recent))
+        measured = load["full_step_s"] if recent is self._full else load["step_s"]  # typical_step(recent)
+        step = max(step or 0.0, measured)
         return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * step
 
     def load(self) -> dict:
