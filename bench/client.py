@@ -8,13 +8,14 @@ from the count of content chunks, one token each for the servers measured here.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
+import orjson
 
 Status = Literal["ok", "error", "rejected"]
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
@@ -74,22 +75,38 @@ def server_timings(body: dict) -> dict | None:
     return (body.get("x_arena") or {}).get("timings") or body.get("x_arena_timings") or usage.get("x_arena_timings")
 
 
+def session(timeout_s: float, connections: int = 100) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client: aiohttp, as vLLM's `benchmark_serving` uses. The load
+    generator runs on the cores it measures, so its own CPU per token counts against
+    every target alike; aiohttp reads a stream for about a third of httpx's CPU
+    (docs/benchmarks.md, "Session 8")."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
+        json_serialize=lambda obj: orjson.dumps(obj).decode(),
+    )
+
+
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+
+
 async def complete_chat(
-    client: httpx.AsyncClient, base_url: str, body: dict, record: RequestRecord, t0: float
+    client: aiohttp.ClientSession, base_url: str, body: dict, record: RequestRecord, t0: float
 ) -> RequestRecord:
     """Like `stream_chat` without streaming: one JSON answer, so no TTFT."""
     body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
     sent = time.perf_counter()
     record.start_s = sent - t0
     try:
-        resp = await client.post(f"{base_url}/v1/chat/completions", json=body)
-        record.http_status = resp.status_code
-        if resp.status_code != 200:
-            record.status = "rejected" if resp.status_code == 429 else "error"
-            record.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+        async with client.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+            record.http_status = resp.status
+            raw = await resp.read()
+        if resp.status != 200:
+            record.status = "rejected" if resp.status == 429 else "error"
+            record.error = f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}"
             return record
-        answer = resp.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        answer = orjson.loads(raw)
+    except CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
         return record
     record.latency_s = time.perf_counter() - sent
@@ -102,21 +119,21 @@ async def complete_chat(
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, base_url: str, body: dict, record: RequestRecord, t0: float
+    client: aiohttp.ClientSession, base_url: str, body: dict, record: RequestRecord, t0: float
 ) -> RequestRecord:
     """Send `body`, fill `record` in place and return it; never raises for HTTP trouble."""
     sent = time.perf_counter()
     record.start_s = sent - t0
     try:
-        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
-            record.http_status = resp.status_code
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode(errors="replace")[:200]
-                record.status = "rejected" if resp.status_code == 429 else "error"
-                record.error = f"HTTP {resp.status_code}: {detail}"
+        async with client.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+            record.http_status = resp.status
+            if resp.status != 200:
+                detail = (await resp.read()).decode(errors="replace")[:200]
+                record.status = "rejected" if resp.status == 429 else "error"
+                record.error = f"HTTP {resp.status}: {detail}"
                 return record
             record.error = await _read_events(resp, record, sent)
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+    except CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
     if record.error is None:
         record.latency_s = time.perf_counter() - sent
@@ -124,16 +141,16 @@ async def stream_chat(
     return record
 
 
-async def _read_events(resp: httpx.Response, record: RequestRecord, sent: float) -> str | None:
+async def _read_events(resp: aiohttp.ClientResponse, record: RequestRecord, sent: float) -> str | None:
     """Consume the SSE stream into `record`; returns the error event's text, if one came."""
     parts: list[str] = []
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             break
-        event = json.loads(data)
+        event = orjson.loads(data)
         if event.get("error"):
             return str(event["error"])[:200]
         for choice in event.get("choices") or []:

@@ -17,9 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
-from bench.client import RequestRecord, chat_body, check_local, stream_chat
+from bench.client import RequestRecord, chat_body, check_local, session, stream_chat
 from bench.stats import summarize
 from bench.workload import LengthMix, Workload, draw_session
 
@@ -84,10 +82,8 @@ async def _open_loop(client, base, workload, budget, t0, out) -> None:
 async def run_level(base_url: str, workload: Workload) -> dict:
     """Run one load level; returns its summary, workload and per-request records."""
     base = check_local(base_url)
-    limits = httpx.Limits(max_connections=max(workload.concurrency, 64) * 2)
-    timeout = httpx.Timeout(workload.timeout_s, connect=10.0)
     records: list[RequestRecord] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with session(workload.timeout_s, connections=max(workload.concurrency, 64) * 2) as client:
         t0 = time.perf_counter()
         budget = _Budget(workload, t0)
         driver = _closed_loop if workload.mode == "closed" else _open_loop

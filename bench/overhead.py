@@ -20,9 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
-
-from bench.client import RequestRecord, chat_body, check_local, complete_chat, stream_chat
+from bench.client import RequestRecord, chat_body, check_local, complete_chat, session, stream_chat
 from bench.stats import percentile
 from bench.workload import Turn
 
@@ -38,7 +36,7 @@ async def measure(
     """The requests, sequentially, over one connection pool (`stream`: as SSE, timing the first token)."""
     base = check_local(base_url)
     records = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False) as client:
+    async with session(timeout_s) as client:
         t0 = time.perf_counter()
         for index, turn in enumerate(turns):
             record = RequestRecord(session=index, turn=0, max_tokens=turn.max_tokens, start_s=0.0)
