@@ -61,6 +61,20 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def thread_cpu_s(proc: psutil.Process) -> dict[int, float]:
+    """CPU seconds of each of the process's threads, by thread id."""
+    try:
+        return {t.id: t.user_time + t.system_time for t in proc.threads()}
+    except psutil.Error:
+        return {}
+
+
+def busiest_threads(before: dict[int, float], after: dict[int, float], top: int = 3) -> list[float]:
+    """CPU seconds of the `top` busiest threads over the run (the inference process's
+    first is its engine thread, the second its event loop)."""
+    return sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)[:top]
+
+
 def start_py_spy(name: str, pid: int, seconds: float, out: Path, gil: bool = False) -> subprocess.Popen | None:
     exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if exe is None:
@@ -148,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         stack = stack_processes(server.proc.pid)
         stack["load generator"] = psutil.Process(os.getpid())
         before = {name: cpu_s(p) for name, p in stack.items()}
+        inference = stack.get("inference")
+        threads_before = thread_cpu_s(inference) if inference else {}
         spies = (
             [
                 start_py_spy(n, p.pid, args.duration, out, args.gil)
@@ -161,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         level = asyncio.run(run_level(target.base_url, workload))
         wall = time.perf_counter() - t0
         after = {name: cpu_s(p) for name, p in stack.items()}
+        threads = busiest_threads(threads_before, thread_cpu_s(inference)) if inference else []
         for spy in spies:
             if spy is not None:
                 spy.wait(timeout=60)
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s": summary["tokens_per_s"],
         "cpu_s": rows,
         "us_per_token": {k: 1e6 * v / max(tokens, 1) for k, v in rows.items()},
+        "inference_threads_us_per_token": [1e6 * v / max(tokens, 1) for v in threads],
         "hottest": {n: hottest(out / f"{n}.stacks") for n in stack if (out / f"{n}.stacks").exists()},
     }
     (out / "profile.json").write_text(json.dumps(report, indent=2))
@@ -188,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, secs in sorted(rows.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {name} | {secs:.2f} | {1e6 * secs / max(tokens, 1):.0f} | {secs / wall:.0%} |")
+    if threads:
+        lines += [
+            "",
+            "inference, busiest threads (engine, event loop, ...): "
+            + ", ".join(f"{1e6 * v / max(tokens, 1):.0f} µs per token ({v / wall:.0%} of a core)" for v in threads),
+        ]
     for name, hot in report["hottest"].items():
         lines += ["", f"### {name}: own time", ""]
         lines += [f"- {share:.1%} {fn}" for fn, share in hot["own"]]
