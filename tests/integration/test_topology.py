@@ -41,7 +41,10 @@ async def test_a_registered_stage_is_created_and_awaited_by_readiness(nats_serve
         await toy.start()
         toy.ready = True
         runtimes.append(toy)
-        await asyncio.sleep(0.6)
+        for _ in range(50):  # heartbeats every 0.2 s; a slow machine may take a few
+            if gateway.fleet()["toy"] == 1:
+                break
+            await asyncio.sleep(0.1)
         assert gateway.fleet()["toy"] == 1
     finally:
         for rt in runtimes:
