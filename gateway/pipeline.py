@@ -43,6 +43,9 @@ PUBLISH_RETRY_S = 5.0
 NATS_DOWN = (NatsError, asyncio.TimeoutError, OSError)
 #: How often the consumers' state is read for admission control.
 STREAM_POLL_S = 0.25
+#: How long a worker's last heartbeat still counts for admission once it is late and no
+#: live one holds the model (`Pipeline.queue`).
+LATE_BEAT_S = 30.0
 
 
 def stream_unavailable() -> APIError:
@@ -130,13 +133,25 @@ class Pipeline:
             await asyncio.sleep(STREAM_POLL_S)
 
     def queue(self, model: str) -> ModelQueue:
-        """What the inference workers holding the model report in their heartbeats."""
+        """What the inference workers holding the model report in their heartbeats. When
+        no live heartbeat holds it, the last ones of up to LATE_BEAT_S ago do: a worker
+        whose beats are late (its process busy or starved) still holds the model, and with
+        no slots at all admission would take the model for one never run and let a whole
+        burst through."""
+        q = self._queue(model, self.live_beats())
+        if q.slots == 0:
+            horizon = time.time() - LATE_BEAT_S
+            q = self._queue(model, [b for b in self.beats.values() if b["ts"] >= horizon])
+        return q
+
+    @staticmethod
+    def _queue(model: str, beats: list[dict]) -> ModelQueue:
         slots = requests = tokens = 0
         step_s: float | None = None
         full_step_s: float | None = None
         full_batch: int | None = None
         measured_at = 0.0
-        for beat in self.live_beats():
+        for beat in beats:
             if beat["role"] != topology.INFERENCE.name or model not in beat.get("resident", []):
                 continue
             load = beat.get("load", {}).get(model)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.admission import StreamState
 from gateway.fleet import FleetCollector
+from gateway.pipeline import LATE_BEAT_S
 from infra.monitoring import series
 from runtime.settings import GatewaySettings
 from tests.unit.fake_pipeline import FakePipeline
@@ -77,3 +78,21 @@ def test_a_broken_fleet_view_does_not_fail_the_scrape():
     fleet.pipeline = SimpleNamespace(fleet=boom)
     text = scrape(fleet)
     assert "arena_consumer_pending" in text and "arena_model_resident_workers" not in text
+
+
+def test_admission_judges_by_a_late_workers_last_beat_rather_than_by_none():
+    """A worker whose heartbeats are late (busy, starved) drops out of the live ones; with
+    no live heartbeat holding the model, admission still judges by its last one, for a
+    while (LATE_BEAT_S), instead of taking the model for one never run."""
+    pipeline = FakePipeline(GatewaySettings())
+    late = beat("w1", ["a"], running=3) | {"ts": time.time() - 10}
+    pipeline.beats = {("inference", "w1"): late}
+    assert pipeline.live_beats() == []
+    q = pipeline.queue("a")
+    assert (q.slots, q.requests, q.step_s) == (8, 4, 0.01)
+    # Gone for longer: no slots (the route answers as for a model not running).
+    pipeline.beats = {("inference", "w1"): late | {"ts": time.time() - LATE_BEAT_S - 1}}
+    assert pipeline.queue("a").slots == 0
+    # A live worker holding the model: only the live ones count.
+    pipeline.beats = {("inference", "w1"): late, ("inference", "w2"): beat("w2", ["a"], running=1)}
+    assert (pipeline.queue("a").slots, pipeline.queue("a").requests) == (8, 2)
