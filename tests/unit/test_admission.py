@@ -9,7 +9,6 @@ import fakeredis
 import pytest
 
 from gateway.admission import FleetAdmissions, ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
-from runtime.steps import MEASURED_SPREAD
 
 
 def q(requests=0, tokens=0, slots=32, step_s=0.01, full_step_s=0.02, measured_at=None) -> ModelQueue:
@@ -45,12 +44,12 @@ def test_step_time_grows_from_small_to_full_batches():
 
 
 def test_step_time_is_extrapolated_past_the_batch_it_was_measured_at():
-    # measured at batch 24 of 48 slots (a steady load); a burst fills all 48: along the
-    # line, and past the measured batch's spread at least in proportion to the batch
+    # measured at batch 24 of 48 slots (a steady load); a burst fills all 48: beyond the
+    # batch measured, in proportion to the batch (an upper bound)
     queue = ModelQueue(48, 0, 0, 0.01, 0.02, time.time(), full_batch=24)
     assert step_at(queue, 24) == pytest.approx(0.02)
-    assert step_at(queue, 25) == pytest.approx(0.01 + 0.01 * 24 / 23)  # within the spread: the line
-    assert step_at(queue, 48) == pytest.approx(0.02 * 48 / (24 * MEASURED_SPREAD))
+    assert step_at(queue, 36) == pytest.approx(0.03)
+    assert step_at(queue, 48) == pytest.approx(0.04)
     assert step_at(queue, 100) == step_at(queue, 48)  # never beyond the slots
 
 
@@ -169,12 +168,11 @@ def test_a_burst_is_refused_beyond_what_fits_in_the_deadline():
 
 def test_a_small_batch_measured_slower_than_a_full_one_is_not_believed():
     """Prefill-heavy small batches can have a median above the full batches': the step at
-    any batch up to the one the full step was seen at (and its spread) is then the full
-    one's; beyond, it grows in proportion to the batch."""
+    any batch up to the one the full step was seen at is then the full one's."""
     inflated = ModelQueue(64, 0, 0, 0.030, 0.013, time.time(), full_batch=48)
     assert step_at(inflated, 1) == pytest.approx(0.013)
-    assert step_at(inflated, 48) == step_at(inflated, 52) == pytest.approx(0.013)
-    assert step_at(inflated, 64) == pytest.approx(0.013 * 64 / (48 * MEASURED_SPREAD))
+    assert step_at(inflated, 48) == pytest.approx(0.013)
+    assert step_at(inflated, 64) == pytest.approx(0.013 * 64 / 48)  # beyond: in proportion
     usual = ModelQueue(64, 0, 0, 0.010, 0.013, time.time(), full_batch=48)
     assert step_at(usual, 24) == pytest.approx(0.010 + 0.003 * 23 / 47)
-    assert step_at(usual, 64) == pytest.approx(0.013 * 64 / (48 * MEASURED_SPREAD))
+    assert step_at(usual, 64) == pytest.approx(0.013 * 64 / 48)

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 
 from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot, typical_step
-from runtime.steps import MEASURED_SPREAD
 
 
 class IdleEngine:
@@ -77,17 +76,15 @@ def test_estimate_counts_the_requests_ahead_of_it(runner):
 def test_estimate_extrapolates_to_the_batch_it_will_join(runner):
     """Steps measured at a batch of 16 (a load of 16 users) and a jump to 32: the request
     joins a batch of 32, which steps slower than any measured; as the gateway's admission
-    does, the step time is extrapolated (along the line through the small- and full-batch
-    times, and past the measured batch's spread at least in proportion to the batch)."""
+    does, the step time is extrapolated (beyond the batch measured, in proportion to it)."""
     for _ in range(MIN_SAMPLES):
         runner._measure(4, 0.04)  # small batches (< half the slots)
         runner._measure(16, 0.056)  # half the slots: counted as full, at 16
     runner.engine.running = 16
     runner.engine.budgets = lambda: ([64] * 16, [128] * 15)  # 16 running, 15 just arrived: it takes the last slot
-    step_at_32 = 0.056 * 32 / (16 * MEASURED_SPREAD)  # 102 ms, where 56 ms was measured
-    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * step_at_32, abs=0.1)
+    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 2, abs=0.1)  # 112 ms at 32
     runner.engine.budgets = lambda: ([64] * 16, [])  # the batch it joins is 17: about the measured one
-    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.05707, abs=0.1)
+    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 17 / 16, abs=0.1)
 
 
 def test_steps_until_a_slot():
