@@ -16,6 +16,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser download
 LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
+#: The generated text in the stream's frames (`delta.content`), which is the model's own words.
+GENERATED = re.compile(r'"content":\s*"(?:[^"\\]|\\.)*"')
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,17 @@ def browser():
         b.close()
 
 
+def _body(response) -> str:
+    """A response's text, or "" for one whose body the browser no longer holds (raising
+    in the page's event handler broke the next test's page once)."""
+    from playwright.sync_api import Error
+
+    try:
+        return response.text() if response.ok else ""
+    except Error:
+        return ""
+
+
 def play_round(page, prompt: str) -> None:
     page.fill("#prompt", prompt)
     page.click("#send")
@@ -49,7 +62,7 @@ def play_round(page, prompt: str) -> None:
 def test_a_whole_battle_through_the_page(arena, browser, img):
     page = browser.new_page(viewport={"width": 1100, "height": 760})
     received: list[str] = []
-    page.on("response", lambda r: received.append(f"{r.url} {r.headers} {r.text() if r.ok else ''}"))
+    page.on("response", lambda r: received.append(f"{r.url} {r.headers} {_body(r)}"))
     page.goto(f"{arena.url}/arena")
     page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
     play_round(page, "Once upon a time")
@@ -59,8 +72,15 @@ def test_a_whole_battle_through_the_page(arena, browser, img):
         assert len(answers) == 2 and all(a.strip() for a in answers)
     assert page.inner_text("#pane-a .name") == "Model A"
     page.screenshot(path=str(img / "arena-battle.png"), full_page=True)
-    before_vote = page.content() + "".join(received)
-    assert not LEAK.search(before_vote), "a model name reached the browser before the vote"
+    # The answers themselves are the model's free text (a story may say "focused"): only
+    # what else reached the browser is searched for a model's name.
+    page_text = page.content()
+    for answer in page.locator(".answer").all_inner_texts():
+        page_text = page_text.replace(answer, "")
+    before_vote = page_text + GENERATED.sub('"content": ""', "".join(received))
+    leak = LEAK.search(before_vote)
+    context = before_vote[max(0, leak.start() - 200) : leak.end() + 200] if leak else ""
+    assert leak is None, f"a model name reached the browser before the vote: ...{context}..."
 
     page.click(".votes button[data-choice='a']")
     page.wait_for_selector("#reveal:not([hidden])")
