@@ -4,6 +4,7 @@ in arrival order from what the process knows (pure logic, a stand-in pipeline)."
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from types import SimpleNamespace
 
@@ -156,9 +157,14 @@ async def test_with_peers_a_gateway_lets_through_its_share_of_a_burst(gate):
 
 async def _until(done, within_s: float = 10.0) -> None:
     """Wait for the gate's background work (the fleet-wide check on fakeredis takes
-    longer on a slow machine than a fixed sleep allows)."""
+    longer on a slow machine than a fixed sleep allows); `done` may return an awaitable."""
     give_up = time.monotonic() + within_s
-    while not done() and time.monotonic() < give_up:
+    while time.monotonic() < give_up:
+        result = done()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
         await asyncio.sleep(0.01)
 
 
@@ -200,10 +206,7 @@ async def test_a_lone_gateway_admits_on_its_gate_alone(gate):
     gate.passed.clear()
     assert gate.refusal(dict(scope), body, time.perf_counter(), lambda _: None) is HOLD
     await _until(lambda: bool(published))
-    for _ in range(500):
-        if await gate.chat.recent.redis.keys("*"):
-            break
-        await asyncio.sleep(0.01)
+    await _until(lambda: gate.chat.recent.redis.keys("*"))
     assert published and await gate.chat.recent.redis.keys("*") != []
     # Silent for PEER_SILENT_S: alone again.
     gate.peers["other"] = (time.time() - PEER_SILENT_S - 1, {"m": 1.0})
