@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 #: (doubling up to QUIET_MAX_S while the request stays silent).
 QUIET_S = 2.0
 QUIET_MAX_S = 8.0
-#: How long a publish is retried while NATS is unreachable, at most.
-PUBLISH_RETRY_S = 5.0
+#: How long a publish is retried while NATS is unreachable, at most (and never past the
+#: request's deadline). Long enough to ride out a stream leader's election when a
+#: cluster node dies (raft's election timeout is 4-9 s in nats-server).
+PUBLISH_RETRY_S = 10.0
 NATS_DOWN = (NatsError, asyncio.TimeoutError, OSError)
 #: How often the consumers' state is read for admission control.
 STREAM_POLL_S = 0.25

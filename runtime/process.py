@@ -182,19 +182,26 @@ def _delivered(raw) -> int:
         return 1
 
 
+#: How long one fetch waits for a message. Short, because a fetch lost with its server
+#: (a cluster node killed) stalls the consumer this long; an idle consumer asks once a
+#: second. (It was 5 s: a 3-node cluster losing a follower stalled every answer 5 s.)
+PULL_WAIT_S = 1.0
+
+
 def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1):
     """Bind a pull subscriber to a durable consumer that `ensure_topology` created.
 
     Fetches long-poll one message at a time: an idle consumer costs nothing, and a lone
     message is not held back (nats-py's fetch of a larger batch, once a message arrives
     on an idle long-poll, waits out its timeout for the rest). `workers` handle fetched
-    messages concurrently.
+    messages concurrently. A long-poll lives PULL_WAIT_S: one sent to a server that then
+    dies is waited out before the next is asked of the server the client moved to.
     """
     assert role.reads, f"role {role.name} reads no durable consumer"
     common: dict[str, Any] = {
         "stream": JStream(subjects.STREAM, declare=False),
         "durable": role.durable,
-        "pull_sub": PullSub(batch_size=1, timeout=5.0),
+        "pull_sub": PullSub(batch_size=1, timeout=PULL_WAIT_S),
         "ack_policy": ack_policy,
     }
     if workers > 1:
