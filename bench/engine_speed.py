@@ -28,6 +28,7 @@ import torch
 
 from bench.stats import summarize
 from bench.workload import LengthMix, Workload, draw_session
+from consumers.inference import packed
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
@@ -97,6 +98,7 @@ def run_hf_cb(
         eos_token_id=-1,  # every answer runs to max_tokens, as in the engine's runs (mostly)
         pad_token_id=loaded.tokenizer.pad_token_id or 0,
     )
+    packed.disable(loaded.model)  # our engine switched it to its packing attention (SDPA otherwise)
     t0, c0 = time.perf_counter(), time.process_time()
     outs = loaded.model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb, warmup=False)
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from consumers.inference import packed
 from consumers.inference.errors import PermanentError, PromptTooLong
 from consumers.inference.kvcache import KVSlab
 from consumers.inference.models import LoadedModel
@@ -136,6 +137,8 @@ class BatchEngine:
         # transformers 5.x renames past_key_values to cache (the old name is deprecated).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_last = "logits_to_keep" in params
+        #: A step that decodes and admits newcomers runs as one packed pass (packed.py).
+        self.packed = mode == "continuous" and self._keep_last and packed.enable(self._model)
         self._lock = threading.Lock()
         self._waiting: deque[GenRequest] = deque()
         self._cancelled: set[str] = set()
@@ -194,9 +197,16 @@ class BatchEngine:
             now = self._clock()
             outputs += self._reap_waiting(now)
             outputs += self._reap_running(now)
-            if self._seqs:
-                outputs += self._decode()
-            newcomers = self._admit()
+            if self.packed and self._seqs:
+                # Newcomers ride along in the decode's pass; those a finishing row makes
+                # room for join at the next step's (one pass a step, not two).
+                newcomers = self._admit()
+                outputs += self._decode_and_prefill(newcomers) if newcomers else self._decode()
+                newcomers = [] if self._seqs else self._admit()
+            else:
+                if self._seqs:
+                    outputs += self._decode()
+                newcomers = self._admit()
             if newcomers:
                 outputs += self._prefill(newcomers)
         with self._lock:
@@ -389,20 +399,93 @@ class BatchEngine:
             self._keep_rows(alive)
         return outputs + more
 
-    def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
+    def _newcomers(self, reqs: list[GenRequest]) -> tuple[list[_Seq], list[StepOutput]]:
+        """Sequences for admitted requests, less those a resume already ended (their outputs)."""
         seqs = [self._new_seq(r) for r in reqs]
-        done = [(seq, reason) for seq in seqs if (reason := self._already_done(seq))]
+        done = [seq.output([], "", reason) for seq in seqs if (reason := self._already_done(seq))]
         if done:
-            finished = {id(seq) for seq, _ in done}
-            seqs = [seq for seq in seqs if id(seq) not in finished]
-            reqs = [seq.req for seq in seqs]
-            if not seqs:
-                return [seq.output([], "", reason) for seq, reason in done]
+            ended = {out.request_id for out in done}
+            seqs = [seq for seq in seqs if seq.req.request_id not in ended]
+        return seqs, done
+
+    def _decode_and_prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
+        """The running rows' decode step and the newcomers' prefill in one packed pass
+        (packed.py); apart, as two passes that isolate a failing row, if it fails."""
+        seqs, outputs = self._newcomers(reqs)
+        if not seqs:
+            return outputs + self._decode()
+        try:
+            logits, layout = self._packed_forward(seqs)
+        except Exception:
+            log.exception("packed step failed (%d + %d rows); decoding and prefilling apart", self.running, len(seqs))
+            return outputs + self._decode() + self._prefill([seq.req for seq in seqs])
+        running = self._seqs
+        n = len(running)
+        self._kv.commit()
+        for s in running:
+            s.next_pos += 1
+        more, alive = self._advance(running, logits[:n])
+        outputs += more
+        if len(alive) < n:
+            self._keep_rows(alive)
+        more, alive = self._advance(seqs, logits[n:])
+        outputs += more
+        if alive:
+            self._join(seqs, layout, alive)
+        return outputs
+
+    def _packed_forward(self, seqs: list[_Seq]) -> tuple[torch.Tensor, packed.Layout]:
+        running, dev = self._seqs, self._device
+        _, mask = self._kv.step_inputs()
+        tokens = [s.tokens[-1] for s in running]
+        pos = [s.next_pos for s in running]
+        lengths = []
+        for seq in seqs:
+            ids = seq.req.input_ids
+            tokens += ids
+            pos += range(len(ids))
+            lengths.append(len(ids))
+        ends = torch.tensor(lengths, device=dev).cumsum(0) + len(running) - 1
+        keep = torch.cat([torch.arange(len(running), device=dev), ends])
+        layout = packed.Layout(self._kv, mask, lengths)
+        out = self._model(
+            input_ids=torch.tensor([tokens], device=dev),
+            position_ids=torch.tensor([pos], device=dev),
+            use_cache=False,
+            logits_to_keep=keep,
+            arena_layout=layout,
+        )
+        return out.logits[0], layout
+
+    def _join(self, seqs: list[_Seq], layout: packed.Layout, alive: list[int]) -> None:
+        """Newcomers of a packed step (``alive`` of ``seqs``) join the running batch:
+        their prompts' keys and values, left-padded to the longest, into the slab."""
+        lengths = [layout.lengths[i] for i in alive]
+        width = max(lengths)
+        mask = torch.zeros((len(alive), width), dtype=torch.long, device=self._device)
+        for row, length in enumerate(lengths):
+            mask[row, width - length :] = 1
+        layers = []
+        for kept in layout.prompts:
+            k0, v0 = kept[alive[0]]
+            keys = k0.new_zeros((len(alive), k0.shape[1], width, k0.shape[3]))
+            values = v0.new_zeros((len(alive), v0.shape[1], width, v0.shape[3]))
+            for row, (i, length) in enumerate(zip(alive, lengths, strict=True)):
+                keys[row, :, width - length :] = kept[i][0][0]
+                values[row, :, width - length :] = kept[i][1][0]
+            layers.append((keys, values))
+        self._kv.add(layers, mask)
+        self._seqs = self._seqs + [seqs[i] for i in alive]
+
+    def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
+        seqs, done_outputs = self._newcomers(reqs)
+        reqs = [seq.req for seq in seqs]
+        if not seqs:
+            return done_outputs
         parts, failed = _isolating(
             list(range(len(seqs))), lambda rows: self._prefill_rows([reqs[i] for i in rows]), "prefill"
         )
-        outputs = [seq.output([], "", reason) for seq, reason in done]
-        outputs += [seqs[i].output([], "", "error") for i in failed]
+        outputs = done_outputs + [seqs[i].output([], "", "error") for i in failed]
         for rows, (logits, cache, mask) in parts:
             part = [seqs[i] for i in rows]
             more, alive = self._advance(part, logits)

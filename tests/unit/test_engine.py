@@ -306,3 +306,69 @@ def test_a_resumed_request_that_was_already_complete_finishes_without_compute(lo
     [out] = run_one(loaded, GenRequest("b", ids(loaded, PROMPTS[0]), params, resume_ids=tokens(whole)))
     assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
     assert out.completion_tokens == 12
+
+
+def _counting_packed(monkeypatch) -> list[int]:
+    """Count the engine's packed passes (decode and newcomers' prefill in one)."""
+    calls: list[int] = []
+    real = BatchEngine._packed_forward
+
+    def counted(self, seqs):
+        calls.append(len(seqs))
+        return real(self, seqs)
+
+    monkeypatch.setattr(BatchEngine, "_packed_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_newcomers_ride_in_the_running_batchs_pass(loaded, sampled, monkeypatch):
+    """A step that decodes the running rows and admits newcomers runs one packed pass;
+    every request's tokens and text are those of the two-pass engine and of its run
+    alone, a resumed newcomer's too."""
+    reqs = _requests(loaded, sampled)
+    first = run_one(loaded, dataclasses.replace(reqs[2], request_id="first"))
+    reqs[2] = dataclasses.replace(reqs[2], resume_ids=tokens(first)[:5])
+
+    def arrivals() -> dict[int, list[GenRequest]]:
+        return {0: reqs[:2], 1: [reqs[2]], 3: reqs[3:5], 6: [reqs[5]], 9: reqs[6:]}
+
+    two_pass = BatchEngine(loaded, "continuous", max_batch_size=4)
+    two_pass.packed = False
+    apart = run(two_pass, arrivals())
+    calls = _counting_packed(monkeypatch)
+    engine = BatchEngine(loaded, "continuous", max_batch_size=4)
+    assert engine.packed
+    packed = run(engine, arrivals())
+    assert len(calls) >= 4, calls
+    assert {r: tokens(o) for r, o in packed.items()} == {r: tokens(o) for r, o in apart.items()}
+    assert {r: "".join(x.new_text for x in o) for r, o in packed.items()} == {
+        r: "".join(x.new_text for x in o) for r, o in apart.items()
+    }
+    assert tokens(packed[reqs[2].request_id]) == tokens(first)[5:]
+    for r in reqs:
+        if not r.resume_ids:
+            assert tokens(packed[r.request_id]) == alone(loaded, "continuous", r)
+
+
+def test_a_failed_packed_pass_is_run_again_as_two(loaded, monkeypatch):
+    """The packed pass raising costs nothing but time: the step decodes and prefills
+    apart (where a failing row is isolated), and every answer is the same."""
+    reqs = _requests(loaded, sampled=False)[:4]
+    arrivals = {0: reqs[:2], 2: reqs[2:]}
+    expected = {r.request_id: alone(loaded, "continuous", r) for r in reqs}
+    failures = []
+
+    def broken(self, seqs):
+        failures.append(len(seqs))
+        raise RuntimeError("simulated failure of the packed pass")
+
+    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    outs = run(BatchEngine(loaded, "continuous", max_batch_size=4), arrivals)
+    assert failures
+    assert {r: tokens(o) for r, o in outs.items()} == expected
+    assert all(o[-1].finish_reason != "error" for o in outs.values())
+
+
+def test_static_batches_never_pack(loaded):
+    assert not BatchEngine(loaded, "static").packed

@@ -1,0 +1,115 @@
+"""One forward pass for a step that both decodes the running batch and prefills newcomers.
+
+Without it a step with newcomers runs two passes: the running rows' decode (one token
+each) and the newcomers' padded prefill. On a model whose forward pass is bound by
+reading its weights (a 60M model on a CPU: ~19 ms for one token, ~37 ms for 16 rows,
+~38 ms for one 30-token prompt), the two passes cost about as much as one pass over all
+their tokens would cost plus a second sweep of the weights. Packed, every new token of
+the step goes through the layers once, as one sequence ``[1, T]``:
+
+    [ row 0's token | row 1's token | ... | newcomer A's prompt | newcomer B's prompt ]
+
+The linear layers do not care which request a token belongs to; attention does. It is
+an attention function registered with transformers (``ARENA_ATTENTION``) that, when
+the call carries a :class:`Layout`, writes the running rows' keys and values into the
+KV slab's next column and attends each of them over its own row of the slab (as a
+decode step does), and attends each newcomer's tokens causally over its own prompt only
+(as its prefill does), keeping those keys and values for the newcomer to join the slab
+afterwards. Without a layout the function is transformers' own SDPA attention, and the
+model's masks are built as SDPA's, so every other call is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from consumers.inference.kvcache import KVSlab
+
+ARENA_ATTENTION = "arena_sdpa"
+
+
+@dataclass
+class Layout:
+    """Where each request's tokens sit in a packed step (see the module docstring)."""
+
+    slab: KVSlab  # the running rows: one token each, first in the sequence, in row order
+    mask: torch.Tensor  # their attention mask over the slab's window and the new column, [n, width + 1]
+    lengths: list[int]  # then each newcomer's token count, in order
+    #: Filled by the pass: each layer's keys and values of each newcomer, [1, heads, length, dim].
+    prompts: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+
+def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    layout: Layout | None = kwargs.pop("arena_layout", None)
+    if layout is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    gqa = query.shape[1] != key.shape[1]
+    slab, n = layout.slab, layout.slab.n
+    parts = []
+    if n:
+        # The running rows: [1, heads, n, dim] -> [n, heads, 1, dim], one column each.
+        q = query[0, :, :n].transpose(0, 1).unsqueeze(2)
+        kb, vb = slab.keys[module.layer_idx], slab.values[module.layer_idx]
+        kb[:n, :, slab.end] = key[0, :, :n].transpose(0, 1)
+        vb[:n, :, slab.end] = value[0, :, :n].transpose(0, 1)
+        keys, values = kb[:n, :, slab.start : slab.end + 1], vb[:n, :, slab.start : slab.end + 1]
+        mask = layout.mask.bool()[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, heads, n, dim]
+    kept = []
+    offset = n
+    for length in layout.lengths:
+        span = slice(offset, offset + length)
+        k, v = key[:, :, span], value[:, :, span]
+        kept.append((k, v))
+        out = F.scaled_dot_product_attention(query[:, :, span], k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        parts.append(out)
+        offset += length
+    layout.prompts.append(kept)
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ``ARENA_ATTENTION`` a name transformers knows, for attention and its masks."""
+    AttentionInterface.register(ARENA_ATTENTION, arena_attention)
+    AttentionMaskInterface.register(ARENA_ATTENTION, sdpa_mask)
+
+
+def enable(model) -> bool:
+    """Switch a model that attends with SDPA to ``ARENA_ATTENTION`` (SDPA itself unless a
+    call carries a layout); False when it attends otherwise and packing is not used."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ARENA_ATTENTION):
+        return False
+    if config.model_type not in PACKABLE:
+        return False
+    register()
+    for sub in model.modules():  # submodules may hold their own config object
+        own = getattr(sub, "config", None)
+        if own is not None and getattr(own, "_attn_implementation", None) == "sdpa":
+            own._attn_implementation = ARENA_ATTENTION
+    return True
+
+
+def disable(model) -> None:
+    """Back to transformers' own SDPA (what ``enable`` switched), for code that runs the
+    model through transformers' other paths (its continuous batching refuses others)."""
+    for sub in model.modules():
+        own = getattr(sub, "config", None)
+        if own is not None and getattr(own, "_attn_implementation", None) == ARENA_ATTENTION:
+            own._attn_implementation = "sdpa"
+
+
+#: Models checked to pack exactly (the same tokens as two passes, tests/unit/test_engine.py):
+#: full causal attention, rotary positions from ``position_ids``, and the registered
+#: attention function called with the new tokens' keys and values. Others (sliding
+#: windows, other position schemes) run two passes.
+PACKABLE = {"llama"}
