@@ -137,9 +137,10 @@ def test_top_p_that_underflows_keeps_the_top_token(loaded):
     assert tokens(tiny["t"]) == tokens(greedy["g"])
 
 
-def test_a_step_that_raises_outside_the_model_still_ends_every_request(loaded, monkeypatch):
+@pytest.mark.parametrize("pack", [False, True], ids=["two-passes", "packed"])
+def test_a_step_that_raises_outside_the_model_still_ends_every_request(loaded, monkeypatch, pack):
     """fail_all (the runner's last resort) reaches requests a failed step took off the queue."""
-    engine = BatchEngine(loaded, "continuous")
+    engine = BatchEngine(loaded, "continuous", pack=pack)
     engine.add(GenRequest("running", ids(loaded, PROMPTS[0]), SamplingParams(temperature=0)))
     engine.step()
     engine.add(GenRequest("newcomer", ids(loaded, PROMPTS[1]), SamplingParams(temperature=0)))
