@@ -105,9 +105,12 @@ def run_hf_cb(
     return sum(len(o.generated_tokens) for o in outs.values()), secs, cpu
 
 
-def closed_loop(loaded: LoadedModel, users: int, workload: Workload, duration_s: float) -> dict:
-    """`users` requests always in the continuous engine for `duration_s`; a level for the report."""
-    engine = BatchEngine(loaded, "continuous", max_batch_size=users)
+def closed_loop(
+    loaded: LoadedModel, users: int, workload: Workload, duration_s: float, pack: bool | None = None
+) -> dict:
+    """`users` requests always in the continuous engine for `duration_s`; a level for the report.
+    `pack`: steps with newcomers as one packed pass (None: the engine's default for the model)."""
+    engine = BatchEngine(loaded, "continuous", max_batch_size=users, pack=pack)
     rng = random.Random(workload.seed)
     chat = [{"role": "user", "content": ""}]
     started: dict[str, float] = {}
@@ -155,7 +158,8 @@ def closed_loop_main(args: argparse.Namespace) -> None:
     loaded = load_model(spec)
     workload = Workload(model="engine", lengths=LengthMix.parse(args.lengths), seed=args.seed)
     closed_loop(loaded, 2, replace(workload, lengths=LengthMix(((4, 1.0),))), 0.0)  # warm-up
-    levels = [closed_loop(loaded, int(load), workload, args.duration) for load in args.loads.split(",")]
+    pack = {"auto": None, "on": True, "off": False}[args.pack]
+    levels = [closed_loop(loaded, int(load), workload, args.duration, pack) for load in args.loads.split(",")]
     for level in levels:
         s = level["summary"]
         per_cpu = s["output_tokens"] / level["cpu_s"]
@@ -194,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--closed-loop", action="store_true", help="the served benchmark's load instead (see above)")
     parser.add_argument("--loads", default="1,32", help="closed loop: concurrent requests per level")
+    parser.add_argument(
+        "--pack",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="closed loop: a step with newcomers as one packed pass (auto: from 10M parameters)",
+    )
     parser.add_argument("--lengths", default="64", help="closed loop: max_tokens[:weight],...")
     parser.add_argument("--duration", type=float, default=20.0, help="closed loop: seconds per level")
     parser.add_argument("--seed", type=int, default=0)
