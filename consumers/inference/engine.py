@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 
 from consumers.inference import packed
 from consumers.inference.errors import PermanentError, PromptTooLong
-from consumers.inference.kvcache import KVSlab
+from consumers.inference.kvcache import KV, KVSlab
 from consumers.inference.models import LoadedModel
 from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
 
@@ -450,7 +450,7 @@ class BatchEngine:
             lengths.append(len(ids))
         ends = torch.tensor(lengths, device=dev).cumsum(0) + len(running) - 1
         keep = torch.cat([torch.arange(len(running), device=dev), ends])
-        layout = packed.Layout(self._kv, mask, lengths)
+        layout = packed.Layout(self._kv, mask.bool()[:, None, None, :], lengths)
         out = self._model(
             input_ids=torch.tensor([tokens], device=dev),
             position_ids=torch.tensor([pos], device=dev),
@@ -461,24 +461,22 @@ class BatchEngine:
         return out.logits[0], layout
 
     def _join(self, seqs: list[_Seq], layout: packed.Layout, alive: list[int]) -> None:
-        """Newcomers of a packed step (``alive`` of ``seqs``) join the running batch:
-        their prompts' keys and values, left-padded to the longest, into the slab."""
-        lengths = [layout.lengths[i] for i in alive]
-        width = max(lengths)
-        mask = torch.zeros((len(alive), width), dtype=torch.long, device=self._device)
-        for row, length in enumerate(lengths):
+        """Newcomers of a packed step (``alive`` of ``seqs``) join the running batch with
+        their prompts' keys and values, left-padded to the longest, as a prefill's are."""
+        width = max(layout.lengths)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=self._device)
+        for row, length in enumerate(layout.lengths):
             mask[row, width - length :] = 1
         layers = []
         for kept in layout.prompts:
-            k0, v0 = kept[alive[0]]
-            keys = k0.new_zeros((len(alive), k0.shape[1], width, k0.shape[3]))
-            values = v0.new_zeros((len(alive), v0.shape[1], width, v0.shape[3]))
-            for row, (i, length) in enumerate(zip(alive, lengths, strict=True)):
-                keys[row, :, width - length :] = kept[i][0][0]
-                values[row, :, width - length :] = kept[i][1][0]
+            k0, v0 = kept[0]
+            keys = k0.new_zeros((len(seqs), k0.shape[1], width, k0.shape[3]))
+            values = v0.new_zeros((len(seqs), v0.shape[1], width, v0.shape[3]))
+            for row, ((k, v), length) in enumerate(zip(kept, layout.lengths, strict=True)):
+                keys[row, :, width - length :] = k[0]
+                values[row, :, width - length :] = v[0]
             layers.append((keys, values))
-        self._kv.add(layers, mask)
-        self._seqs = self._seqs + [seqs[i] for i in alive]
+        self._merge([seqs[i] for i in alive], layers, mask, alive)
 
     def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
         seqs, done_outputs = self._newcomers(reqs)
@@ -494,7 +492,8 @@ class BatchEngine:
             more, alive = self._advance(part, logits)
             outputs += more
             if alive:
-                self._merge([part[i] for i in alive], cache, mask, alive)
+                layers = [(layer.keys, layer.values) for layer in _layers(cache)]
+                self._merge([part[i] for i in alive], layers, mask, alive)
         return outputs
 
     def _prefill_rows(self, reqs: list[GenRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
@@ -513,9 +512,8 @@ class BatchEngine:
 
     # ---- the running batch's rows ------------------------------------------------------
 
-    def _merge(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> None:
-        """Newcomers (rows ``rows`` of their prefill's cache) join the running batch."""
-        layers = [(layer.keys, layer.values) for layer in _layers(cache)]
+    def _merge(self, seqs: list[_Seq], layers: list[KV], mask: torch.Tensor, rows: list[int]) -> None:
+        """Newcomers (rows ``rows`` of their prefill's keys and values) join the running batch."""
         if len(rows) < mask.shape[0]:
             idx = torch.tensor(rows, device=mask.device)
             layers = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in layers]

@@ -39,7 +39,7 @@ class Layout:
     """Where each request's tokens sit in a packed step (see the module docstring)."""
 
     slab: KVSlab  # the running rows: one token each, first in the sequence, in row order
-    mask: torch.Tensor  # their attention mask over the slab's window and the new column, [n, width + 1]
+    mask: torch.Tensor  # what they attend to: the slab's window and the new column, [n, 1, 1, width + 1], bool
     lengths: list[int]  # then each newcomer's token count, in order
     #: Filled by the pass: each layer's keys and values of each newcomer, [1, heads, length, dim].
     prompts: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
@@ -61,8 +61,7 @@ def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         kb[:n, :, slab.end] = key[0, :, :n].transpose(0, 1)
         vb[:n, :, slab.end] = value[0, :, :n].transpose(0, 1)
         keys, values = kb[:n, :, slab.start : slab.end + 1], vb[:n, :, slab.start : slab.end + 1]
-        mask = layout.mask.bool()[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, scale=scaling, enable_gqa=gqa)
         parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, heads, n, dim]
     kept = []
     offset = n

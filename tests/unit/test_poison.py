@@ -150,8 +150,7 @@ def test_a_step_that_raises_outside_the_model_still_ends_every_request(loaded, m
     def broken_merge(*args):
         raise RuntimeError("bookkeeping bug")
 
-    monkeypatch.setattr(engine, "_merge", broken_merge)  # a newcomer joining after a prefill pass
-    monkeypatch.setattr(engine, "_join", broken_merge)  # or after a packed one
+    monkeypatch.setattr(engine, "_merge", broken_merge)  # newcomers join through it after either pass
     with pytest.raises(RuntimeError):
         engine.step()  # "newcomer" was admitted, prefilled, then lost with the step
     outs = {o.request_id: o for o in engine.fail_all()}
