@@ -463,10 +463,8 @@ class BatchEngine:
     def _join(self, seqs: list[_Seq], layout: packed.Layout, alive: list[int]) -> None:
         """Newcomers of a packed step (``alive`` of ``seqs``) join the running batch with
         their prompts' keys and values, left-padded to the longest, as a prefill's are."""
-        width = max(layout.lengths)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=self._device)
-        for row, length in enumerate(layout.lengths):
-            mask[row, width - length :] = 1
+        mask = _left_padded(layout.lengths).to(self._device)
+        width = mask.shape[1]
         layers = []
         for kept in layout.prompts:
             k0, v0 = kept[0]
@@ -499,12 +497,10 @@ class BatchEngine:
     def _prefill_rows(self, reqs: list[GenRequest]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         """One padded forward pass over ``reqs``' prompts (and resumed tokens): last
         logits, new cache, mask."""
-        width = max(len(r.input_ids) for r in reqs)
-        ids = torch.full((len(reqs), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        mask = _left_padded([len(r.input_ids) for r in reqs])
+        ids = torch.full(mask.shape, self._pad_id, dtype=torch.long)
         for i, r in enumerate(reqs):
-            ids[i, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
-            mask[i, width - len(r.input_ids) :] = 1
+            ids[i, mask.shape[1] - len(r.input_ids) :] = torch.tensor(r.input_ids)
         ids, mask = ids.to(self._device), mask.to(self._device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -527,6 +523,15 @@ class BatchEngine:
             self._kv.reset()
             return
         self._seqs = [self._seqs[i] for i in self._kv.keep(rows)]
+
+
+def _left_padded(lengths: list[int]) -> torch.Tensor:
+    """The mask of rows of these lengths, right-aligned to the longest: ``[rows, longest]``."""
+    width = max(lengths)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    return mask
 
 
 def _isolating(
