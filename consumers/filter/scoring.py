@@ -140,15 +140,24 @@ def _unbalanced(tail: str) -> int:
     return unbalanced + len(stack)
 
 
+def _last_line(text: str) -> str:
+    """The last line (its last 1,000 characters): where an optimized suffix sits."""
+    return text[-1000:].rstrip().rpartition("\n")[2]
+
+
 def _tail(text: str) -> str:
-    """The end of the last line: where an optimized suffix sits."""
-    return text[-1000:].rstrip().rpartition("\n")[2][-240:]
+    """The end of the last line, whose words the suffix heuristic reads."""
+    return _last_line(text)[-240:]
 
 
 _DROP_SYMBOLS = str.maketrans("", "", "".join(_SYMBOLS))
 # a symbol, or what _GLUED finds without one: no match means no odd word
 _MAYBE_ODD = re.compile("[" + re.escape("".join(sorted(_SYMBOLS))) + "]|[a-z][A-Z]|[A-Za-z]\\d[A-Za-z]")
 _DROP_ASCII_LETTERS = str.maketrans("", "", string.ascii_letters)
+
+
+# a quoted list item ("'Quagmire',", '"b"]'): symbols around a plain word, not glued inside it
+_QUOTED_ITEM = re.compile(r"""[\[(]?(['"])[A-Za-z][a-z]*\1[,;\])]*""")
 
 
 def _odd(w: str) -> bool:
@@ -168,14 +177,15 @@ def gibberish(text: str) -> float:
     with unbalanced brackets; prose rarely has both, and text showing two kinds
     of code evidence is let off. Returns 0..0.8.
     """
-    tail = _tail(text)
-    unbalanced = _unbalanced(tail)  # cheap, and zero for most prompts: test it first
+    line = _last_line(text)
+    # brackets over the whole line: a list opened before the tail and closed in it is balanced
+    unbalanced = _unbalanced(line)  # cheap, and zero for most prompts: test it first
     if not unbalanced:
         return 0.0
-    words = tail.split()[-24:]
+    words = line[-240:].split()[-24:]
     if len(words) < 6:
         return 0.0
-    odd = sum(map(_odd, words))
+    odd = sum(1 for w in words if not _QUOTED_ITEM.fullmatch(w) and _odd(w))
     if odd < 3:
         return 0.0
     if len({m.group(0).strip() for m in _CODE.finditer(text)}) >= 2:
