@@ -9,9 +9,11 @@ Two kinds of artifact sit behind one small interface (:class:`Classifier`):
   the operator brings), run through transformers (:mod:`consumers.filter.guard`).
 
 Artifact layout (``.npz``): ``weights`` (float32: one per hashed feature, then one
-per cue when ``meta["cues"]`` is present), ``bias`` (float32, one value) and
+per cue when ``meta["cues"]`` is present), ``bias`` (float32, one value),
 ``meta`` (UTF-8 JSON as uint8: format, feature version, hash bits, n-gram orders,
-cue version and names, threshold, version, training report).
+cue version and names, memory settings, threshold, version, training report) and,
+when ``meta["memory"]`` is present, the known-attack memory (memory.py):
+``memory_sketches`` (uint32, attacks x 32) and ``memory_sizes`` (uint8).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import FEATURES_VERSION, Features, featurize, featurize_views, gram_text
+from consumers.filter.memory import Memory, shingles
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -66,12 +69,13 @@ class LinearClassifier:
     hashed word n-grams and the hand-written cues (cues.py); probability = sigmoid.
 
     ``meta["views"]`` names the views in the order of the weight vector. Artifacts
-    without it (v3) have one n-gram view of the orders in their metadata.
+    without it (v3) have one n-gram view of the orders in their metadata. With a
+    ``memory`` (v6), the known-attack memory's logit is added.
     """
 
     blocking = False
 
-    def __init__(self, weights: np.ndarray, bias: float, meta: dict[str, Any]):
+    def __init__(self, weights: np.ndarray, bias: float, meta: dict[str, Any], memory: Memory | None = None):
         if meta.get("features") != FEATURES_VERSION:
             raise ValueError(
                 f"artifact features {meta.get('features')!r} differ from this code's {FEATURES_VERSION!r}; "
@@ -100,6 +104,7 @@ class LinearClassifier:
         self.word_orders = tuple(meta["word_orders"])
         self.threshold = float(meta["threshold"])
         self.version = str(meta["version"])
+        self.memory = memory
 
     def _features(self, text: str) -> list[Features]:
         if "words" not in self.views:
@@ -107,22 +112,27 @@ class LinearClassifier:
             return [featurize(text, self.bits, self.char_orders, orders)]
         return list(featurize_views(text, self.bits, self.char_orders, self.word_orders))
 
-    def logit(self, text: str) -> tuple[float, list[Features], np.ndarray | None]:
-        """The score's logit, each n-gram view's features, and the cue vector (None without cues)."""
+    def logit(self, text: str) -> tuple[float, list[Features], np.ndarray | None, float]:
+        """The score's logit, each n-gram view's features, the cue vector (None without cues),
+        and the memory's part of the logit (0 without a memory)."""
         feats = self._features(text)
         z = self.bias
         for view, f in zip(self.views, feats, strict=False):
             if len(f.index):
                 # add.reduce is what .sum() runs, without its Python wrapper; math.sqrt equals np.sqrt
                 z += float(np.add.reduce(self.view_weights[view][f.index])) / math.sqrt(len(f.index))
-        cues = None
+        cues, remembered = None, 0.0
+        words = cue_tokens(feats[0].text) if "cues" in self.views or self.memory is not None else None
         if "cues" in self.views:
-            cues = cue_vector(feats[0].text, text)
+            cues = cue_vector(feats[0].text, text, words)
             z += float(cues @ self.view_weights["cues"])
-        return z, feats, cues
+        if self.memory is not None and words is not None:
+            remembered = self.memory.logit(shingles(words))
+            z += remembered
+        return z, feats, cues, remembered
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        z, feats, cues = self.logit(text)
+        z, feats, cues, remembered = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
         if explain <= 0:
             return ClassifierScore(round(prob, 6))
@@ -133,30 +143,44 @@ class LinearClassifier:
         ]
         if cues is not None:
             parts.append(cues * self.view_weights["cues"])
+        parts.append(np.array([remembered]))  # last: the memory (0 without one)
         values = np.concatenate(parts)
         # the side that decided: features towards "attack" when flagged, else towards "benign"
         order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
         top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
         return ClassifierScore(round(prob, 6), top)
 
-    @staticmethod
-    def _name(feats: list[Features], i: int) -> str:
-        """The text of contribution ``i``: an n-gram of one of the views, else a cue's name."""
+    def _name(self, feats: list[Features], i: int) -> str:
+        """The text of contribution ``i``: an n-gram of one of the views, a cue's name, or the memory."""
         for f in feats:
             if i < len(f.index):
                 return gram_text(f, int(f.index[i]))
             i -= len(f.index)
-        return f"cue:{CUE_NAMES[i]}"
+        if "cues" in self.views:
+            if i < len(CUE_NAMES):
+                return f"cue:{CUE_NAMES[i]}"
+            i -= len(CUE_NAMES)
+        return "memory:known_attack"
 
 
-def save_linear(path: str | Path, weights: np.ndarray, bias: float, meta: dict[str, Any]) -> None:
+def save_linear(
+    path: str | Path, weights: np.ndarray, bias: float, meta: dict[str, Any], memory: Memory | None = None
+) -> None:
     """Write an artifact that :func:`load_classifier` reads without unpickling."""
+    # the metadata names a memory exactly when the arrays are stored
+    meta = {k: v for k, v in meta.items() if k != "memory"}
+    if memory is not None:
+        meta["memory"] = memory.meta()
     payload = np.frombuffer(json.dumps({"format": ARTIFACT_FORMAT, **meta}, sort_keys=True).encode(), dtype=np.uint8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, Any] = {
+        "weights": weights.astype(np.float32),
+        "bias": np.array([bias], dtype=np.float32),
+        "meta": payload,
+        **(memory.arrays() if memory is not None else {}),
+    }
     with open(path, "wb") as f:
-        np.savez_compressed(
-            f, weights=weights.astype(np.float32), bias=np.array([bias], dtype=np.float32), meta=payload
-        )
+        np.savez_compressed(f, **arrays)
 
 
 def _load_linear(path: Path) -> LinearClassifier:
@@ -164,7 +188,8 @@ def _load_linear(path: Path) -> LinearClassifier:
         meta = json.loads(z["meta"].tobytes().decode())
         if meta.get("format") != ARTIFACT_FORMAT:
             raise ValueError(f"{path}: not a prompt classifier artifact (format {meta.get('format')!r})")
-        return LinearClassifier(z["weights"], float(z["bias"][0]), meta)
+        memory = Memory.load(z, meta["memory"]) if "memory" in meta else None
+        return LinearClassifier(z["weights"], float(z["bias"][0]), meta, memory)
 
 
 def load_classifier(path: str | Path, attack_label: str | None = None) -> Classifier:

@@ -112,6 +112,13 @@ def classifier_tables(path: str, classifier: Classifier, config: FilterConfig | 
     """The classifier's section of the filter-eval printout."""
     out = [f"classifier {classifier.version}, threshold {classifier.threshold:.4f}", ""]
     report = classifier.meta.get("report", {}) if isinstance(classifier, LinearClassifier) else {}
+    memory = classifier.memory if isinstance(classifier, LinearClassifier) else None
+    if memory is not None:
+        out.insert(
+            1,
+            f"known-attack memory: {len(memory)} training attacks, logit + {memory.weight:g} x containment"
+            " (it recognizes attacks seen in training, and adds nothing for a family never seen)",
+        )
     if report.get("dev_in_training"):
         out.append(
             "note: this artifact trained on the dev file too: measured on that file, the figures below are in"

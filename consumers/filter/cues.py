@@ -35,7 +35,7 @@ import numpy as np
 
 from consumers.filter.scoring import suffix_shape
 
-__all__ = ["CUES_VERSION", "CUE_NAMES", "cue_vector"]
+__all__ = ["CUES_VERSION", "CUE_NAMES", "cue_tokens", "cue_vector"]
 
 CUES_VERSION = "cues-2"  # cues-2: the suffix shape (share of odd words, unbalanced brackets)
 
@@ -344,14 +344,20 @@ def _shape(original: str, words: float, you: int) -> list[float]:
     ]
 
 
-def cue_vector(norm: str, original: str) -> np.ndarray:
+def cue_tokens(norm: str) -> list[bytes]:
+    """The words and sentence ends of the classifier's normalized text (ASCII words only)."""
+    return _tokens(norm.encode())
+
+
+def cue_vector(norm: str, original: str, cut: list[bytes] | None = None) -> np.ndarray:
     """The cues of one prompt (float64, ``len(CUE_NAMES)``).
 
     ``norm`` is the classifier's normalized text (features.normalize: skeleton,
-    lower case, whitespace collapsed); ``original`` the prompt as sent.
+    lower case, whitespace collapsed); ``original`` the prompt as sent; and
+    ``cut``, its :func:`cue_tokens` when already cut.
     """
     data = norm.encode()
-    tokens = _tokens(data)
+    tokens = _tokens(data) if cut is None else cut
     counts, sent_max, harm_share, words = _words(tokens)
     root = math.sqrt(max(words, 1.0))
     found = [0] * len(_PHRASES)

@@ -14,6 +14,11 @@ the dev file's families, trained on by default (``--train-on-dev``), weigh
   normalized on their own (same fit as chars). About 1 point more held out, but
   it costs a third more time per prompt than the two others together.
 
+Beside the linear score, a known-attack memory (memory.py; ``--no-memory`` leaves it
+out): bottom-k sketches of the training attacks' word 3-grams; ``memory.WEIGHT`` times
+the largest share of one stored attack found in a prompt is added to the logit. Every
+protocol below builds it from its own training rows only.
+
 Each view's logit is centred and scaled by the median and spread of its scores on
 the benign training prompts and weighted by ``VIEW_MIX``; the sum is folded into one
 weight vector (the views' weights side by side) and one bias, so serving is one
@@ -50,18 +55,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from consumers.filter import heldout
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
-from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_vector
+from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
+from consumers.filter.memory import WEIGHT as MEMORY_WEIGHT
+from consumers.filter.memory import Memory, shingles
 from consumers.filter.policy import inspect_prompt
 
-__all__ = ["evaluate", "fit", "fit_views", "main", "matrix", "train"]
+__all__ = ["Data", "Trained", "data", "evaluate", "fit", "fit_views", "main", "matrix", "train"]
 
 FP_CAP = 0.003
 BITS = 18
@@ -105,16 +112,59 @@ def view_names(word_orders: tuple[int, ...], cues: bool) -> list[str]:
 def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True):
     """One matrix of every view side by side: character n-grams, word n-grams (when
     ``word_orders``), each L2-normalized on its own, then the cues (when ``cues``)."""
+    return data(rows, bits, char_orders, word_orders, cues).views
+
+
+@dataclass(frozen=True)
+class Data:
+    """Training rows as the fits see them: the views (a CSR matrix) and each row's
+    word 3-gram shingles (for the memory). Indexed by rows like the matrix."""
+
+    views: Any
+    shingles: tuple[np.ndarray, ...]
+
+    def __getitem__(self, rows) -> Data:
+        idx = np.flatnonzero(rows) if np.asarray(rows).dtype == bool else np.asarray(rows)
+        return Data(self.views[idx], tuple(self.shingles[i] for i in idx))
+
+    def __len__(self) -> int:
+        return len(self.shingles)
+
+    @staticmethod
+    def stack(a: Data, b: Data) -> Data:
+        import scipy.sparse as sp  # noqa: PLC0415
+
+        return Data(sp.vstack([a.views, b.views], format="csr"), a.shingles + b.shingles)
+
+
+def data(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True) -> Data:
+    """The views of :func:`views` and the rows' shingles, from one featurizing pass."""
     import scipy.sparse as sp  # noqa: PLC0415
 
     pairs = [featurize_views(r.text, bits, char_orders, word_orders) for r in rows]
+    tokens = [cue_tokens(c.text) for c, _ in pairs]
     blocks = [_csr([c.index for c, _ in pairs], 1 << bits)]
     if word_orders:
         blocks.append(_csr([w.index for _, w in pairs], 1 << bits))
     if cues:
-        dense = np.array([cue_vector(c.text, r.text) for (c, _), r in zip(pairs, rows, strict=True)])
-        blocks.append(sp.csr_matrix(dense.reshape(len(rows), len(CUE_NAMES))))
-    return sp.hstack(blocks, format="csr")
+        dense = np.array(
+            [cue_vector(c.text, r.text, t) for (c, _), r, t in zip(pairs, rows, tokens, strict=True)]
+        ).reshape(len(rows), len(CUE_NAMES))
+        blocks.append(sp.csr_matrix(dense))
+    return Data(sp.hstack(blocks, format="csr"), tuple(shingles(t) for t in tokens))
+
+
+def build_memory(x: Data, y: np.ndarray, weight: float) -> Memory:
+    """The known-attack memory of the attack rows of ``x``, less what its benign rows share."""
+    attacks = [s for s, a in zip(x.shingles, y, strict=True) if a]
+    benign = [s for s, a in zip(x.shingles, y, strict=True) if not a]
+    return Memory.build(attacks, benign, weight=weight)
+
+
+def _memory_logits(memory: Memory | None, x: Data) -> np.ndarray:
+    if memory is None:
+        return np.zeros(len(x))
+    return np.array([memory.logit(s) for s in x.shingles])
 
 
 def fit(x, y: np.ndarray, c: float, seed: int, sample_weight: np.ndarray | None = None) -> tuple[np.ndarray, float]:
@@ -172,10 +222,14 @@ def _logits(x, w: np.ndarray, b: float) -> np.ndarray:
     return np.asarray(x @ w.astype(np.float64)).ravel() + b
 
 
-def _fitter(c: float, seed: int, bits: int, names: Sequence[str]) -> heldout.Fit:
-    def fit_rows(x, y, sample_weight):
-        w, b = fit_views(x, y, c, seed, sample_weight, bits, names)
-        return lambda xs: _logits(xs, w, b)
+def _scorer(w: np.ndarray, b: float, memory: Memory | None) -> Callable[[Data], np.ndarray]:
+    return lambda xs: _logits(xs.views, w, b) + _memory_logits(memory, xs)
+
+
+def _fitter(c: float, seed: int, bits: int, names: Sequence[str], memory_weight: float) -> heldout.Fit:
+    def fit_rows(x: Data, y, sample_weight):
+        w, b = fit_views(x.views, y, c, seed, sample_weight, bits, names)
+        return _scorer(w, b, build_memory(x, y, memory_weight) if memory_weight else None)
 
     return fit_rows
 
@@ -189,7 +243,7 @@ class DevFile:
     """The dev file as :func:`evaluate` needs it."""
 
     rows: Sequence[Row]
-    x: Any  # the rows' views
+    x: Data  # the rows' views and shingles
     rules: np.ndarray  # the rules (no classifier) reject or alter the row
     in_training: bool  # the evaluated training rows end with these rows
 
@@ -201,14 +255,14 @@ def rules_flag(rows: Sequence[Row]) -> np.ndarray:
 
 def evaluate(
     rows: Sequence[Row],
-    x,
+    x: Data,
     fit_rows: heldout.Fit,
     *,
     balance: str,
     seed: int,
     fp_cap: float,
     dev: DevFile | None = None,
-    final: Callable[[Any], np.ndarray] | None = None,
+    final: Callable[[Data], np.ndarray] | None = None,
     boost: dict[str, float] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], float]:
@@ -246,12 +300,10 @@ def _dev_tables(
 ) -> dict[str, Any]:
     """The dev split in distribution (k-fold over the dev file, the train file always trained on),
     and the dev file at the LOSO and attack-held-out thresholds."""
-    import scipy.sparse as sp  # noqa: PLC0415
-
     n = len(dev.rows)
     yd, fd = np.array([r.attack for r in dev.rows]), np.array([r.family for r in dev.rows])
     if not dev.in_training:
-        x, y, fam = sp.vstack([x, dev.x], format="csr"), np.r_[y, yd], np.r_[fam, fd]
+        x, y, fam = Data.stack(x, dev.x), np.r_[y, yd], np.r_[fam, fd]
     folded = np.arange(len(y)) >= len(y) - n
     log(f"dev split in distribution: {DEV_FOLDS}-fold over the dev file, the train file in every fold ...")
     kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, k=DEV_FOLDS, seed=seed, folded=folded, boost=boost)
@@ -264,6 +316,15 @@ def _dev_tables(
         "dev_at_attack_threshold": heldout.table(scores, yd, fd, t_att, _prob),
         "dev_scored_by": "dev k-fold models" if scores is kf else "final model",
     }
+
+
+class Trained(NamedTuple):
+    """What :func:`train` fits: the linear weights and bias, the artifact's metadata, the memory."""
+
+    weights: np.ndarray
+    bias: float
+    meta: dict[str, Any]
+    memory: Memory | None
 
 
 def train(
@@ -280,19 +341,23 @@ def train(
     dev: Sequence[Row] = (),
     train_on_dev: bool = TRAIN_ON_DEV,
     dev_weight: float = DEV_WEIGHT,
+    memory_weight: float = MEMORY_WEIGHT,
     fp_cap: float = FP_CAP,
     log: Callable[[str], None] = print,
-) -> tuple[np.ndarray, float, dict[str, Any]]:
+) -> Trained:
     """Fit on ``rows`` (and ``dev`` with ``train_on_dev``, each dev family weighing ``dev_weight``
-    train families); with ``evaluate_heldout``, also the held-out figures. Returns weights, bias, meta."""
+    train families); with ``evaluate_heldout``, also the held-out figures. ``memory_weight`` 0:
+    no known-attack memory."""
     fitted = [*rows, *dev] if train_on_dev else list(rows)
     y = np.array([r.attack for r in fitted])
     fam = np.array([r.family for r in fitted])
     names = view_names(word_orders, cues)
-    x_all = views([*rows, *dev], bits, char_orders, word_orders, cues)
-    x = x_all[: len(fitted)]
+    x_all = data([*rows, *dev], bits, char_orders, word_orders, cues)
+    x = x_all[np.arange(len(fitted))]
     boost = {r.family: dev_weight for r in dev} if dev and dev_weight != 1.0 else None
-    w, b = fit_views(x, y, c, seed, heldout.family_weights(y, fam, balance, boost), bits, names)
+    w, b = fit_views(x.views, y, c, seed, heldout.family_weights(y, fam, balance, boost), bits, names)
+    memory = build_memory(x, y, memory_weight) if memory_weight else None
+    final = _scorer(w, b, memory)
     report: dict[str, Any] = {
         "fp_cap": fp_cap,
         "rows": len(fitted),
@@ -302,8 +367,8 @@ def train(
         "dev_weight": dev_weight,
     }
     if evaluate_heldout:
-        dev_file = DevFile(dev, x_all[len(rows) :], rules_flag(dev), train_on_dev) if dev else None
-        fitter = _fitter(c, seed, bits, names)
+        dev_file = DevFile(dev, x_all[np.arange(len(rows), len(x_all))], rules_flag(dev), train_on_dev) if dev else None
+        fitter = _fitter(c, seed, bits, names, memory_weight)
         held, t = evaluate(
             fitted,
             x,
@@ -312,15 +377,16 @@ def train(
             seed=seed,
             fp_cap=fp_cap,
             dev=dev_file,
-            final=lambda xs: _logits(xs, w, b),
+            final=final,
             boost=boost,
             log=log,
         )
         report.update(held)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
-        t = heldout.threshold_at(_logits(x, w, b)[~y], fp_cap)
+        t = heldout.threshold_at(final(x)[~y], fp_cap)
     report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
-    digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:12]
+    stored = memory.sketches.tobytes() + memory.sizes.tobytes() if memory is not None else b""
+    digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes() + stored).hexdigest()[:12]
     model: dict[str, Any] = {
         "family": "one LR per view (n-grams: liblinear dual; cues: lbfgs, standardized), benign-scaled and summed",
         "C": c,
@@ -330,7 +396,7 @@ def train(
     if cues:
         model["cue_C"] = CUE_C
     meta: dict[str, Any] = {
-        "version": f"{'-'.join(names)}-lr-{digest}",
+        "version": f"{'-'.join([*names, *(['memory'] if memory is not None else [])])}-lr-{digest}",
         "views": names,
         "features": FEATURES_VERSION,
         "bits": bits,
@@ -342,7 +408,9 @@ def train(
     }
     if cues:
         meta["cues"] = {"version": CUES_VERSION, "names": list(CUE_NAMES)}
-    return w, b, meta
+    if memory is not None:
+        meta["memory"] = memory.meta()
+    return Trained(w, b, meta, memory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
     p.add_argument("--words", action="store_true", help="add the word 1-2-gram view (slower to serve)")
     p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
+    p.add_argument(
+        "--memory-weight",
+        type=float,
+        default=MEMORY_WEIGHT,
+        help="logit added at full containment of a known training attack (0: no memory)",
+    )
     p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
     p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
     args = p.parse_args(argv)
@@ -378,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    w, b, meta = train(
+    w, b, meta, memory = train(
         rows,
         bits=args.bits,
         c=args.c,
@@ -390,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         dev=dev,
         train_on_dev=args.train_on_dev,
         dev_weight=args.dev_weight,
+        memory_weight=args.memory_weight,
     )
-    save_linear(args.out, w, b, meta)
+    save_linear(args.out, w, b, meta, memory)
     size = Path(args.out).stat().st_size
     print(f"wrote {args.out} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
     took = time.perf_counter() - start
