@@ -26,8 +26,11 @@ class Stream:
     chunk_times: list[float] = field(default_factory=list)
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> Stream:
-    out = Stream()
+async def stream_one(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None, out: Stream | None = None
+) -> Stream:
+    """One streamed request; ``out`` (filled as chunks arrive) lets a caller watch it in flight."""
+    out = out if out is not None else Stream()
     async with client.stream(
         "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers or {}
     ) as r:

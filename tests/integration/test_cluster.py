@@ -17,7 +17,7 @@ from nats.js.errors import ServiceUnavailableError
 from infra.servers import start_nats_cluster
 from runtime import jetstream
 from tests.conftest import RunningStack, stored_events
-from tests.streams import audit_of, prompt, stream_one
+from tests.streams import Stream, audit_of, prompt, stream_one
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -58,19 +58,28 @@ def test_losing_a_node_under_load_loses_and_doubles_nothing(tmp_path, redis_serv
         index = names.index(target)
 
         async def run():
-            # A closed loop of 16 users for 6 s, the node killed 1.5 s in: requests are
-            # streaming when it dies, and more arrive during the election and after.
+            # A closed loop of 16 users for 6 s, the node killed from 1.5 s in, at a moment when
+            # an answer is streaming (its first chunks in, most still to come): the users start
+            # together and answer alike, so their requests can all sit between two answers at
+            # one instant. More requests arrive during the election and after.
             start = time.monotonic()
+            streams: list[Stream] = []
 
             async def user(client: httpx.AsyncClient, i: int) -> list:
-                out = []
+                out: list[Stream] = []
                 while time.monotonic() - start < 6.0:
-                    out.append(await stream_one(client, s.url, prompt(100 * i + len(out), 100)))
+                    streams.append(current := Stream())
+                    out.append(await stream_one(client, s.url, prompt(100 * i + len(out), 100), out=current))
                 return out
+
+            def mid_answer() -> bool:
+                return any(not x.done and x.error is None and 1 <= len(x.chunk_times) <= 8 for x in streams)
 
             async with httpx.AsyncClient(timeout=60) as client:
                 users = [asyncio.create_task(user(client, i)) for i in range(16)]
                 await asyncio.sleep(1.5)
+                while not mid_answer() and time.monotonic() - start < 4.0:
+                    await asyncio.sleep(0.005)
                 cluster.servers[index].proc.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
                 return [x for u in await asyncio.gather(*users) for x in u], killed_at
