@@ -77,12 +77,10 @@ class Memory:
     weight: float = WEIGHT
     smooth: float = SMOOTH
     # the inverted index, built from the sketches: distinct shingles (sorted), where each one's
-    # owners start in _owner and how many there are, whether every shingle has one owner,
-    # and 1 / (size + smooth) per stored attack
+    # owners start in _owner and how many there are, and 1 / (size + smooth) per stored attack
     _keys: np.ndarray = field(init=False, repr=False, compare=False)
     _start: np.ndarray = field(init=False, repr=False, compare=False)
     _count: np.ndarray = field(init=False, repr=False, compare=False)
-    _single: bool = field(init=False, repr=False, compare=False)
     _owner: np.ndarray = field(init=False, repr=False, compare=False)
     _inverse: np.ndarray = field(init=False, repr=False, compare=False)
 
@@ -98,7 +96,6 @@ class Memory:
         bounds = np.append(np.flatnonzero(first), len(keys))
         object.__setattr__(self, "_start", bounds[:-1])
         object.__setattr__(self, "_count", np.diff(bounds))
-        object.__setattr__(self, "_single", bool((np.diff(bounds) == 1).all()))
         object.__setattr__(self, "_owner", owner.astype(np.intp))
         object.__setattr__(self, "_inverse", 1.0 / (self.sizes.astype(np.float64) + self.smooth))
 
@@ -133,7 +130,7 @@ class Memory:
 
     def containment(self, prompt_shingles: np.ndarray) -> float:
         """The largest share of one stored attack found in the prompt (0 when none)."""
-        keys: np.ndarray = self._keys
+        keys = self._keys
         if not len(prompt_shingles) or not len(keys):
             return 0.0
         at = np.searchsorted(keys, prompt_shingles)
@@ -142,12 +139,10 @@ class Memory:
         if not found.any():  # no stored shingle in the prompt
             return 0.0
         at = at[found]
-        lo = self._start[at]
-        if not self._single:  # some shingle has several owners
-            n = self._count[at]
-            # every owner position lo[i] .. lo[i] + n[i] - 1, as one index array
-            lo = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
-        hits = np.bincount(self._owner[lo], minlength=len(self.sizes))
+        lo, n = self._start[at], self._count[at]
+        # every owner position lo[i] .. lo[i] + n[i] - 1, as one index array
+        where = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+        hits = np.bincount(self._owner[where], minlength=len(self.sizes))
         hits = hits * self._inverse
         return float(hits.max())
 
@@ -167,6 +162,7 @@ class Memory:
             "sketch": SKETCH,
             "shingle": SHINGLE,
             "min_shingles": MIN_SHINGLES,
+            "max_shingles": MAX_SHINGLES,
         }
 
     @classmethod
