@@ -14,7 +14,7 @@ the dev file's families, trained on by default (``--train-on-dev``), weigh
   normalized on their own (same fit as chars). About 1 point more held out, but
   it costs a third more time per prompt than the two others together.
 
-Beside the linear score, a known-attack memory (memory.py; ``--no-memory`` leaves it
+Beside the linear score, a known-attack memory (memory.py; ``--memory-weight 0`` leaves it
 out): bottom-k sketches of the training attacks' word 3-grams; ``memory.WEIGHT`` times
 the largest share of one stored attack found in a prompt is added to the logit. Every
 protocol below builds it from its own training rows only.
