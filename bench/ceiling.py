@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute", type=int, default=0, help="also time the first N requests at batch 1")
     parser.add_argument("--out", type=Path, help="JSON file (default: print)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
 
-    lm = hf.load(args.model)
+    lm = hf.load(args.model, dtype=args.dtype)
     workload = Workload(model=lm.name, lengths=LengthMix.parse(args.lengths), seed=args.seed)
     turns = fixed_requests(workload, max(args.requests, args.compute))
     hf.generate(lm, hf.encode(lm, _prompts(lm, turns[:2])), 4)  # warm-up

@@ -61,6 +61,8 @@ def run_ceiling(args, out: Path, workload: Workload) -> dict:
         str(workload.seed),
         "--compute",
         str(args.overhead_requests),
+        "--dtype",
+        args.dtype,
         "--out",
         str(path),
     ]
@@ -88,7 +90,7 @@ def run_engine(args, out: Path, loads: list[float]) -> dict:
     threads = args.torch_threads or int(torch_threads({}, 1)["ARENA_TORCH_THREADS"])
     cmd = [sys.executable, "-m", "bench.engine_speed", "--closed-loop", "--model", str(args.model)]
     cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", args.lengths, "--seed", str(args.seed)]
-    cmd += ["--duration", str(args.duration), "--threads", str(threads), "--json", str(path)]
+    cmd += ["--duration", str(args.duration), "--threads", str(threads), "--dtype", args.dtype, "--json", str(path)]
     if failed := run_measurement("engine", cmd, args, out):
         return failed
     row = json.loads(path.read_text())
@@ -138,7 +140,7 @@ def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit or "unknown",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {args.torch_threads or 'default'}",
-        "model": f"{args.model} ({ceiling.get('params', 0) / 1e6:.1f}M params, float32, CPU)",
+        "model": f"{args.model} ({ceiling.get('params', 0) / 1e6:.1f}M params, {args.dtype}, CPU)",
         "workload": (
             f"{workload.mode} loop, loads {','.join(f'{x:g}' for x in loads)}, lengths "
             f"{workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level"
@@ -158,6 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-requests", type=int, default=20)
     parser.add_argument("--max-batch-size", type=int, default=16, help="arenaflow's batch limit")
     parser.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS for every process measured")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights' dtype for every row (the ceiling, the engine, each server)",
+    )
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone row")
     parser.add_argument("--ready-timeout", type=float, default=240.0)
     parser.add_argument("--ceiling-timeout", type=float, default=600.0)
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     name = args.name or args.model.name
     workload, loads = workload_from_args(args, name)
-    setup = targets.Setup(args.model, name, out, args.max_batch_size, args.torch_threads)
+    setup = targets.Setup(args.model, name, out, args.max_batch_size, args.torch_threads, args.dtype)
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()

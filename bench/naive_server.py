@@ -54,12 +54,12 @@ def _chunk(rid: str, model: str, delta: dict | None, finish: str | None = None, 
     return f"data: {json.dumps(body)}\n\n"
 
 
-def create_app(model_path: str, name: str | None = None) -> FastAPI:
+def create_app(model_path: str, name: str | None = None, dtype: str = "float32") -> FastAPI:
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["lm"] = await asyncio.to_thread(hf.load, model_path, name)
+        state["lm"] = await asyncio.to_thread(hf.load, model_path, name, dtype)
         state["lock"] = asyncio.Lock()
         yield
         state.clear()
@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="served model name (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
-    uvicorn.run(create_app(args.model, args.name), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.model, args.name, args.dtype), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -36,6 +36,7 @@ class Setup:
     out: Path
     max_batch_size: int = 16
     torch_threads: int | None = None
+    dtype: str = "float32"
 
     def env(self) -> dict[str, str]:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -67,6 +68,8 @@ def naive(setup: Setup) -> Target:
         setup.model_name,
         "--port",
         str(port),
+        "--dtype",
+        setup.dtype,
     ]
     proc = ServerProcess(
         "naive", cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / "naive.log", env=setup.env()
@@ -101,6 +104,8 @@ def transformers_serve(setup: Setup, continuous: bool = False) -> Target:
         "--log-level",
         "warning",
         "--continuous-batching" if continuous else "--no-continuous-batching",
+        "--dtype",
+        setup.dtype,
         model,
     ]
     proc = ServerProcess(name, cmd, f"http://127.0.0.1:{port}/health", setup.out / "logs" / f"{name}.log", env=env)
@@ -131,7 +136,7 @@ def arena(setup: Setup, engine: str) -> Target:
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(
         f"models:\n  - name: {setup.model_name}\n    path: {setup.model_path.resolve()}\n"
-        f"    dtype: float32\n    device: cpu\n"
+        f"    dtype: {setup.dtype}\n    device: cpu\n"
     )
     port = free_port()
     state = (setup.out / "state" / name).resolve()

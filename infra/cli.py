@@ -307,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     mo.add_argument("op", choices=("list", "add", "reload", "remove"))
     mo.add_argument("--name")
     mo.add_argument("--path", help="HF model directory (add; reload with new weights)")
-    mo.add_argument("--dtype", default="float32")
+    mo.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (see the models config)")
     mo.add_argument("--device", default="cpu")
     mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     mo.add_argument("--nats-url", default=None)

@@ -368,6 +368,23 @@ def test_a_failed_packed_pass_is_run_again_as_two(loaded, monkeypatch):
     assert all(o[-1].finish_reason != "error" for o in outs.values())
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["two-passes", "packed"])
+def test_a_bf16_model_batches_and_ends_every_request(pack):
+    """bfloat16 weights (what `dtype: auto` picks for a big model on an AMX CPU): the KV
+    slab, the masks, the packed attention and the sampler all take the model's dtype."""
+    bf16 = load_model(ModelSpec(name="s", path=str(STORIES), dtype="bfloat16"))
+    assert bf16.model.dtype == torch.bfloat16
+    reqs = _requests(bf16, sampled=False)[:4] + _requests(bf16, sampled=True)[4:]
+    arrivals = {0: reqs[:2], 1: reqs[2:4], 3: reqs[4:]}
+    outs = run(BatchEngine(bf16, "continuous", max_batch_size=8, pack=pack), arrivals)
+    assert set(outs) == {r.request_id for r in reqs}
+    for r in reqs:
+        assert outs[r.request_id][-1].finish_reason in ("stop", "length")
+        assert 0 < len(tokens(outs[r.request_id])) <= r.params.max_tokens
+    greedy = reqs[0]
+    assert tokens(outs[greedy.request_id]) == alone(bf16, "continuous", greedy)
+
+
 def test_static_batches_never_pack_and_a_tiny_model_only_when_asked(loaded):
     assert not BatchEngine(loaded, "static", pack=True).packed
     assert not BatchEngine(loaded, "continuous").packed  # stories260K: a pass is Python's time

@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from consumers.inference import models
 from consumers.inference.errors import PermanentError
 from consumers.inference.models import (
     FALLBACK_TEMPLATE,
     LoadedModel,
     ModelSpec,
+    auto_dtype,
     default_specs,
     encode_prompt,
     load_model,
@@ -90,6 +93,30 @@ def test_load_model_reports_size_context_and_eos(loaded):
     assert loaded.eos_ids == [2]
     # 260K float32 parameters, tied embeddings counted once.
     assert 900_000 < loaded.nbytes < 1_200_000
+
+
+def test_auto_keeps_a_small_model_in_float32(loaded):
+    """stories260K's steps are Python's time: bfloat16 would only slow it, on any CPU."""
+    assert loaded.spec.dtype == "auto"
+    assert loaded.model.dtype == torch.float32
+    assert auto_dtype(loaded.model, "cpu") == torch.float32
+    assert auto_dtype(loaded.model, "cuda") is None  # a GPU keeps the checkpoint's dtype
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "emulating-cpu"])
+def test_auto_serves_a_big_enough_model_in_bf16_where_the_cpu_has_it(monkeypatch, loaded, native):
+    monkeypatch.setattr(models, "BF16_MIN_PARAMS", 100_000)  # stories260K counts as big here
+    monkeypatch.setattr(models, "cpu_bf16_native", lambda: native)
+    auto = load_model(ModelSpec(name="s", path=str(STORIES)))
+    assert auto.model.dtype == (torch.bfloat16 if native else torch.float32)
+    assert auto.nbytes == (loaded.nbytes // 2 if native else loaded.nbytes)  # the pool budgets what is resident
+    pinned = load_model(ModelSpec(name="s", path=str(STORIES), dtype="float32"))
+    assert pinned.model.dtype == torch.float32  # an explicit dtype is kept
+
+
+def test_the_cpu_check_reads_torchs_capabilities():
+    caps = torch.cpu.get_capabilities()
+    assert models.cpu_bf16_native() == bool(caps["amx_bf16"] or caps["avx512_bf16"])
 
 
 def test_load_missing_model_is_permanent(tmp_path):
