@@ -38,6 +38,8 @@ def role_of(proc: psutil.Process) -> str | None:
         cmd = proc.cmdline()
     except psutil.Error:
         return None
+    if any("spawn_main" in part for part in cmd):  # ARENA_ENGINE_PROCESS: a model's engine
+        return "engine process"
     if "run" in cmd and cmd.index("run") + 1 < len(cmd):
         return cmd[cmd.index("run") + 1]
     exe = Path(cmd[0].split()[0]).name if cmd and cmd[0] else ""  # redis rewrites its title

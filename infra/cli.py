@@ -253,6 +253,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--default-model", default=None)
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     up.add_argument("--max-batch-size", type=int, default=64)
+    up.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="step each model's engine in a child process of the inference worker (its own GIL)",
+    )
     up.add_argument("--inference-replicas", type=int, default=1)
     up.add_argument(
         "--nats-cluster",

@@ -139,6 +139,10 @@ class InferenceSettings(CommonSettings):
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    engine_process: bool = Field(
+        False,
+        description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop.",
+    )
 
     @field_validator("engine")
     @classmethod

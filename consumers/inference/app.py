@@ -88,7 +88,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         await runtime.connection().subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
         service.start()
         warm = settings.warm_models or [settings.default_model]
-        await pool.warm([w for w in warm if any(s.name == w for s in specs)])
+        await service.warm([w for w in warm if any(s.name == w for s in specs)])
         log.info("warm: %s; metrics on :%d", pool.resident(), runtime.endpoint.port)
 
     @app.after_startup

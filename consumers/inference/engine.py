@@ -101,6 +101,18 @@ class _Seq:
         )
 
 
+def check_prompt(req: GenRequest, context_len: int) -> None:
+    """Raise ``PromptTooLong`` / ``PermanentError`` if ``req`` can never run in a context of
+    ``context_len`` tokens; a request resumed at the end of the context is cut to fit."""
+    n = len(req.prompt_ids)
+    if n == 0:
+        raise PermanentError(f"request {req.request_id}: the prompt is empty")
+    if n >= context_len:
+        raise PromptTooLong(n, context_len)
+    if len(req.input_ids) >= context_len:
+        req.resume_ids = req.resume_ids[: context_len - n]
+
+
 class BatchEngine:
     """Generates for many requests of one model, one token per request per step.
 
@@ -153,13 +165,7 @@ class BatchEngine:
 
     def add(self, req: GenRequest) -> None:
         """Queue ``req``; raises ``PromptTooLong`` / ``PermanentError`` if it can never run."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise PermanentError(f"request {req.request_id}: the prompt is empty")
-        if n >= self.loaded.context_len:
-            raise PromptTooLong(n, self.loaded.context_len)
-        if len(req.input_ids) >= self.loaded.context_len:  # resumed at the end of the context
-            req.resume_ids = req.resume_ids[: self.loaded.context_len - n]
+        check_prompt(req, self.loaded.context_len)
         with self._lock:
             if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")

@@ -78,6 +78,10 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
+    @property
+    def loaded(self):
+        return self.engine.loaded
+
     def add(self, req: GenRequest) -> None:
         self.engine.add(req)
         self._wake.set()
@@ -167,6 +171,10 @@ class EngineRunner:
         measured = load["full_step_s"] if recent is self._full else load["step_s"]  # typical_step(recent)
         step = max(step or 0.0, measured)
         return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * step
+
+    def samples(self) -> tuple[int, int]:
+        """Steps measured at small and at near-full batches (of the last 64 each)."""
+        return len(self._small), len(self._full)
 
     def load(self) -> dict:
         """What this engine holds and how fast it steps (for heartbeats)."""

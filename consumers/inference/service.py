@@ -34,6 +34,7 @@ from opentelemetry.trace import Span
 
 from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt
@@ -55,13 +56,15 @@ log = logging.getLogger(__name__)
 
 #: A chunk send or acknowledgement that failed: the chunk is published again, awaited.
 SEND_ERRORS = (NatsError, TimeoutError, OSError)
+#: What steps a model's engine: a thread beside the loop, or a process of its own.
+Runner = EngineRunner | ProcessRunner
 
 
 @dataclass
 class Job:
     event: PromptAccepted
     msg: Msg  # acked after the terminal event
-    runner: EngineRunner
+    runner: Runner
     pin: AsyncExitStack
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
@@ -114,7 +117,7 @@ class InferenceService:
         self.recorded = recorded
         self.jobs: dict[str, Job] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
-        self.runners: dict[int, EngineRunner] = {}
+        self.runners: dict[int, Runner] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._room = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -307,12 +310,34 @@ class InferenceService:
         if job:
             job.runner.cancel(request_id)
 
-    def _runner_for(self, loaded) -> EngineRunner:
+    async def warm(self, names: list[str]) -> None:
+        """Load ``names`` and start their engines, so that the first request (one handed
+        on from a worker that died, say) waits for neither: an engine process takes
+        seconds to start and load its copy of the model."""
+        for name in names:
+            async with self.pool.use(name) as loaded:
+                runner = self._runner_for(loaded)
+            if isinstance(runner, ProcessRunner):
+                await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
+
+    def _runner_for(self, loaded) -> Runner:
         runner = self.runners.get(id(loaded))
-        if runner is None or runner.engine.loaded is not loaded:
-            engine = BatchEngine(loaded, self.settings.engine, self.settings.max_batch_size)
+        if runner is None or runner.loaded is not loaded:
             assert self.loop is not None, "start() the service first"
-            runner = EngineRunner(engine, self.loop, self.on_outputs, self.settings.max_wait_ms / 1000)
+            s = self.settings
+            if s.engine_process:
+                runner = ProcessRunner(
+                    loaded,
+                    s.engine,
+                    s.max_batch_size,
+                    self.loop,
+                    self.on_outputs,
+                    s.max_wait_ms / 1000,
+                    s.torch_threads,
+                )
+            else:
+                engine = BatchEngine(loaded, s.engine, s.max_batch_size)
+                runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner
 

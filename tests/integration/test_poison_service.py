@@ -45,10 +45,10 @@ class Worker:
     sub: object
 
 
-@pytest.fixture
-async def worker(nats_server):
-    settings = InferenceSettings(nats_url=nats_server.url, max_batch_size=16, chunk_tokens=4)
-    nc = await jetstream.connect(settings.nats_url, "test-poison")
+async def start_worker(nats_url: str, **settings_kw) -> tuple[Worker, object]:
+    """An inference service on stories260K pulling from the inference durable; (worker, connection)."""
+    settings = InferenceSettings(nats_url=nats_url, max_batch_size=16, chunk_tokens=4, **settings_kw)
+    nc = await jetstream.connect(settings.nats_url, "test-inference-service")
     js = nc.jetstream()
     await jetstream.ensure_topology(js, **settings.topology())
     pool = ModelPool([ModelSpec(name=MODEL, path=str(STORIES))], 2**30)
@@ -62,8 +62,14 @@ async def worker(nats_server):
     )
     service.start()
     sub = await js.pull_subscribe(subjects.INFERENCE_SUBJECT, durable=topology.INFERENCE.name)
-    yield Worker(js, service, sub)
-    await service.stop()
+    return Worker(js, service, sub), nc
+
+
+@pytest.fixture
+async def worker(nats_server):
+    w, nc = await start_worker(nats_server.url)
+    yield w
+    await w.service.stop()
     await nc.close()
 
 

@@ -1,0 +1,274 @@
+"""The batch engine in a process of its own, as vLLM's engine core runs beside its API server.
+
+A served engine thread shares its process's GIL with the consumer's event loop: torch
+lets go of the GIL around every op, the loop thread takes it, and the engine waits for
+it back (served at 32 users, stories260K's engine thread was on the CPU 62 % of the
+time, 28 % waiting to run and 10 % for the GIL; raising its priority only moved the wait
+to the GIL). In its own process it has a GIL of its own.
+
+The child loads the model from its spec and steps an :class:`EngineRunner` (the same
+stepping, static hold and step-time measurement as the in-process runner). Requests go
+down a pipe; each step's outputs come back with the engine's state (budgets and step
+times, for admission) and are handed to the loop as the thread runner hands them.
+:class:`ProcessRunner` has the runner's interface (``add``, ``cancel``, ``finish_at``,
+``load``, ``stop``), so the service cannot tell them apart.
+
+The child ends with its parent: it reads the pipe between steps and exits when the
+parent's end closes (a ``kill -9`` of the consumer closes it), and it asks the kernel
+for SIGKILL when the parent dies. A child that dies fails what it held ("error"
+outputs, the service's terminal events) and a new one is started for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import torch
+
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
+from consumers.inference.errors import PermanentError
+from consumers.inference.metrics import METRICS
+from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot
+from runtime.steps import step_time
+
+log = logging.getLogger(__name__)
+
+#: How long a child may take to load its model and answer, at most.
+START_TIMEOUT_S = 120.0
+#: The engine process's nice value relative to the consumer's, where the OS allows it
+#: (lowering it needs CAP_SYS_NICE; without, it stays as it is).
+ENGINE_NICE = -5
+
+
+class _Immediate:
+    """The child's stand-in for an event loop: the runner's hand-off runs at once, on the
+    engine thread, which sends the outputs up the pipe."""
+
+    @staticmethod
+    def call_soon_threadsafe(callback: Callable[[], None]) -> None:
+        callback()
+
+
+def _die_with_parent() -> None:
+    with_libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    with_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _child(
+    spec: ModelSpec, version: int, mode: str, max_batch: int, max_wait_s: float, threads: int, conn: Any, parent: int
+) -> None:
+    """The engine process: load, then step whatever comes down the pipe until it closes."""
+    with suppress(OSError):
+        _die_with_parent()
+    if os.getppid() != parent:  # it died while this process was starting
+        os._exit(0)
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(spec, version)
+    engine = BatchEngine(loaded, mode, max_batch)  # type: ignore[arg-type]
+    send_lock = threading.Lock()
+    runner: EngineRunner
+
+    def send(outputs: list[StepOutput]) -> None:
+        state = _state(runner)
+        with send_lock:
+            conn.send(("out", outputs, state))
+
+    runner = EngineRunner(engine, _Immediate(), send, max_wait_s)  # type: ignore[arg-type]
+    with send_lock:
+        conn.send(("ready", None, _state(runner)))
+    try:
+        while True:
+            kind, arg = conn.recv()
+            if kind == "add":
+                try:
+                    runner.add(arg)
+                except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
+                    send([StepOutput(arg.request_id, [], "", True, "error", len(arg.prompt_ids), 0)])
+                    log.warning("engine refused a request: %r", exc, extra={"request_id": arg.request_id})
+            elif kind == "cancel":
+                runner.cancel(arg)
+            elif kind == "stop":
+                break
+    except (EOFError, OSError):  # the parent is gone
+        pass
+    finally:
+        runner.stop()
+        os._exit(0)
+
+
+def _state(runner: EngineRunner) -> dict:
+    small, full = runner.samples()
+    return {"budgets": runner.engine.budgets(), "load": runner.load(), "small_samples": small, "full_samples": full}
+
+
+class ProcessRunner:
+    """An :class:`EngineRunner` whose engine steps in a child process."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        mode: str,
+        max_batch_size: int,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[StepOutput]], None],
+        max_wait_s: float = 0.0,
+        threads: int = 0,
+    ):
+        self.loaded = loaded
+        self.name = loaded.spec.name
+        self.mode = mode
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.threads = threads
+        self.loop = loop
+        self.on_outputs = on_outputs
+        self.measured_at = 0.0
+        self._active: dict[str, GenRequest] = {}
+        self._state: dict = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
+        self._lock = threading.Lock()
+        self._stopping = False
+        #: Set once the engine process has loaded its model and answered.
+        self.ready = threading.Event()
+        self._start()
+
+    # ---- the child -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._conn = parent
+        self._proc = ctx.Process(
+            target=_child,
+            args=(
+                self.loaded.spec,
+                self.loaded.version,
+                self.mode,
+                self.max_batch_size,
+                self.max_wait_s,
+                self.threads,
+                child,
+                os.getpid(),
+            ),
+            name=f"engine-{self.name}",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        with suppress(OSError):  # lowering a nice value needs CAP_SYS_NICE
+            os.setpriority(os.PRIO_PROCESS, self._proc.pid or 0, os.getpriority(os.PRIO_PROCESS, 0) + ENGINE_NICE)
+        self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        """On a thread: every message from the child, handed to the loop."""
+        conn = self._conn
+        while True:
+            try:
+                kind, outputs, state = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._state = state
+            self.measured_at = (state.get("load") or {}).get("measured_at", 0.0)
+            if kind == "ready":
+                self.ready.set()
+            elif outputs:
+                self.loop.call_soon_threadsafe(self._deliver, outputs)
+        if not self._stopping:
+            self.loop.call_soon_threadsafe(self._lost)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._active.pop(out.request_id, None)
+        METRICS.running.labels(self.name).set(len(self._state["budgets"][0]))
+        METRICS.waiting.labels(self.name).set(len(self._state["budgets"][1]))
+        self.on_outputs(outputs)
+
+    def _lost(self) -> None:
+        """The child died: what it held fails, and the next request starts a new one."""
+        code = self._proc.exitcode
+        with self._lock:
+            held, self._active = list(self._active.values()), {}
+        log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(held))
+        self._state = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
+        self.ready.clear()
+        self._start()
+        self.on_outputs([StepOutput(r.request_id, [], "", True, "error", len(r.prompt_ids), 0) for r in held])
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid (a new one after a restart)."""
+        return self._proc.pid
+
+    # ---- the runner's interface ----------------------------------------------------
+
+    def add(self, req: GenRequest) -> None:
+        """Checked here, as the engine checks it, so a refusal reaches the caller at once."""
+        check_prompt(req, self.loaded.context_len)
+        with self._lock:
+            if req.request_id in self._active:
+                raise PermanentError(f"request {req.request_id} is already in the engine")
+            self._active[req.request_id] = req
+        self._conn.send(("add", req))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._active:
+                return
+        with suppress(OSError):  # a dead engine process fails what it held anyway
+            self._conn.send(("cancel", request_id))
+
+    def finish_at(self, tokens: int) -> float | None:
+        """As :meth:`EngineRunner.finish_at`, from the engine's state after its last step."""
+        state, load = self._state, self._state["load"]
+        if load is None:
+            return None
+        running, waiting = state["budgets"]
+        small, full = state["small_samples"], state["full_samples"]
+        # The same choice as the thread's: the steps measured at the batch it would join.
+        use_full = (full or not small) if len(running) * 2 >= self.max_batch_size else not small
+        if (full if use_full else small) < MIN_SAMPLES:
+            return None
+        batch = min(self.max_batch_size, len(running) + len(waiting) + 1)
+        step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], self.max_batch_size, batch)
+        step = max(step or 0.0, load["full_step_s"] if use_full else load["step_s"])
+        return time.time() + (steps_until_slot(running, waiting, self.max_batch_size) + tokens) * step
+
+    def load(self) -> dict:
+        load = self._state["load"]
+        running, waiting = self._state["budgets"]
+        out = {
+            "running": len(running),
+            "waiting": len(waiting),
+            "max_batch": self.max_batch_size,
+            "step_s": None,
+            "full_step_s": None,
+            "full_batch": None,
+            "measured_at": self.measured_at,
+        }
+        if load is not None:
+            out.update({k: load[k] for k in ("step_s", "full_step_s", "full_batch")})
+        return out
+
+    def stop(self) -> None:
+        self._stopping = True
+        with suppress(OSError, ValueError):
+            self._conn.send(("stop", None))
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()

@@ -1,0 +1,124 @@
+"""The engine in a process of its own (`ARENA_ENGINE_PROCESS`), against a real nats-server
+and stories260K: the same tokens as the engine thread, a killed engine process fails only
+what it held and is started again, and it never outlives a consumer killed with -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from events import decode
+from tests.conftest import STORIES
+from tests.conftest import STORY_PROMPTS as PROMPTS
+from tests.integration.test_poison_service import Worker, healthy_params, request, serve, start_worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+async def start(nats_server, engine_process: bool) -> tuple[Worker, object]:
+    return await start_worker(nats_server.url, engine_process=engine_process, torch_threads=1)
+
+
+async def stop_worker(worker: Worker, nc) -> None:
+    await worker.service.stop()
+    await nc.close()
+
+
+def runner_of(worker: Worker):
+    (runner,) = worker.service.runners.values()
+    return runner
+
+
+async def test_the_engine_process_gives_the_threads_tokens(nats_server):
+    texts = {}
+    for mode in (False, True):
+        worker, nc = await start(nats_server, engine_process=mode)
+        try:
+            for i, p in enumerate(PROMPTS):
+                await request(worker.js, f"{mode}-{i}", p, healthy_params(i))
+            done = await serve(worker, len(PROMPTS))
+            if mode:
+                assert runner_of(worker).pid != os.getpid(), "the engine did not run in a child process"
+        finally:
+            await stop_worker(worker, nc)
+        assert all(e.type == "chat.completed" for e in done.values()), done
+        texts[mode] = [done[f"{mode}-{i}"].text for i in range(len(PROMPTS))]
+    assert texts[True] == texts[False]  # greedy and seeded sampling alike
+
+
+async def test_a_killed_engine_process_fails_what_it_held_and_is_started_again(nats_server):
+    worker, nc = await start(nats_server, engine_process=True)
+    try:
+        await request(worker.js, "warm", PROMPTS[0], healthy_params(0))
+        await serve(worker, 1)
+        runner = runner_of(worker)
+        first = runner.pid
+        long = healthy_params(0).model_copy(update={"max_tokens": 200})
+        for i in range(3):
+            await request(worker.js, f"held{i}", PROMPTS[i], long)
+        for msg in await worker.sub.fetch(3, timeout=10):
+            await worker.service.submit(decode(msg.data), msg)
+        end = time.monotonic() + 20
+        while not any(j.generated for j in worker.service.jobs.values()) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        assert any(j.generated for j in worker.service.jobs.values()), "no request started generating"
+        os.kill(first, signal.SIGKILL)
+        held = await serve(worker, 0, timeout=30)
+        assert {held[f"held{i}"].type for i in range(3)} == {"chat.failed"}
+        assert runner.pid != first
+        await request(worker.js, "after", PROMPTS[1], healthy_params(1))
+        after = await serve(worker, 1, timeout=60)
+        assert after["after"].type == "chat.completed" and after["after"].text
+    finally:
+        await stop_worker(worker, nc)
+
+
+CONSUMER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from consumers.inference.engine_process import ProcessRunner
+    from consumers.inference.models import ModelSpec, load_model
+
+    async def main():
+        loaded = load_model(ModelSpec(name="m", path=sys.argv[1]))
+        runner = ProcessRunner(loaded, "continuous", 4, asyncio.get_running_loop(), lambda outs: None, threads=1)
+        await asyncio.to_thread(runner.ready.wait, 120)
+        print(runner.pid, flush=True)
+        await asyncio.sleep(300)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_the_engine_process_ends_with_a_consumer_killed_with_9():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER, str(STORIES)], stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd()
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert psutil.pid_exists(child)
+        parent.kill()
+        parent.wait(timeout=10)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"engine process {child} outlived its consumer")
+    finally:
+        parent.kill()
