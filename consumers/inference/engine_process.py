@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,8 +115,41 @@ def _state(runner: EngineRunner) -> dict:
     return {"budgets": runner.engine.budgets(), "load": runner.load(), "small_samples": small, "full_samples": full}
 
 
+@dataclass
+class EngineChild:
+    """A started engine process and the consumer's end of its pipe."""
+
+    spec: ModelSpec
+    proc: Any
+    conn: Any
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.conn.close()
+
+
+def spawn(spec: ModelSpec, version: int, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:
+    """Start an engine process for ``spec``: it imports torch and loads its copy of the
+    weights while the consumer loads its own (the pool's), so a worker's start is not
+    the sum of both."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=_child,
+        args=(spec, version, mode, max_batch, max_wait_s, threads, child, os.getpid()),
+        name=f"engine-{spec.name}",
+        daemon=True,
+    )
+    proc.start()
+    child.close()
+    with suppress(OSError):  # lowering a nice value needs CAP_SYS_NICE
+        os.setpriority(os.PRIO_PROCESS, proc.pid or 0, os.getpriority(os.PRIO_PROCESS, 0) + ENGINE_NICE)
+    return EngineChild(spec, proc, parent)
+
+
 class ProcessRunner:
-    """An :class:`EngineRunner` whose engine steps in a child process."""
+    """An :class:`EngineRunner` whose engine steps in a child process (``child``: one
+    started already for the same spec, see :func:`spawn`)."""
 
     def __init__(
         self,
@@ -126,6 +160,7 @@ class ProcessRunner:
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
         threads: int = 0,
+        child: EngineChild | None = None,
     ):
         self.loaded = loaded
         self.name = loaded.spec.name
@@ -142,33 +177,18 @@ class ProcessRunner:
         self._stopping = False
         #: Set once the engine process has loaded its model and answered.
         self.ready = threading.Event()
-        self._start()
+        if child is not None and child.spec != loaded.spec:  # started for what the pool did not load
+            child.kill()
+            child = None
+        self._start(child)
 
     # ---- the child -----------------------------------------------------------------
 
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._conn = parent
-        self._proc = ctx.Process(
-            target=_child,
-            args=(
-                self.loaded.spec,
-                self.loaded.version,
-                self.mode,
-                self.max_batch_size,
-                self.max_wait_s,
-                self.threads,
-                child,
-                os.getpid(),
-            ),
-            name=f"engine-{self.name}",
-            daemon=True,
+    def _start(self, child: EngineChild | None = None) -> None:
+        child = child or spawn(
+            self.loaded.spec, self.loaded.version, self.mode, self.max_batch_size, self.max_wait_s, self.threads
         )
-        self._proc.start()
-        child.close()
-        with suppress(OSError):  # lowering a nice value needs CAP_SYS_NICE
-            os.setpriority(os.PRIO_PROCESS, self._proc.pid or 0, os.getpriority(os.PRIO_PROCESS, 0) + ENGINE_NICE)
+        self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()
 

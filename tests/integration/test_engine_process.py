@@ -18,7 +18,7 @@ import pytest
 from events import decode
 from tests.conftest import STORIES
 from tests.conftest import STORY_PROMPTS as PROMPTS
-from tests.integration.test_poison_service import Worker, healthy_params, request, serve, start_worker
+from tests.integration.test_poison_service import MODEL, Worker, healthy_params, request, serve, start_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -57,9 +57,11 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
 async def test_a_killed_engine_process_fails_what_it_held_and_is_started_again(nats_server):
     worker, nc = await start(nats_server, engine_process=True)
     try:
-        await request(worker.js, "warm", PROMPTS[0], healthy_params(0))
-        await serve(worker, 1)
+        await worker.service.warm([MODEL, MODEL])  # started before any request, once per model
         runner = runner_of(worker)
+        assert runner.ready.is_set()
+        engines = [p for p in psutil.Process().children() if any("spawn_main" in c for c in p.cmdline())]
+        assert [p.pid for p in engines] == [runner.pid]
         first = runner.pid
         long = healthy_params(0).model_copy(update={"max_tokens": 200})
         for i in range(3):
