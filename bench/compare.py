@@ -30,7 +30,16 @@ from bench.report import write_report
 from bench.workload import Workload, fixed_requests
 from infra.supervisor import torch_threads
 
-ALL_TARGETS = ("naive", "transformers-serve", "transformers-serve-cb", "arenaflow-static", "arenaflow-continuous")
+ALL_TARGETS = (
+    "naive",
+    "transformers-serve",
+    "transformers-serve-cb",
+    "arenaflow-static",
+    "arenaflow-continuous",
+    "arenaflow-continuous-process",
+)
+#: What a run compares unless told: the engine-process variant only when asked for.
+DEFAULT_TARGETS = ALL_TARGETS[:-1]
 QUICK = {
     "loads": "1,4",
     "duration": 3.0,
@@ -153,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True, help="HF model directory")
     parser.add_argument("--name", help="served model name (default: the directory's name)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--targets", default=",".join(ALL_TARGETS))
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
     parser.add_argument("--quick", action="store_true", help="small, short run (under ~2 min)")
     parser.add_argument("--ceiling-requests", type=int, default=32)
     parser.add_argument("--batch-sizes", default="1,4,8,16", help="ceiling batch sizes")

@@ -123,8 +123,8 @@ def _arena_command() -> list[str]:
     raise NotRunnable("arenaflow's `arena` CLI (infra.cli) is not there yet")
 
 
-def arena(setup: Setup, engine: str) -> Target:
-    name = f"arenaflow-{engine}"
+def arena(setup: Setup, engine: str, engine_process: bool = False) -> Target:
+    name = f"arenaflow-{engine}" + ("-process" if engine_process else "")
     cmd = _arena_command()
     check = subprocess.run([*cmd, "up", "--help"], capture_output=True, text=True, timeout=60, check=False)
     if check.returncode != 0:
@@ -156,6 +156,7 @@ def arena(setup: Setup, engine: str) -> Target:
         str(setup.max_batch_size),
         "--state-dir",
         str(state),
+        *(["--engine-process"] if engine_process else []),
     ]
     proc = ServerProcess(
         name, cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / f"{name}.log", env=setup.env()
@@ -169,6 +170,8 @@ BUILDERS = {
     "transformers-serve-cb": lambda s: transformers_serve(s, continuous=True),
     "arenaflow-static": lambda s: arena(s, "static"),
     "arenaflow-continuous": lambda s: arena(s, "continuous"),
+    # The same with each model's engine in a process of its own (`arena up --engine-process`).
+    "arenaflow-continuous-process": lambda s: arena(s, "continuous", engine_process=True),
 }
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
-from consumers.inference.errors import PermanentError
+from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import LoadedModel, ModelSpec, load_model
 from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 #: How long a child may take to load its model and answer, at most.
 START_TIMEOUT_S = 120.0
+#: A child that died before it was ready is started again by the first request this
+#: long after, at the soonest (one that cannot load must not be restarted in a loop).
+RESTART_AFTER_S = 10.0
 #: The engine process's nice value relative to the consumer's, where the OS allows it
 #: (lowering it needs CAP_SYS_NICE; without, it stays as it is).
 ENGINE_NICE = -5
@@ -177,6 +180,7 @@ class ProcessRunner:
         self._stopping = False
         #: Set once the engine process has loaded its model and answered.
         self.ready = threading.Event()
+        self._dead_since: float | None = None  # when a child died before it was ready
         if child is not None and child.spec != loaded.spec:  # started for what the pool did not load
             child.kill()
             child = None
@@ -219,14 +223,19 @@ class ProcessRunner:
         self.on_outputs(outputs)
 
     def _lost(self) -> None:
-        """The child died: what it held fails, and the next request starts a new one."""
-        code = self._proc.exitcode
+        """The child died: what it held fails. One that had served is started again at
+        once; one that died starting is left for a request to restart later."""
+        self._proc.join(timeout=1)
+        code, served = self._proc.exitcode, self.ready.is_set()
         with self._lock:
             held, self._active = list(self._active.values()), {}
         log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(held))
         self._state = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
         self.ready.clear()
-        self._start()
+        if served:
+            self._start()
+        else:
+            self._dead_since = time.monotonic()
         self.on_outputs([StepOutput(r.request_id, [], "", True, "error", len(r.prompt_ids), 0) for r in held])
 
     @property
@@ -239,6 +248,11 @@ class ProcessRunner:
     def add(self, req: GenRequest) -> None:
         """Checked here, as the engine checks it, so a refusal reaches the caller at once."""
         check_prompt(req, self.loaded.context_len)
+        if self._dead_since is not None:
+            if time.monotonic() - self._dead_since < RESTART_AFTER_S:
+                raise RetryableError(f"the engine process of {self.name} failed to start; retrying shortly")
+            self._dead_since = None
+            self._start()
         with self._lock:
             if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")

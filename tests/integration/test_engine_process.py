@@ -11,10 +11,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
 
+from consumers.inference import engine_process
+from consumers.inference.engine import GenRequest
+from consumers.inference.errors import RetryableError
+from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.sampling import SamplingParams
 from events import decode
 from tests.conftest import STORIES
 from tests.conftest import STORY_PROMPTS as PROMPTS
@@ -81,6 +87,30 @@ async def test_a_killed_engine_process_fails_what_it_held_and_is_started_again(n
         assert after["after"].type == "chat.completed" and after["after"].text
     finally:
         await stop_worker(worker, nc)
+
+
+async def test_an_engine_process_that_cannot_start_is_not_restarted_in_a_loop(monkeypatch):
+    monkeypatch.setattr(engine_process, "RESTART_AFTER_S", 1.0)
+    loaded = load_model(ModelSpec(name=MODEL, path=str(STORIES)))
+    broken = replace(loaded, spec=loaded.spec.model_copy(update={"path": "/nonexistent/model"}))
+    failed: list = []
+    runner = engine_process.ProcessRunner(broken, "continuous", 4, asyncio.get_running_loop(), failed.extend)
+    try:
+        first = runner.pid
+        end = time.monotonic() + 60
+        while runner._dead_since is None and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert runner._dead_since is not None, "the child that cannot load did not end"
+        await asyncio.sleep(0.5)
+        assert runner.pid == first, "restarted at once"
+        req = GenRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        with pytest.raises(RetryableError):
+            runner.add(req)
+        await asyncio.sleep(1.0)
+        runner.add(req)  # due: a new child is started for it (and fails the same way)
+        assert runner.pid != first
+    finally:
+        runner.stop()
 
 
 CONSUMER = textwrap.dedent(
