@@ -38,9 +38,8 @@ import torch
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
-from consumers.inference.metrics import METRICS
 from consumers.inference.models import LoadedModel, ModelSpec, load_model
-from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot
+from consumers.inference.runner import MIN_SAMPLES, EngineRunner, record_step, steps_until_slot
 from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
@@ -83,14 +82,16 @@ def _child(
     loaded = load_model(spec, version)
     engine = BatchEngine(loaded, mode, max_batch)  # type: ignore[arg-type]
     send_lock = threading.Lock()
+    steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
     runner: EngineRunner
 
     def send(outputs: list[StepOutput]) -> None:
         state = _state(runner)
+        state["steps"], steps[:] = list(steps), []
         with send_lock:
             conn.send(("out", outputs, state))
 
-    runner = EngineRunner(engine, _Immediate(), send, max_wait_s)  # type: ignore[arg-type]
+    runner = EngineRunner(engine, _Immediate(), send, max_wait_s, on_step=lambda *step: steps.append(step))  # type: ignore[arg-type]
     with send_lock:
         conn.send(("ready", None, _state(runner)))
     try:
@@ -173,7 +174,6 @@ class ProcessRunner:
         self.threads = threads
         self.loop = loop
         self.on_outputs = on_outputs
-        self.measured_at = 0.0
         self._active: dict[str, GenRequest] = {}
         self._state: dict = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
         self._lock = threading.Lock()
@@ -205,21 +205,20 @@ class ProcessRunner:
             except (EOFError, OSError):
                 break
             self._state = state
-            self.measured_at = (state.get("load") or {}).get("measured_at", 0.0)
             if kind == "ready":
                 self.ready.set()
             elif outputs:
-                self.loop.call_soon_threadsafe(self._deliver, outputs)
+                self.loop.call_soon_threadsafe(self._deliver, outputs, state.get("steps", ()))
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput], steps) -> None:
         with self._lock:
             for out in outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)
-        METRICS.running.labels(self.name).set(len(self._state["budgets"][0]))
-        METRICS.waiting.labels(self.name).set(len(self._state["budgets"][1]))
+        for batch, running, waiting in steps:
+            record_step(self.name, batch, running, waiting)
         self.on_outputs(outputs)
 
     def _lost(self) -> None:
@@ -283,20 +282,16 @@ class ProcessRunner:
         return time.time() + (steps_until_slot(running, waiting, self.max_batch_size) + tokens) * step
 
     def load(self) -> dict:
-        load = self._state["load"]
-        running, waiting = self._state["budgets"]
-        out = {
-            "running": len(running),
-            "waiting": len(waiting),
+        """As :meth:`EngineRunner.load`: the engine process's, as of its last step."""
+        return self._state["load"] or {
+            "running": 0,
+            "waiting": 0,
             "max_batch": self.max_batch_size,
             "step_s": None,
             "full_step_s": None,
             "full_batch": None,
-            "measured_at": self.measured_at,
+            "measured_at": 0.0,
         }
-        if load is not None:
-            out.update({k: load[k] for k in ("step_s", "full_step_s", "full_batch")})
-        return out
 
     def stop(self) -> None:
         self._stopping = True

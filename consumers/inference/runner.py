@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS
@@ -46,8 +47,20 @@ def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
     return heap[0] if heap else 0
 
 
+def record_step(model: str, batch: int, running: int, waiting: int) -> None:
+    """One engine step in the worker's metrics: the batch it stepped, what it holds after."""
+    if batch:
+        METRICS.batch_size.labels(model).observe(batch)
+    METRICS.steps.labels(model).inc()
+    METRICS.running.labels(model).set(running)
+    METRICS.waiting.labels(model).set(waiting)
+
+
 class EngineRunner:
-    """Steps one engine (one model version) in a thread; outputs go back to the loop."""
+    """Steps one engine (one model version) in a thread; outputs go back to the loop.
+
+    ``on_step(batch, running, waiting)`` is told of every step (default: the worker's
+    metrics, :func:`record_step`)."""
 
     def __init__(
         self,
@@ -55,6 +68,7 @@ class EngineRunner:
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
+        on_step: Callable[[int, int, int], None] | None = None,
     ):
         self.engine = engine
         self.max_wait_s = max_wait_s
@@ -62,6 +76,7 @@ class EngineRunner:
         self.loop = loop
         self.on_outputs = on_outputs
         self.name = engine.loaded.spec.name
+        self.on_step = on_step or partial(record_step, self.name)
         self._wake = threading.Event()
         self._stop = False
         # Outputs on their way to the loop: one wake-up carries every step's outputs that
@@ -120,11 +135,8 @@ class EngineRunner:
                 log.exception("engine step failed", extra={"model": self.name})
                 outputs = self.engine.fail_all()
             if batch:
-                METRICS.batch_size.labels(self.name).observe(batch)
                 self._measure(batch, time.perf_counter() - started)
-            METRICS.steps.labels(self.name).inc()
-            METRICS.running.labels(self.name).set(self.engine.running)
-            METRICS.waiting.labels(self.name).set(self.engine.waiting)
+            self.on_step(batch, self.engine.running, self.engine.waiting)
             if outputs:
                 self._post(outputs)
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import psutil
 import pytest
+from prometheus_client import REGISTRY
 
 from consumers.inference import engine_process
 from consumers.inference.engine import GenRequest
@@ -50,9 +51,12 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
         try:
             for i, p in enumerate(PROMPTS):
                 await request(worker.js, f"{mode}-{i}", p, healthy_params(i))
+            steps = REGISTRY.get_sample_value("arena_engine_steps_total", {"model": MODEL}) or 0.0
             done = await serve(worker, len(PROMPTS))
             if mode:
                 assert runner_of(worker).pid != os.getpid(), "the engine did not run in a child process"
+            # The steps count in the worker's metrics either way (those of a child come up the pipe).
+            assert (REGISTRY.get_sample_value("arena_engine_steps_total", {"model": MODEL}) or 0.0) > steps + 20
         finally:
             await stop_worker(worker, nc)
         assert all(e.type == "chat.completed" for e in done.values()), done
