@@ -44,7 +44,9 @@ from consumers.inference.sampling import SamplingParams, TextTracker, draw_unifo
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-FinishReason = Literal["stop", "length", "deadline", "cancelled", "error"]
+#: "lost": the engine process running it died (engine_process.py); the worker gives
+#: the request back, to be continued from its stored chunks, instead of failing it.
+FinishReason = Literal["stop", "length", "deadline", "cancelled", "error", "lost"]
 
 
 @dataclass

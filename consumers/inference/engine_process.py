@@ -15,8 +15,9 @@ times, for admission) and are handed to the loop as the thread runner hands them
 
 The child ends with its parent: it reads the pipe between steps and exits when the
 parent's end closes (a ``kill -9`` of the consumer closes it), and it asks the kernel
-for SIGKILL when the parent dies. A child that dies fails what it held ("error"
-outputs, the service's terminal events) and a new one is started for the next request.
+for SIGKILL when the parent dies. When a child dies, what it held is given back to the
+stream ("lost" outputs: the service naks those messages, and they are continued from
+their stored chunks, as a dead worker's are) and a new one is started.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ class ProcessRunner:
         self.on_outputs(outputs)
 
     def _lost(self) -> None:
-        """The child died: what it held fails. One that had served is started again at
+        """The child died: what it held is given back ("lost": the service naks it, to
+        be continued from its stored chunks). One that had served is started again at
         once; one that died starting is left for a request to restart later."""
         self._proc.join(timeout=1)
         code, served = self._proc.exitcode, self.ready.is_set()
@@ -235,7 +237,7 @@ class ProcessRunner:
             self._start()
         else:
             self._dead_since = time.monotonic()
-        self.on_outputs([StepOutput(r.request_id, [], "", True, "error", len(r.prompt_ids), 0) for r in held])
+        self.on_outputs([StepOutput(r.request_id, [], "", True, "lost", len(r.prompt_ids), 0) for r in held])
 
     @property
     def pid(self) -> int | None:

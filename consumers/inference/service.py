@@ -366,6 +366,10 @@ class InferenceService:
             job = self.jobs.get(out.request_id)
             if job is None or job.closed:
                 continue
+            if out.finish_reason == "lost":  # its engine process died: continued from its chunks
+                job.closed = True
+                self.outbox.put_nowait(("give back", job, None))
+                continue
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = now
             job.pending_ids += out.new_token_ids
@@ -452,6 +456,8 @@ class InferenceService:
                 with tracing.within(job.span):  # the events carry the request's trace
                     if kind == "chunk":
                         await self._send_chunk(job, event)
+                    elif kind == "give back":
+                        await self._give_back(job)
                     else:
                         await self._settle(job, event, term=kind == "reaped")
             except Exception:
@@ -509,12 +515,28 @@ class InferenceService:
         else:
             await (job.msg.term() if term else job.msg.ack())
         finally:
-            if self.jobs.get(job.event.request_id) is job:
-                del self.jobs[job.event.request_id]
-            await job.pin.aclose()
-            spans.record(job, time.time())
-            async with self._room:
-                self._room.notify_all()
+            await self._release(job)
+
+    async def _give_back(self, job: Job) -> None:
+        """Its engine died under it: its chunks stored, the message is given back (nak),
+        so a worker (this one's next engine process, or another) continues it from them,
+        as it continues a dead worker's. Tokens past the last chunk are made again."""
+        try:
+            await self._confirm_chunks(job)
+            await job.msg.nak()
+            log.warning("engine lost; given back after %d chunks", job.seq, extra=job.ids)
+        except Exception:  # its AckWait gives it back all the same
+            log.exception("could not give the request back", extra=job.ids)
+        finally:
+            await self._release(job)
+
+    async def _release(self, job: Job) -> None:
+        if self.jobs.get(job.event.request_id) is job:
+            del self.jobs[job.event.request_id]
+        await job.pin.aclose()
+        spans.record(job, time.time())
+        async with self._room:
+            self._room.notify_all()
 
     async def _publish_retrying(self, event, attempts: int = 6, raw: bytes | None = None) -> None:
         for i in range(attempts):
