@@ -157,6 +157,10 @@ class ModelPool:
             out += [s.name for s in self._specs.values() if s.base == name]
         return out
 
+    def holds(self, loaded: LoadedModel) -> bool:
+        """Whether ``loaded`` is still this pool's: resident, or retired and borrowed."""
+        return self._resident.get(loaded.spec.name) is loaded or id(loaded) in self._retired
+
     @property
     def stats(self) -> PoolStats:
         return PoolStats(

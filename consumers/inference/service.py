@@ -562,8 +562,24 @@ class InferenceService:
             await asyncio.sleep(self.watchdog_period_s)
             try:
                 self.reap_overdue(time.time())
+                for runner in self.prune_runners():
+                    await asyncio.to_thread(runner.stop)
             except Exception:
                 log.exception("watchdog pass failed")
+
+    def prune_runners(self) -> list[Runner]:
+        """Take out the runners of model versions the pool let go (evicted, or replaced
+        and no longer borrowed), for the caller to stop: a runner holds its engine, the
+        engine its weights (and an engine process its own copy), so the pool's eviction
+        frees nothing while the runner stays."""
+        stale = [key for key, runner in self.runners.items() if not self.pool.holds(runner.loaded)]
+        for key in stale:
+            log.info(
+                "engine of %s v%d stopped: its model left the pool",
+                self.runners[key].name,
+                self.runners[key].loaded.version,
+            )
+        return [self.runners.pop(key) for key in stale]
 
     def reap_overdue(self, now: float) -> int:
         """Fail every open job ``watchdog_margin_s`` past its deadline; returns how many.

@@ -1,6 +1,7 @@
 """The engine in a process of its own (`ARENA_ENGINE_PROCESS`), against a real nats-server
 and stories260K: the same tokens as the engine thread, a killed engine process's requests
-are continued by the next one, and it never outlives a consumer killed with -9."""
+are continued by the next one, and it never outlives a consumer killed with -9. And, for
+either runner: an evicted model's engine is stopped with it."""
 
 from __future__ import annotations
 
@@ -97,6 +98,34 @@ async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_ag
         await request(worker.js, "after", PROMPTS[1], healthy_params(1))
         after = await serve(worker, 1, timeout=60)
         assert after["after"].type == "chat.completed" and after["after"].text
+    finally:
+        await stop_worker(worker, nc)
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+async def test_an_evicted_models_engine_is_stopped(nats_server, engine_process):
+    """A pool with room for one model: serving a second evicts the first, and its engine
+    (thread or process, which hold its weights) is stopped with it."""
+    worker, nc = await start(nats_server, engine_process=engine_process)
+    pool = worker.service.pool
+    try:
+        await pool.add(ModelSpec(name="other", path=str(STORIES)))
+        await request(worker.js, "a", PROMPTS[0], healthy_params(0))
+        await serve(worker, 1)
+        (first,) = worker.service.runners.values()
+        pool.budget_bytes = first.loaded.nbytes + 1  # room for one model from now on
+        await request(worker.js, "b", PROMPTS[1], healthy_params(1), model="other")
+        done = await serve(worker, 1)
+        assert done["b"].type == "chat.completed"
+        assert pool.resident() == ["other"]
+        end = time.monotonic() + 10
+        while first in worker.service.runners.values() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert [r.name for r in worker.service.runners.values()] == ["other"]
+        if engine_process:
+            assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
+        else:
+            assert not first._thread.is_alive()
     finally:
         await stop_worker(worker, nc)
 

@@ -73,13 +73,15 @@ async def worker(nats_server):
     await nc.close()
 
 
-async def request(js, rid: str, prompt: str, params: SamplingParams, deadline_s: float = 60.0) -> None:
+async def request(
+    js, rid: str, prompt: str, params: SamplingParams, deadline_s: float = 60.0, model: str = MODEL
+) -> None:
     """What the gateway and the filter publish for one request."""
     now = time.time()
     common = dict(
         request_id=rid,
         conv_id=rid,
-        model=MODEL,
+        model=model,
         messages=(ChatMessage(role="user", content=prompt),),
         params=params,
         deadline_at=now + deadline_s,
