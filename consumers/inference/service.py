@@ -572,14 +572,11 @@ class InferenceService:
         and no longer borrowed), for the caller to stop: a runner holds its engine, the
         engine its weights (and an engine process its own copy), so the pool's eviction
         frees nothing while the runner stays."""
-        stale = [key for key, runner in self.runners.items() if not self.pool.holds(runner.loaded)]
-        for key in stale:
-            log.info(
-                "engine of %s v%d stopped: its model left the pool",
-                self.runners[key].name,
-                self.runners[key].loaded.version,
-            )
-        return [self.runners.pop(key) for key in stale]
+        stale = {key: runner for key, runner in self.runners.items() if not self.pool.holds(runner.loaded)}
+        for key, runner in stale.items():
+            del self.runners[key]
+            log.info("engine of %s v%d stopped: its model left the pool", runner.name, runner.loaded.version)
+        return list(stale.values())
 
     def reap_overdue(self, now: float) -> int:
         """Fail every open job ``watchdog_margin_s`` past its deadline; returns how many.
