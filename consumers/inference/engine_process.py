@@ -40,8 +40,7 @@ import torch
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.models import LoadedModel, ModelSpec, load_model
-from consumers.inference.runner import MIN_SAMPLES, EngineRunner, record_step, steps_until_slot
-from runtime.steps import step_time
+from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +87,15 @@ def _child(
 
     def send(outputs: list[StepOutput]) -> None:
         state = _state(runner)
-        state["steps"], steps[:] = list(steps), []
-        with send_lock:
+        with send_lock:  # the main thread sends too (a refused add)
+            state["steps"], steps[:] = list(steps), []
             conn.send(("out", outputs, state))
 
-    runner = EngineRunner(engine, _Immediate(), send, max_wait_s, on_step=lambda *step: steps.append(step))  # type: ignore[arg-type]
+    def on_step(*step: int) -> None:
+        with send_lock:
+            steps.append(step)  # type: ignore[arg-type]
+
+    runner = EngineRunner(engine, _Immediate(), send, max_wait_s, on_step=on_step)  # type: ignore[arg-type]
     with send_lock:
         conn.send(("ready", None, _state(runner)))
     try:
@@ -269,19 +272,12 @@ class ProcessRunner:
 
     def finish_at(self, tokens: int) -> float | None:
         """As :meth:`EngineRunner.finish_at`, from the engine's state after its last step."""
-        state, load = self._state, self._state["load"]
-        if load is None:
+        state = self._state
+        if state["load"] is None:
             return None
-        running, waiting = state["budgets"]
-        small, full = state["small_samples"], state["full_samples"]
-        # The same choice as the thread's: the steps measured at the batch it would join.
-        use_full = (full or not small) if len(running) * 2 >= self.max_batch_size else not small
-        if (full if use_full else small) < MIN_SAMPLES:
-            return None
-        batch = min(self.max_batch_size, len(running) + len(waiting) + 1)
-        step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], self.max_batch_size, batch)
-        step = max(step or 0.0, load["full_step_s"] if use_full else load["step_s"])
-        return time.time() + (steps_until_slot(running, waiting, self.max_batch_size) + tokens) * step
+        budgets = state["budgets"]
+        samples = (state["small_samples"], state["full_samples"])
+        return estimate_finish(len(budgets[0]), budgets, self.max_batch_size, state["load"], samples, tokens)
 
     def load(self) -> dict:
         """As :meth:`EngineRunner.load`: the engine process's, as of its last step."""

@@ -47,6 +47,29 @@ def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
     return heap[0] if heap else 0
 
 
+def estimate_finish(
+    batch: int, budgets: tuple[list[int], list[int]], max_batch: int, load: dict, samples: tuple[int, int], tokens: int
+) -> float | None:
+    """When a request joining an engine now would end, at worst: once a slot is free for
+    it (after the requests running and waiting ahead of it, each at its whole remaining
+    budget), all its `tokens`, at the step time measured for the batch it joins; None
+    until MIN_SAMPLES steps were measured. ``batch``: the requests running now;
+    ``budgets``, ``load`` and ``samples``: the engine runner's (``budgets()``, ``load()``,
+    ``samples()``), read in this process or sent up by an engine process."""
+    small, full = samples
+    # The steps measured at the batch it joins (those of the other kind while there are none).
+    use_full = (full > 0 or small == 0) if batch * 2 >= max_batch else small == 0
+    if (full if use_full else small) < MIN_SAMPLES:
+        return None
+    running, waiting = budgets
+    # The step time at the batch it will run in, extrapolated as the gateway does: at
+    # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
+    size = min(max_batch, len(running) + len(waiting) + 1)
+    step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], max_batch, size)
+    step = max(step or 0.0, load["full_step_s"] if use_full else load["step_s"])
+    return time.time() + (steps_until_slot(running, waiting, max_batch) + tokens) * step
+
+
 def record_step(model: str, batch: int, running: int, waiting: int) -> None:
     """One engine step in the worker's metrics: the batch it stepped, what it holds after."""
     if batch:
@@ -165,24 +188,9 @@ class EngineRunner:
         self.measured_at = time.time()
 
     def finish_at(self, tokens: int) -> float | None:
-        """When a request joining now would end, at worst: once a slot is free for it
-        (after the requests running and waiting ahead of it, each at its whole remaining
-        budget), all its `tokens`, at the step time measured for the batch it joins; None
-        until MIN_SAMPLES steps were measured."""
+        """When a request joining now would end, at worst (:func:`estimate_finish`)."""
         e = self.engine
-        full = e.running * 2 >= e.max_batch_size
-        recent = (self._full or self._small) if full else (self._small or self._full)
-        if len(recent) < MIN_SAMPLES:
-            return None
-        running, waiting = e.budgets()
-        # The step time at the batch it will run in, extrapolated as the gateway does: at
-        # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
-        load = self.load()
-        batch = min(e.max_batch_size, len(running) + len(waiting) + 1)
-        step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], e.max_batch_size, batch)
-        measured = load["full_step_s"] if recent is self._full else load["step_s"]  # typical_step(recent)
-        step = max(step or 0.0, measured)
-        return time.time() + (steps_until_slot(running, waiting, e.max_batch_size) + tokens) * step
+        return estimate_finish(e.running, e.budgets(), e.max_batch_size, self.load(), self.samples(), tokens)
 
     def samples(self) -> tuple[int, int]:
         """Steps measured at small and at near-full batches (of the last 64 each)."""
