@@ -6,14 +6,16 @@ The routers only parse, call this, and shape the response.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -68,6 +70,9 @@ class Ticket:
     #: Its entry among the fleet's recent admissions (model, member, tokens; admission.py),
     #: when admission made it here and not at the edge (shed.py); marked when published.
     admission: tuple[str, str, int] | None = field(default=None, repr=False)
+    #: The owner binding still to store (`ChatService.start` runs it beside the publish):
+    #: set for a new conversation, which no other principal can own yet.
+    bind: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
 
     @property
     def until(self) -> float:
@@ -285,7 +290,9 @@ class ChatService:
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         event: ChatRequested | None = None
         try:
-            if await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
+            if req.conv_id is None and key is None:  # a new conversation: bound beside the publish
+                ticket.bind = partial(self.pipeline.keys.bind_owner, request_id, conv_id, principal)
+            elif await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
                 METRICS.rejections.labels(reason="not_owner").inc()
                 raise not_found("conversation", conv_id, "conv_id")
             key = f"{principal}:{key}" if key else None  # one caller's key never meets another's
@@ -381,7 +388,7 @@ class ChatService:
             return output
         try:
             with tracing.within(ticket.trace):  # the event carries the request's trace
-                await self.pipeline.publish(event, until=ticket.deadline_at)
+                await self._publish(ticket, event)
         except APIError:
             await self._settle(ticket, published=False)
             await output.close()
@@ -393,6 +400,28 @@ class ChatService:
             raise
         self._published(ticket)
         return output
+
+    async def _publish(self, ticket: Ticket, event: ChatRequested) -> None:
+        """Publish the request; a new conversation's owner is stored at the same time (one
+        round trip fewer before the first token), and both are done before the client
+        hears of the request. If the owner cannot be stored (Redis down), the request,
+        published by then, is cancelled and the client gets the 503 it got before."""
+        if ticket.bind is None:
+            await self.pipeline.publish(event, until=ticket.deadline_at)
+            return
+        bind, ticket.bind = ticket.bind, None
+        outcomes: tuple[Any, Any] = await asyncio.gather(
+            bind(), self.pipeline.publish(event, until=ticket.deadline_at), return_exceptions=True
+        )
+        bound, published = outcomes
+        if isinstance(published, BaseException):
+            raise published
+        if isinstance(bound, REDIS_DOWN):
+            log.warning("redis unavailable at admission: %s", bound, extra={"request_id": ticket.request_id})
+            await self.pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
+            raise store_unavailable() from bound
+        if isinstance(bound, BaseException):
+            raise bound
 
     async def answer(self, ticket: Ticket, event: ChatRequested | None) -> Any:
         """Run a request to its end without streaming; its terminal event (None: deadline)."""

@@ -25,6 +25,7 @@ from events.models import EventBase
 from events.topology import Role
 from runtime import heap, jetstream, tracing
 from runtime.http import ProcessEndpoint
+from runtime.pulls import fetch_in_batches
 from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
@@ -188,16 +189,21 @@ def _delivered(raw) -> int:
 PULL_WAIT_S = 1.0
 
 
-def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1):
+def durable_pull(
+    broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1, batch: int | Callable[[], int] = 1
+):
     """Bind a pull subscriber to a durable consumer that `ensure_topology` created.
 
-    Fetches long-poll one message at a time: an idle consumer costs nothing, and a lone
-    message is not held back (nats-py's fetch of a larger batch, once a message arrives
-    on an idle long-poll, waits out its timeout for the rest). `workers` handle fetched
-    messages concurrently. A long-poll lives PULL_WAIT_S: one sent to a server that then
-    dies is waited out before the next is asked of the server the client moved to.
+    Each fetch takes up to `batch` messages (a number, or a function asked before each
+    fetch): all that wait in the stream when there are some, else the next one as soon
+    as it comes (`runtime.pulls`), so an idle consumer costs nothing and a lone message
+    is not held back. `workers` handle fetched messages concurrently (without workers, a
+    fetched batch is handled concurrently and the next fetch waits for all of it). A
+    long-poll lives PULL_WAIT_S: one sent to a server that then dies is waited out
+    before the next is asked of the server the client moved to.
     """
     assert role.reads, f"role {role.name} reads no durable consumer"
+    size = batch if callable(batch) else (lambda: batch)
     common: dict[str, Any] = {
         "stream": JStream(subjects.STREAM, declare=False),
         "durable": role.durable,
@@ -205,5 +211,15 @@ def durable_pull(broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers:
         "ack_policy": ack_policy,
     }
     if workers > 1:
-        return broker.subscriber(role.reads, max_workers=workers, **common)
-    return broker.subscriber(role.reads, **common)
+        subscriber = broker.subscriber(role.reads, max_workers=workers, **common)
+    else:
+        subscriber = broker.subscriber(role.reads, **common)
+    create = subscriber._create_subscription
+
+    async def create_batched() -> None:  # no await between the pull loop's start and this
+        await create()
+        if isinstance(subscriber.subscription, JetStreamContext.PullSubscription):  # not in-memory (tests)
+            fetch_in_batches(subscriber.subscription, size)
+
+    subscriber._create_subscription = create_batched
+    return subscriber

@@ -79,7 +79,7 @@ def build_app(
     fanout = fanout or live
 
     # Each request has one terminal event, so workers may deliver concurrently.
-    @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers)
+    @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers, batch=settings.workers)
     async def on_output(message: PulledMessage) -> None:
         event = await decode_or_term(topology.DELIVERY.name, message)
         if event is None:

@@ -104,7 +104,7 @@ def build_app(
     slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
     metrics = METRICS
 
-    @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers)
+    @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers, batch=settings.workers)
     async def on_requested(message: PulledMessage) -> None:
         event = await decode_or_term(topology.FILTER.name, message)
         if not isinstance(event, ChatRequested):

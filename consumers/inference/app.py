@@ -64,7 +64,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
 
     # Micro-batches form in the engine, not in the fetch: continuous mode admits
     # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.
-    subscriber = durable_pull(broker, topology.INFERENCE, AckPolicy.MANUAL)
+    subscriber = durable_pull(broker, topology.INFERENCE, AckPolicy.MANUAL, batch=service.room)
 
     @subscriber
     async def on_accepted(message: PulledMessage) -> None:

@@ -218,3 +218,33 @@ def test_a_temperature_the_sampler_cannot_honour_is_400_on_every_transport():
     assert (task.status_code, task.json()["error"]["param"]) == (400, "temperature")
     assert (frame["type"], frame["status"], frame["error"]["param"]) == ("error", 400, "temperature")
     assert pipeline.requests() == []
+
+
+def test_a_new_conversation_is_owned_by_its_caller_when_the_client_hears_of_it():
+    client, pipeline = client_for()
+    with client:
+        r = client.post("/v1/chat/completions", json=chat(stream=True))
+        rid = r.headers["x-request-id"]
+        owners = (
+            client.portal.call(pipeline.keys.owner, "req", rid),
+            client.portal.call(pipeline.keys.owner, "conv", rid),
+        )
+    assert r.status_code == 200
+    assert owners[0] is not None and owners[0] == owners[1]  # the request and its conversation, one owner
+
+
+def test_redis_lost_while_a_new_conversation_is_bound_is_503_and_the_request_is_cancelled():
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    client, pipeline = client_for()
+    pipeline.silent = True  # the request would run; the cancellation ends it
+
+    async def down(*_):
+        raise RedisConnectionError("redis went away")
+
+    pipeline.keys.bind_owner = down  # type: ignore[method-assign]
+    with client:
+        r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+    kinds = [e.type for e in pipeline.published]
+    assert kinds == ["chat.requested", "chat.cancelled"]
