@@ -9,46 +9,25 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Annotated, Any
+from typing import Any
 
 import nats
-from faststream import AckPolicy
-from faststream._internal.context.context_type import Context  # the class; faststream.Context is a factory
-from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.message import NatsMessage
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from events import decode, subjects, topology
 from events.models import EventBase
-from events.topology import Role
 from runtime import heap, jetstream, tracing
+from runtime.consume import DurableConsumer
 from runtime.http import ProcessEndpoint
-from runtime.pulls import fetch_in_batches
 from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
 
 #: Publishes an event with its dedupe key (`ProcessRuntime.publish`).
 Publish = Callable[[EventBase], Awaitable[None]]
-
-
-class _OnLoop(Context):
-    """faststream's ``Context``, resolved on the event loop.
-
-    fast_depends runs a synchronous resolver in a worker thread, so a handler taking
-    the message through the stock ``Context("message")`` paid a round trip to a thread
-    for every message (a wake-up there and back, and a GIL hand-off each way: a few ms on a
-    busy machine, on every hop of a request). Looking the message up is a dict read."""
-
-    async def use(self, /, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return super().use(**kwargs)
-
-
-#: The pulled message, for a handler's argument (``faststream.nats.annotations.NatsMessage``
-#: without the thread round trip).
-PulledMessage = Annotated[NatsMessage, _OnLoop("message")]
 
 UNDECODABLE = Counter(
     "arena_undecodable_messages_total", "Stream messages that were no known event, terminated", ["role"]
@@ -135,9 +114,12 @@ class ProcessRuntime:
         tracing.shutdown()
 
 
-def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -> None:
-    """Start the runtime (topology, heartbeats) before the broker subscribes; report ready
-    once it has; stop it on shutdown. `before` / `after_stop` are extra async steps."""
+def wire_lifecycle(
+    app, runtime: ProcessRuntime, consumer: DurableConsumer | None = None, before=None, after_stop=None
+) -> None:
+    """Start the runtime (topology, heartbeats), then the durable `consumer`'s pulls, and
+    report ready; on shutdown stop pulling (what was fetched and not started is naked),
+    then the runtime. `before` / `after_stop` are extra async steps."""
 
     @app.on_startup
     async def _start() -> None:
@@ -148,21 +130,26 @@ def wire_lifecycle(app, runtime: ProcessRuntime, before=None, after_stop=None) -
     @app.after_startup
     async def _ready() -> None:
         heap.freeze()
+        if consumer is not None:
+            assert runtime.js is not None
+            await consumer.start(runtime.js)
         runtime.ready = True
 
     @app.on_shutdown
     async def _stop() -> None:
+        runtime.ready = False
+        if consumer is not None:
+            await consumer.stop()
         await runtime.stop()
         if after_stop:
             await after_stop()
 
 
-async def decode_or_term(role: str, message: NatsMessage) -> Any:
+async def decode_or_term(role: str, raw: Msg) -> Any:
     """The message's event, or None after terminating a message that is no known event.
 
     One policy for every consumer: such a message fails the same way on every
     redelivery, so it is terminated at once (logged and counted), never redelivered."""
-    raw = message.raw_message
     if _delivered(raw) > 1:
         REDELIVERED.labels(role).inc()
     try:
@@ -170,7 +157,7 @@ async def decode_or_term(role: str, message: NatsMessage) -> Any:
     except ValueError as exc:
         UNDECODABLE.labels(role).inc()
         log.error("undecodable message on %s terminated: %s", raw.subject, str(exc)[:200])
-        await message.reject()  # JetStream: term
+        await raw.term()
         return None
 
 
@@ -181,45 +168,3 @@ def _delivered(raw) -> int:
         return raw.metadata.num_delivered
     except (AttributeError, TypeError, NatsError):
         return 1
-
-
-#: How long one fetch waits for a message. Short, because a fetch lost with its server
-#: (a cluster node killed) stalls the consumer this long; an idle consumer asks once a
-#: second. (It was 5 s: a 3-node cluster losing a follower stalled every answer 5 s.)
-PULL_WAIT_S = 1.0
-
-
-def durable_pull(
-    broker: NatsBroker, role: Role, ack_policy: AckPolicy, workers: int = 1, batch: int | Callable[[], int] = 1
-):
-    """Bind a pull subscriber to a durable consumer that `ensure_topology` created.
-
-    Each fetch takes up to `batch` messages (a number, or a function asked before each
-    fetch): all that wait in the stream when there are some, else the next one as soon
-    as it comes (`runtime.pulls`), so an idle consumer costs nothing and a lone message
-    is not held back. `workers` handle fetched messages concurrently (without workers, a
-    fetched batch is handled concurrently and the next fetch waits for all of it). A
-    long-poll lives PULL_WAIT_S: one sent to a server that then dies is waited out
-    before the next is asked of the server the client moved to.
-    """
-    assert role.reads, f"role {role.name} reads no durable consumer"
-    size = batch if callable(batch) else (lambda: batch)
-    common: dict[str, Any] = {
-        "stream": JStream(subjects.STREAM, declare=False),
-        "durable": role.durable,
-        "pull_sub": PullSub(batch_size=1, timeout=PULL_WAIT_S),
-        "ack_policy": ack_policy,
-    }
-    if workers > 1:
-        subscriber = broker.subscriber(role.reads, max_workers=workers, **common)
-    else:
-        subscriber = broker.subscriber(role.reads, **common)
-    create = subscriber._create_subscription
-
-    async def create_batched() -> None:  # no await between the pull loop's start and this
-        await create()
-        if isinstance(subscriber.subscription, JetStreamContext.PullSubscription):  # not in-memory (tests)
-            fetch_in_batches(subscriber.subscription, size)
-
-    subscriber._create_subscription = create_batched
-    return subscriber

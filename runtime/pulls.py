@@ -11,15 +11,13 @@ nats-server's per message one at a time, against 80 and 30 in batches of 32.
 
 `fetch_available` keeps the first stage and replaces the second by a long-poll for
 one: under load a fetch returns everything waiting (up to the batch), and an idle
-consumer answers its next message as soon as it comes.
+consumer answers its next message as soon as it comes (`runtime.consume` pulls so).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import types
-from collections.abc import Callable
 from typing import Any
 
 from nats.js.client import JetStreamContext
@@ -29,7 +27,7 @@ async def fetch_available(sub: JetStreamContext.PullSubscription, batch: int, ti
     """Up to `batch` of the durable's messages: those waiting now, or else the next one
     to arrive within `timeout` (nats-py's TimeoutError when none does)."""
     if batch == 1:
-        return await JetStreamContext.PullSubscription.fetch(sub, 1, timeout)
+        return await sub.fetch(1, timeout)
     queue = sub._sub._pending_queue
     msgs: list[Any] = []
     while not queue.empty() and len(msgs) < batch:  # late deliveries of an earlier request
@@ -55,14 +53,4 @@ async def fetch_available(sub: JetStreamContext.PullSubscription, batch: int, ti
             break
     if msgs:
         return msgs
-    return await JetStreamContext.PullSubscription.fetch(sub, 1, max(end - loop.time(), 0.01))
-
-
-def fetch_in_batches(subscription: JetStreamContext.PullSubscription, size: Callable[[], int]) -> None:
-    """Make this subscription's `fetch` (what FastStream's pull loop calls) `fetch_available`,
-    asking for `size()` messages each time (at least one)."""
-
-    async def fetch(self, batch: int = 1, timeout: float | None = 5, heartbeat: float | None = None) -> list[Any]:
-        return await fetch_available(self, max(1, size()), timeout or 5.0)
-
-    subscription.fetch = types.MethodType(fetch, subscription)  # type: ignore[method-assign]
+    return await sub.fetch(1, max(end - loop.time(), 0.01))

@@ -15,16 +15,18 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.exceptions import NackMessage
 from faststream.nats import NatsBroker
+from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
 from runtime import jetstream, tracing
-from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
+from runtime.consume import DurableConsumer, Handler
+from runtime.process import ProcessRuntime, decode_or_term, wire_lifecycle
 from runtime.redis import REDIS_DOWN, redis_client
 from runtime.settings import DeliverySettings
 
@@ -61,6 +63,20 @@ async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
     return fresh
 
 
+def handler(store: ReadModel, fanout: Fanout) -> Handler:
+    """Delivery's handler of one pulled output event (each request has one terminal
+    event, so workers may deliver concurrently)."""
+
+    async def on_output(message: Msg) -> None:
+        event = await decode_or_term(topology.DELIVERY.name, message)
+        if event is None:
+            return
+        with tracing.consumed("delivery", message.headers, request_id=event.request_id, event=event.type):
+            await deliver(event, message.data, store, fanout)
+
+    return on_output
+
+
 def build_app(
     settings: DeliverySettings | None = None, store: ReadModel | None = None, fanout: Fanout | None = None
 ) -> FastStream:
@@ -77,18 +93,11 @@ def build_app(
         await runtime.connection().publish(subject, raw, headers=tracing.headers())
 
     fanout = fanout or live
-
-    # Each request has one terminal event, so workers may deliver concurrently.
-    @durable_pull(broker, topology.DELIVERY, AckPolicy.NACK_ON_ERROR, settings.workers, batch=settings.workers)
-    async def on_output(message: PulledMessage) -> None:
-        event = await decode_or_term(topology.DELIVERY.name, message)
-        if event is None:
-            return
-        with tracing.consumed("delivery", message.raw_message.headers, request_id=event.request_id, event=event.type):
-            await deliver(event, message.raw_message.data, store, fanout)
+    on_output = handler(store, fanout)
 
     app = FastStream(broker)
-    wire_lifecycle(app, runtime, before=store.redis.ping, after_stop=store.redis.aclose)
+    consumer = DurableConsumer(topology.DELIVERY, on_output, "auto", settings.workers, batch=settings.workers)
+    wire_lifecycle(app, runtime, consumer, before=store.redis.ping, after_stop=store.redis.aclose)
     return app
 
 

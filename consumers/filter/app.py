@@ -6,8 +6,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.nats import NatsBroker
+from nats.aio.msg import Msg
 
 from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
@@ -26,7 +27,8 @@ from events.models import (
     PromptRejected,
 )
 from runtime import jetstream, tracing
-from runtime.process import ProcessRuntime, Publish, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
+from runtime.consume import DurableConsumer, Handler
+from runtime.process import ProcessRuntime, Publish, decode_or_term, wire_lifecycle
 from runtime.settings import FilterSettings
 
 log = logging.getLogger(__name__)
@@ -90,26 +92,17 @@ def filter_config(settings: FilterSettings) -> FilterConfig:
     return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
 
 
-def build_app(
-    settings: FilterSettings | None = None, config: FilterConfig | None = None, publish: Publish | None = None
-) -> FastStream:
-    """The filter process; `publish` (default: the runtime's, with dedupe keys) is replaceable in tests."""
-    settings = settings or FilterSettings()
-    config = config or filter_config(settings)
-    broker = NatsBroker(
-        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
-    )
-    runtime = ProcessRuntime(topology.FILTER.name, settings)
-    publish = publish or runtime.publish
-    slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
-    metrics = METRICS
+def handler(
+    config: FilterConfig, publish: Publish, slot: ClassifierSlot | None = None, metrics: FilterMetrics = METRICS
+) -> Handler:
+    """The filter's handler of one pulled ChatRequested: its verdict published (acked by
+    the pull loop when it returns; garbage terminated)."""
 
-    @durable_pull(broker, topology.FILTER, AckPolicy.NACK_ON_ERROR, settings.workers, batch=settings.workers)
-    async def on_requested(message: PulledMessage) -> None:
+    async def on_requested(message: Msg) -> None:
         event = await decode_or_term(topology.FILTER.name, message)
         if not isinstance(event, ChatRequested):
             return
-        with tracing.consumed("filter", message.raw_message.headers, request_id=event.request_id) as span:
+        with tracing.consumed("filter", message.headers, request_id=event.request_id) as span:
             classifier = _current(slot, metrics)
             if classifier is not None and classifier.blocking:
                 out = await asyncio.to_thread(
@@ -127,8 +120,25 @@ def build_app(
             await publish(out)
             log.info("prompt %s", out.filter.action, extra={"request_id": event.request_id, "event": out.type})
 
+    return on_requested
+
+
+def build_app(
+    settings: FilterSettings | None = None, config: FilterConfig | None = None, publish: Publish | None = None
+) -> FastStream:
+    """The filter process; `publish` (default: the runtime's, with dedupe keys) is replaceable in tests."""
+    settings = settings or FilterSettings()
+    config = config or filter_config(settings)
+    broker = NatsBroker(
+        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
+    )
+    runtime = ProcessRuntime(topology.FILTER.name, settings)
+    publish = publish or runtime.publish
+    slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
+    on_requested = handler(config, publish, slot)
     app = FastStream(broker)
-    wire_lifecycle(app, runtime)
+    consumer = DurableConsumer(topology.FILTER, on_requested, "auto", settings.workers, batch=settings.workers)
+    wire_lifecycle(app, runtime, consumer)
     return app
 
 

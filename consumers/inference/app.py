@@ -7,8 +7,9 @@ import logging
 
 import psutil
 import torch
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.nats import NatsBroker
+from nats.aio.msg import Msg
 
 from consumers.inference import admin
 from consumers.inference.metrics import register_pool
@@ -17,7 +18,8 @@ from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
 from runtime import heap, jetstream
-from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull
+from runtime.consume import DurableConsumer
+from runtime.process import ProcessRuntime, decode_or_term
 from runtime.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
@@ -62,18 +64,19 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )
 
-    # Micro-batches form in the engine, not in the fetch: continuous mode admits
-    # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller batch.
-    subscriber = durable_pull(broker, topology.INFERENCE, AckPolicy.MANUAL, batch=service.room)
-
-    @subscriber
-    async def on_accepted(message: PulledMessage) -> None:
+    async def on_accepted(message: Msg) -> None:
         event = await decode_or_term(topology.INFERENCE.name, message)
         if event is None:
             return
-        async with service.held(message.raw_message):
+        async with service.held(message):
             await service.wait_for_room()
-            await service.submit(event, message.raw_message)
+            await service.submit(event, message)
+
+    # Micro-batches form in the engine, not in the fetch: continuous mode admits
+    # newcomers at every decode step; static mode waits up to max_wait_ms for a fuller
+    # batch. A fetch takes the room this worker has; every message fetched is held at
+    # once (kept alive while it waits for room), hence a worker for each.
+    subscriber = DurableConsumer(topology.INFERENCE, on_accepted, "manual", workers=service.limit(), batch=service.room)
 
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)
@@ -94,6 +97,8 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     @app.after_startup
     async def _ready() -> None:
         heap.freeze()  # torch, transformers and the warm models: a full collection took 280 ms
+        assert runtime.js is not None
+        await subscriber.start(runtime.js)
         runtime.ready = True
 
     @app.on_shutdown

@@ -180,18 +180,18 @@ class InferenceService:
         (infra.takeover)."""
         return [m.reply for m in self.held_messages() if m.reply]
 
-    def _limit(self) -> int:
+    def limit(self) -> int:
         """Hold no more than two batches' worth, so other workers get the rest."""
         return 2 * self.settings.max_batch_size
 
     def room(self) -> int:
         """How many messages the next fetch may take: the room left under the limit (at
         most a batch's worth; at least one, which waits for room as before)."""
-        return min(self.settings.max_batch_size, self._limit() - len(self.jobs) - len(self.holding))
+        return min(self.settings.max_batch_size, self.limit() - len(self.jobs) - len(self.holding))
 
     async def wait_for_room(self) -> None:
         async with self._room:
-            await self._room.wait_for(lambda: len(self.jobs) < self._limit())
+            await self._room.wait_for(lambda: len(self.jobs) < self.limit())
 
     async def submit(self, event: PromptAccepted, msg) -> None:
         """Make the message a job, or fail it at once; both inside its trace."""

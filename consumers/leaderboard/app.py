@@ -13,15 +13,17 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one fit at a time on a small box
 
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.nats import NatsBroker
+from nats.aio.msg import Msg
 
 from consumers.leaderboard.projection import VoteProjection, config_of
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
 from runtime import jetstream
-from runtime.process import ProcessRuntime, PulledMessage, decode_or_term, durable_pull, wire_lifecycle
+from runtime.consume import DurableConsumer
+from runtime.process import ProcessRuntime, decode_or_term, wire_lifecycle
 from runtime.redis import redis_client
 from runtime.settings import LeaderboardSettings
 
@@ -54,13 +56,12 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
     dirty = asyncio.Event()
     tasks: list[asyncio.Task] = []
 
-    @durable_pull(broker, role, AckPolicy.MANUAL)
-    async def on_battle_event(message: PulledMessage) -> None:
+    async def on_battle_event(message: Msg) -> None:
         event = await decode_or_term(role.name, message)
         if event is None:
             return
         # A redelivered event is applied again harmlessly: a battle's first vote holds.
-        projection.apply(event, message.raw_message.metadata.sequence.stream)
+        projection.apply(event, message.metadata.sequence.stream)
         dirty.set()
         await message.ack()
 
@@ -87,7 +88,8 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
         await redis.aclose()
 
     app = FastStream(broker)
-    wire_lifecycle(app, runtime, after_stop=stop)
+    # One worker, one message at a time: votes are folded in stream order.
+    wire_lifecycle(app, runtime, DurableConsumer(role, on_battle_event, "manual"), after_stop=stop)
     app.after_startup(after_start)
     return app
 

@@ -1,5 +1,6 @@
-"""runtime.pulls against a real nats-server: a fetch takes every waiting message up to
-its batch at once, and a lone message on an idle durable is not held back."""
+"""runtime.pulls and runtime.consume against a real nats-server: a fetch takes every
+waiting message up to its batch at once, a lone message on an idle durable is not held
+back, and the pull loop settles each message as its handler says."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import time
 
 import nats
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from faststream.exceptions import NackMessage, RejectMessage
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
-from runtime.pulls import fetch_available, fetch_in_batches
+from events import subjects
+from events.topology import Role
+from runtime.consume import DurableConsumer
+from runtime.pulls import fetch_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -59,15 +64,106 @@ async def test_a_lone_message_on_an_idle_durable_is_not_held_for_the_batch(nats_
         await nc.close()
 
 
-async def test_a_subscription_fetches_what_its_size_function_says(nats_server):
-    nc, js, sub = await _durable(nats_server.url)
+async def _consumer_on(url: str, durable: str = "d", ack_wait: float = 30.0):
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=subjects.STREAM, subjects=["arena.>"]))
+    config = ConsumerConfig(
+        durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, deliver_policy=DeliverPolicy.ALL
+    )
+    await js.add_consumer(subjects.STREAM, config)
+    return nc, js, Role(name=durable, entry="tests:none", reads="arena.>")
+
+
+async def _until(check, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _pending(js, durable: str = "d") -> tuple[int, int]:
+    info = await js.consumer_info(subjects.STREAM, durable)
+    return info.num_pending, info.num_ack_pending
+
+
+async def test_auto_ack_settles_each_message_as_its_handler_says(nats_server):
+    nc, js, role = await _consumer_on(nats_server.url)
+    seen: dict[str, int] = {}
+
+    async def handle(msg) -> None:
+        kind = msg.subject.rsplit(".", 1)[-1]
+        seen[kind] = msg.metadata.num_delivered
+        if kind == "nak":
+            raise NackMessage(delay=0.2) if msg.metadata.num_delivered == 1 else RejectMessage()
+        if kind == "boom" and msg.metadata.num_delivered == 1:
+            raise RuntimeError("a handler bug: naked, tried again")
+        if kind == "reject":
+            raise RejectMessage()
+
+    consumer = DurableConsumer(role, handle, "auto", workers=4, batch=4)
     try:
-        for i in range(10):
-            await js.publish(f"p.{i}", b"x")
-        room = [3]
-        fetch_in_batches(sub, lambda: room[0])
-        assert len(await sub.fetch(batch=1, timeout=1)) == 3  # the size function, not the argument
-        room[0] = 0  # no room: one message still, which waits for room in the handler
-        assert len(await sub.fetch(batch=1, timeout=1)) == 1
+        for kind in ("ok", "nak", "boom", "reject"):
+            await js.publish(f"arena.t.{kind}", b"x")
+        await consumer.start(js)
+        await _until(lambda: seen.get("nak") == 2 and seen.get("boom") == 2 and "ok" in seen and "reject" in seen)
+        await _until_settled(js)
+        assert seen == {"ok": 1, "nak": 2, "boom": 2, "reject": 1}  # acked, terminated: none comes back
     finally:
+        await consumer.stop()
         await nc.close()
+
+
+async def _until_settled(js) -> None:
+    end = time.monotonic() + 5
+    while await _pending(js) != (0, 0):
+        assert time.monotonic() < end, await _pending(js)
+        await asyncio.sleep(0.05)
+
+
+async def test_one_worker_handles_messages_in_stream_order(nats_server):
+    nc, js, role = await _consumer_on(nats_server.url)
+    order: list[int] = []
+
+    async def handle(msg) -> None:
+        await asyncio.sleep(0.01 if int(msg.data) % 2 else 0.0)  # a slower one must not be overtaken
+        order.append(int(msg.data))
+        await msg.ack()
+
+    consumer = DurableConsumer(role, handle, "manual", batch=8)
+    try:
+        for i in range(20):
+            await js.publish(f"arena.o.{i}", str(i).encode())
+        await consumer.start(js)
+        await _until(lambda: len(order) == 20)
+        assert order == list(range(20))
+    finally:
+        await consumer.stop()
+        await nc.close()
+
+
+async def test_stop_gives_back_what_was_fetched_and_not_started(nats_server):
+    nc, js, role = await _consumer_on(nats_server.url, ack_wait=60.0)
+    release = asyncio.Event()
+    started: list[bytes] = []
+
+    async def handle(msg) -> None:
+        started.append(msg.data)
+        await release.wait()
+        await msg.ack()
+
+    consumer = DurableConsumer(role, handle, "manual", workers=1, batch=5)
+    for i in range(5):
+        await js.publish(f"arena.s.{i}", str(i).encode())
+    await consumer.start(js)
+    await _until(lambda: len(started) == 1)
+    stopping = asyncio.create_task(consumer.stop())
+    await asyncio.sleep(0.2)
+    release.set()  # the running handler finishes; the four waiting were naked, not held to AckWait
+    await stopping
+    assert started == [b"0"]
+    sub = await js.pull_subscribe_bind("d", subjects.STREAM)
+    again = await fetch_available(sub, 10, timeout=2.0)
+    assert sorted(m.data for m in again) == [b"1", b"2", b"3", b"4"]
+    assert all(m.metadata.num_delivered == 2 for m in again)
+    await nc.close()
