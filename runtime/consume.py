@@ -17,9 +17,9 @@ This loop keeps what the consumers relied on and nothing else:
   `NackMessage(delay=s)` naks with that delay, `RejectMessage` terminates, `AckMessage`
   acks; a message the handler settled itself is left alone. ``ack="manual"``: the
   handler settles every message itself;
-- a fetch that fails (NATS down, a cluster electing) is counted and retried, never
-  silent; `stop()` stops fetching, naks what was fetched and not started, and waits for
-  the handlers running.
+- a fetch that fails, or times out while NATS is unreachable, is counted
+  (`arena_pull_errors_total`) and retried, never silent; `stop()` stops fetching, naks
+  what was fetched and not started, and waits for the handlers running.
 """
 
 from __future__ import annotations
@@ -104,10 +104,16 @@ class DurableConsumer:
     async def _pull(self) -> None:
         assert self._sub is not None
         slots = asyncio.Semaphore(self.workers)
+        loop = asyncio.get_running_loop()
         while True:
+            asked = loop.time()
             try:
                 msgs = await fetch_available(self._sub, max(1, self.size()), PULL_WAIT_S)
             except TimeoutError:  # nats-py's TimeoutError is one too: nothing came
+                if not self._sub._nc.is_connected:  # nothing could: NATS is unreachable
+                    PULL_ERRORS.labels(self.role.name).inc()
+                if loop.time() - asked < RETRY_S:  # answered at once (e.g. 409, max ack pending): no spinning
+                    await asyncio.sleep(RETRY_S)
                 continue
             except (NatsError, OSError) as exc:
                 PULL_ERRORS.labels(self.role.name).inc()

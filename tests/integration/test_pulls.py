@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import suppress
 
 import nats
 import pytest
@@ -167,3 +168,23 @@ async def test_stop_gives_back_what_was_fetched_and_not_started(nats_server):
     assert sorted(m.data for m in again) == [b"1", b"2", b"3", b"4"]
     assert all(m.metadata.num_delivered == 2 for m in again)
     await nc.close()
+
+
+async def test_fetches_while_nats_is_down_are_counted(nats_server):
+    from runtime.consume import PULL_ERRORS
+
+    nc, js, role = await _consumer_on(nats_server.url)
+
+    async def handle(msg) -> None:
+        await msg.ack()
+
+    consumer = DurableConsumer(role, handle, "auto")
+    await consumer.start(js)
+    failed = PULL_ERRORS.labels(role.name)._value.get()
+    try:
+        nats_server.stop()  # a real outage: the server process is gone
+        await _until(lambda: PULL_ERRORS.labels(role.name)._value.get() >= failed + 2, timeout=10)
+    finally:
+        await consumer.stop()
+        with suppress(Exception):  # the server is gone
+            await nc.close()
