@@ -185,8 +185,8 @@ class InferenceService:
         return 2 * self.settings.max_batch_size
 
     def room(self) -> int:
-        """How many messages the next fetch may take: the room left under the limit (at
-        most a batch's worth; at least one, which waits for room as before)."""
+        """How many messages the next fetch may take: the room left under the limit, at
+        most a batch's worth (the pull loop takes at least one, which waits for room)."""
         return min(self.settings.max_batch_size, self.limit() - len(self.jobs) - len(self.holding))
 
     async def wait_for_room(self) -> None:

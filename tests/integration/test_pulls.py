@@ -5,6 +5,7 @@ back, and the pull loop settles each message as its handler says."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from contextlib import suppress
 
@@ -76,11 +77,16 @@ async def _consumer_on(url: str, durable: str = "d", ack_wait: float = 30.0):
     return nc, js, Role(name=durable, entry="tests:none", reads="arena.>")
 
 
-async def _until(check, timeout: float = 5.0) -> None:
+async def _until(check, timeout: float = 5.0, what=lambda: "timed out") -> None:
+    """Wait until `check()` (or the awaitable it returns) is true; `what()` says what was seen."""
     end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, "timed out"
+    while not await _value(check()):
+        assert time.monotonic() < end, await _value(what())
         await asyncio.sleep(0.02)
+
+
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result
 
 
 async def _pending(js, durable: str = "d") -> tuple[int, int]:
@@ -108,18 +114,15 @@ async def test_auto_ack_settles_each_message_as_its_handler_says(nats_server):
             await js.publish(f"arena.t.{kind}", b"x")
         await consumer.start(js)
         await _until(lambda: seen.get("nak") == 2 and seen.get("boom") == 2 and "ok" in seen and "reject" in seen)
-        await _until_settled(js)
+        await _until(lambda: _settled(js), what=lambda: _pending(js))
         assert seen == {"ok": 1, "nak": 2, "boom": 2, "reject": 1}  # acked, terminated: none comes back
     finally:
         await consumer.stop()
         await nc.close()
 
 
-async def _until_settled(js) -> None:
-    end = time.monotonic() + 5
-    while await _pending(js) != (0, 0):
-        assert time.monotonic() < end, await _pending(js)
-        await asyncio.sleep(0.05)
+async def _settled(js) -> bool:
+    return await _pending(js) == (0, 0)
 
 
 async def test_one_worker_handles_messages_in_stream_order(nats_server):
