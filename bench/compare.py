@@ -37,9 +37,11 @@ ALL_TARGETS = (
     "arenaflow-static",
     "arenaflow-continuous",
     "arenaflow-continuous-process",
+    "arenaflow-continuous-thread",
 )
-#: What a run compares unless told: the engine-process variant only when asked for.
-DEFAULT_TARGETS = ALL_TARGETS[:-1]
+#: What a run compares unless told: `arena up`'s defaults (the engine in a process of its
+#: own); the explicit variants only when asked for.
+DEFAULT_TARGETS = ALL_TARGETS[:-2]
 QUICK = {
     "loads": "1,4",
     "duration": 3.0,

@@ -35,11 +35,13 @@ from bench.workload import LengthMix, Workload
 def role_of(proc: psutil.Process) -> str | None:
     """The process's name in the report: the arena role, or the server it runs."""
     try:
+        if proc.name() == "arena-engine":  # ARENA_ENGINE_PROCESS: a model's engine
+            return "engine process"
         cmd = proc.cmdline()
     except psutil.Error:
         return None
-    if any("spawn_main" in part for part in cmd):  # ARENA_ENGINE_PROCESS: a model's engine
-        return "engine process"
+    if any("multiprocessing.forkserver" in part for part in cmd):  # what the engine processes are forked from
+        return "engine fork server"
     if "run" in cmd and cmd.index("run") + 1 < len(cmd):
         return cmd[cmd.index("run") + 1]
     exe = Path(cmd[0].split()[0]).name if cmd and cmd[0] else ""  # redis rewrites its title

@@ -123,8 +123,9 @@ def _arena_command() -> list[str]:
     raise NotRunnable("arenaflow's `arena` CLI (infra.cli) is not there yet")
 
 
-def arena(setup: Setup, engine: str, engine_process: bool = False) -> Target:
-    name = f"arenaflow-{engine}" + ("-process" if engine_process else "")
+def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Target:
+    """`arena up` with ``engine``; ``engine_process`` None keeps its default (a process)."""
+    name = f"arenaflow-{engine}" + {None: "", True: "-process", False: "-thread"}[engine_process]
     cmd = _arena_command()
     check = subprocess.run([*cmd, "up", "--help"], capture_output=True, text=True, timeout=60, check=False)
     if check.returncode != 0:
@@ -156,7 +157,7 @@ def arena(setup: Setup, engine: str, engine_process: bool = False) -> Target:
         str(setup.max_batch_size),
         "--state-dir",
         str(state),
-        *(["--engine-process"] if engine_process else []),
+        *({None: [], True: ["--engine-process"], False: ["--no-engine-process"]}[engine_process]),
     ]
     proc = ServerProcess(
         name, cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / f"{name}.log", env=setup.env()
@@ -170,8 +171,9 @@ BUILDERS = {
     "transformers-serve-cb": lambda s: transformers_serve(s, continuous=True),
     "arenaflow-static": lambda s: arena(s, "static"),
     "arenaflow-continuous": lambda s: arena(s, "continuous"),
-    # The same with each model's engine in a process of its own (`arena up --engine-process`).
+    # The same with each model's engine in a process of its own (the default) or on a thread of the worker.
     "arenaflow-continuous-process": lambda s: arena(s, "continuous", engine_process=True),
+    "arenaflow-continuous-thread": lambda s: arena(s, "continuous", engine_process=False),
 }
 
 

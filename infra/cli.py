@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import nats
 
 from consumers.filter.evaluate import main as filter_eval
+from consumers.inference import forks
 from events import subjects, topology
 from events.readmodel import ReadModel
 from infra.asyncapi import schema_json
@@ -26,7 +27,7 @@ from infra.supervisor import up
 from runtime import heap, jetstream, logs
 from runtime.recovery import rebuild
 from runtime.redis import redis_client
-from runtime.settings import CommonSettings, OperatorSettings
+from runtime.settings import CommonSettings, InferenceSettings, OperatorSettings
 from runtime.stream import conversation_events, request_events
 
 
@@ -36,6 +37,8 @@ def run_role(role: str) -> int:
     module, func = topology.role(role).entry.split(":")
     logs.setup(CommonSettings().log_level, role)
     heap.enable()  # startup's objects are frozen out of the collector once the process is up
+    if role == topology.INFERENCE.name and InferenceSettings().engine_process:
+        forks.start()  # the engine processes' fork server imports torch beside this process's imports
     getattr(importlib.import_module(module), func)()
     return 0
 
@@ -255,8 +258,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--max-batch-size", type=int, default=64)
     up.add_argument(
         "--engine-process",
-        action="store_true",
-        help="step each model's engine in a child process of the inference worker (its own GIL)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="step each model's engine in a child process of the inference worker (its own GIL; the default), "
+        "or, with --no-engine-process, on a thread of the worker",
     )
     up.add_argument("--inference-replicas", type=int, default=1)
     up.add_argument(

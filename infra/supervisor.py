@@ -212,8 +212,8 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             "ARENA_MAX_BATCH_SIZE": str(args.max_batch_size),
         }
     )
-    if getattr(args, "engine_process", False):
-        env["ARENA_ENGINE_PROCESS"] = "1"
+    if getattr(args, "engine_process", None) is not None:  # else ARENA_ENGINE_PROCESS, or the default (a process)
+        env["ARENA_ENGINE_PROCESS"] = "1" if args.engine_process else "0"
     if args.models_config:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
     elif not env.get("ARENA_MODELS_CONFIG"):

@@ -140,8 +140,9 @@ class InferenceSettings(CommonSettings):
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     engine_process: bool = Field(
-        False,
-        description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop.",
+        True,
+        description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "
+        "false: on a thread of the worker (no second Python runtime, ~0.4 GB less).",
     )
 
     @field_validator("engine")

@@ -11,7 +11,7 @@ from faststream import FastStream
 from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 
-from consumers.inference import admin
+from consumers.inference import admin, forks
 from consumers.inference.metrics import register_pool
 from consumers.inference.models import load_models_config
 from consumers.inference.pool import ModelPool
@@ -107,7 +107,8 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         await subscriber.stop()  # stop pulling before finishing what we hold
         naked = await service.drain(settings.drain_grace_s)
         log.info("drained; %d unfinished requests given back", naked)
-        await service.stop()
+        await service.stop()  # its engine processes first,
+        await asyncio.to_thread(forks.stop)  # then what they were forked from: nothing is left behind
         await runtime.stop()
 
     return app

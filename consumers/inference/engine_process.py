@@ -6,18 +6,23 @@ it back (served at 32 users, stories260K's engine thread was on the CPU 62 % of 
 time, 28 % waiting to run and 10 % for the GIL; raising its priority only moved the wait
 to the GIL). In its own process it has a GIL of its own.
 
-The child loads the model from its spec and steps an :class:`EngineRunner` (the same
-stepping, static hold and step-time measurement as the in-process runner). Requests go
-down a pipe; each step's outputs come back with the engine's state (budgets and step
-times, for admission) and are handed to the loop as the thread runner hands them.
+The child steps an :class:`EngineRunner` (the same stepping, static hold and step-time
+measurement as the in-process runner) over the pool's own copy of the weights: they are
+moved to shared memory and handed over (a file descriptor per tensor, torch's
+multiprocessing), so a model is in memory once, whichever process steps it. The child is
+forked from a fork server that has torch imported already (``forks.py``): it is ready in
+a fraction of a second, not the seconds a fresh interpreter takes to import torch.
+Requests go down a pipe; each step's outputs come back with the engine's state (budgets
+and step times, for admission) and are handed to the loop as the thread runner hands them.
 :class:`ProcessRunner` has the runner's interface (``add``, ``cancel``, ``finish_at``,
 ``load``, ``stop``), so the service cannot tell them apart.
 
-The child ends with its parent: it reads the pipe between steps and exits when the
-parent's end closes (a ``kill -9`` of the consumer closes it), and it asks the kernel
-for SIGKILL when the parent dies. When a child dies, what it held is given back to the
-stream ("lost" outputs: the service naks those messages, and they are continued from
-their stored chunks, as a dead worker's are) and a new one is started.
+The child ends with its consumer: it reads the pipe between steps and exits when the
+consumer's end closes (a ``kill -9`` of the consumer closes it), and it asks the kernel
+for SIGKILL when its parent, the fork server, dies (as it does with the consumer). When
+a child dies, what it held is given back to the stream ("lost" outputs: the service naks
+those messages, and they are continued from their stored chunks, as a dead worker's
+are) and a new one is started at once.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 import time
@@ -37,14 +42,16 @@ from typing import Any
 
 import torch
 
+from consumers.inference import forks
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
-from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from consumers.inference.models import LoadedModel, ModelSpec
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 
 log = logging.getLogger(__name__)
 
-#: How long a child may take to load its model and answer, at most.
+#: How long a child may take to start and answer, at most (the fork server's own start,
+#: importing torch and transformers, included).
 START_TIMEOUT_S = 120.0
 #: A child that died before it was ready is started again by the first request this
 #: long after, at the soonest (one that cannot load must not be restarted in a loop).
@@ -63,32 +70,50 @@ class _Immediate:
         callback()
 
 
+#: The engine process's name in ps, top and /proc (``comm``, 15 bytes at most).
+PROCESS_NAME = b"arena-engine"
+
+
 def _die_with_parent() -> None:
-    with_libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    with_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(PR_SET_NAME, PROCESS_NAME)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _child(
-    spec: ModelSpec, version: int, mode: str, max_batch: int, max_wait_s: float, threads: int, conn: Any, parent: int
+    loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int, conn: Any, consumer: int
 ) -> None:
-    """The engine process: load, then step whatever comes down the pipe until it closes."""
+    """The engine process: step whatever comes down the pipe until it closes."""
     with suppress(OSError):
         _die_with_parent()
-    if os.getppid() != parent:  # it died while this process was starting
+    if not _alive(consumer):  # it died while this process was starting
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
-    loaded = load_model(spec, version)
     engine = BatchEngine(loaded, mode, max_batch)  # type: ignore[arg-type]
     send_lock = threading.Lock()
     steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
+    unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
     runner: EngineRunner
 
     def send(outputs: list[StepOutput]) -> None:
         state = _state(runner)
         with send_lock:  # the main thread sends too (a refused add)
             state["steps"], steps[:] = list(steps), []
+            # When each joined a batch (its prefill began): the worker's trace spans it.
+            joined = {o.request_id: unjoined.pop(o.request_id).admitted_at for o in outputs if o.request_id in unjoined}
+            state["joined"] = {rid: at for rid, at in joined.items() if at is not None}
             conn.send(("out", outputs, state))
 
     def on_step(*step: int) -> None:
@@ -103,6 +128,8 @@ def _child(
             kind, arg = conn.recv()
             if kind == "add":
                 try:
+                    with send_lock:
+                        unjoined[arg.request_id] = arg
                     runner.add(arg)
                 except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
                     send([StepOutput(arg.request_id, [], "", True, "error", len(arg.prompt_ids), 0)])
@@ -136,28 +163,44 @@ class EngineChild:
         self.conn.close()
 
 
-def spawn(spec: ModelSpec, version: int, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:
-    """Start an engine process for ``spec``: it imports torch and loads its copy of the
-    weights while the consumer loads its own (the pool's), so a worker's start is not
-    the sum of both."""
-    ctx = mp.get_context("spawn")
+def shm_room(nbytes: int) -> bool:
+    """Whether /dev/shm has room for ``nbytes`` of weights (a container's is 64 MB unless
+    given more: ``docker run --shm-size``, or a memory-backed emptyDir in Kubernetes)."""
+    try:
+        return shutil.disk_usage("/dev/shm").free > nbytes * 1.1
+    except OSError:
+        return False
+
+
+def share(loaded: LoadedModel) -> None:
+    """Move ``loaded``'s CPU weights to shared memory (in place, once; the pool's copy
+    becomes the one both processes read). CUDA tensors go to a child by CUDA IPC as they are."""
+    loaded.model.share_memory()
+    with suppress(OSError, AttributeError):  # glibc: give the private copies' freed pages back to the OS
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:
+    """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`)."""
+    forks.start()
+    share(loaded)
+    ctx = forks.context()
     parent, child = ctx.Pipe()
-    proc = ctx.Process(
+    proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(spec, version, mode, max_batch, max_wait_s, threads, child, os.getpid()),
-        name=f"engine-{spec.name}",
+        args=(loaded, mode, max_batch, max_wait_s, threads, child, os.getpid()),
+        name=f"engine-{loaded.spec.name}",
         daemon=True,
     )
     proc.start()
     child.close()
     with suppress(OSError):  # lowering a nice value needs CAP_SYS_NICE
         os.setpriority(os.PRIO_PROCESS, proc.pid or 0, os.getpriority(os.PRIO_PROCESS, 0) + ENGINE_NICE)
-    return EngineChild(spec, proc, parent)
+    return EngineChild(loaded.spec, proc, parent)
 
 
 class ProcessRunner:
-    """An :class:`EngineRunner` whose engine steps in a child process (``child``: one
-    started already for the same spec, see :func:`spawn`)."""
+    """An :class:`EngineRunner` whose engine steps in a child process."""
 
     def __init__(
         self,
@@ -168,7 +211,6 @@ class ProcessRunner:
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
         threads: int = 0,
-        child: EngineChild | None = None,
     ):
         self.loaded = loaded
         self.name = loaded.spec.name
@@ -185,17 +227,12 @@ class ProcessRunner:
         #: Set once the engine process has loaded its model and answered.
         self.ready = threading.Event()
         self._dead_since: float | None = None  # when a child died before it was ready
-        if child is not None and child.spec != loaded.spec:  # started for what the pool did not load
-            child.kill()
-            child = None
-        self._start(child)
+        self._start()
 
     # ---- the child -----------------------------------------------------------------
 
-    def _start(self, child: EngineChild | None = None) -> None:
-        child = child or spawn(
-            self.loaded.spec, self.loaded.version, self.mode, self.max_batch_size, self.max_wait_s, self.threads
-        )
+    def _start(self) -> None:
+        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads)
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()
@@ -212,12 +249,15 @@ class ProcessRunner:
             if kind == "ready":
                 self.ready.set()
             elif outputs:
-                self.loop.call_soon_threadsafe(self._deliver, outputs, state.get("steps", ()))
+                self.loop.call_soon_threadsafe(self._deliver, outputs, state.get("steps", ()), state.get("joined", {}))
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
 
-    def _deliver(self, outputs: list[StepOutput], steps) -> None:
+    def _deliver(self, outputs: list[StepOutput], steps, joined: dict[str, float]) -> None:
         with self._lock:
+            for rid, at in joined.items():
+                if (req := self._active.get(rid)) is not None:
+                    req.admitted_at = at
             for out in outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)

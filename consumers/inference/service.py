@@ -34,7 +34,7 @@ from opentelemetry.trace import Span
 
 from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
-from consumers.inference.engine_process import START_TIMEOUT_S, EngineChild, ProcessRunner, spawn
+from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt
@@ -319,34 +319,19 @@ class InferenceService:
 
     async def warm(self, names: list[str]) -> None:
         """Load ``names`` and start their engines, so that the first request (one handed
-        on from a worker that died, say) waits for neither. An engine process takes
-        seconds to start and load its copy of the model: it is started first, and loads
-        while the pool does."""
-        s = self.settings
-        specs = {spec.name: spec for spec in self.pool.specs()}
-        bases = {name: specs[name].base or name for name in names}  # a variant runs on its base's engine
-        children = {}
-        if s.engine_process:
-            for base in dict.fromkeys(bases.values()):
-                children[base] = spawn(
-                    specs[base], 1, s.engine, s.max_batch_size, s.max_wait_ms / 1000, s.torch_threads
-                )
-        try:
-            for name in names:
-                async with self.pool.use(name) as loaded:
-                    runner = self._runner_for(loaded, children.pop(bases[name], None))
-                if isinstance(runner, ProcessRunner):
-                    await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
-        finally:
-            for child in children.values():  # a model that did not load
-                child.kill()
+        on from a worker that died, say) waits for neither."""
+        for name in names:
+            async with self.pool.use(name) as loaded:
+                runner = self._runner_for(loaded)
+            if isinstance(runner, ProcessRunner):
+                await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
 
-    def _runner_for(self, loaded, child: EngineChild | None = None) -> Runner:
+    def _runner_for(self, loaded) -> Runner:
         runner = self.runners.get(id(loaded))
         if runner is None or runner.loaded is not loaded:
             assert self.loop is not None, "start() the service first"
             s = self.settings
-            if s.engine_process:
+            if s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
                     s.engine,
@@ -355,15 +340,26 @@ class InferenceService:
                     self.on_outputs,
                     s.max_wait_ms / 1000,
                     s.torch_threads,
-                    child,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size)
                 runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
-        elif child is not None:  # this version has its engine already
-            child.kill()
         return runner
+
+    @staticmethod
+    def _shareable(loaded) -> bool:
+        """An engine process reads the pool's weights from shared memory; where /dev/shm
+        is too small for them, the model's engine runs on a thread instead (and says so)."""
+        if loaded.spec.device != "cpu" or shm_room(loaded.nbytes):
+            return True
+        log.warning(
+            "/dev/shm has no room for %s's %.0f MB of weights: its engine runs on a thread, not in a process "
+            "(give the container more shared memory, e.g. docker run --shm-size, to have it in one)",
+            loaded.spec.name,
+            loaded.nbytes / 1e6,
+        )
+        return False
 
     # ---- outputs (called on the loop by the engine thread) ---------------------------
 

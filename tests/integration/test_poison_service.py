@@ -46,7 +46,10 @@ class Worker:
 
 
 async def start_worker(nats_url: str, **settings_kw) -> tuple[Worker, object]:
-    """An inference service on stories260K pulling from the inference durable; (worker, connection)."""
+    """An inference service on stories260K pulling from the inference durable; (worker, connection).
+    Its engine steps on a thread of this process unless ``engine_process=True``: these tests
+    patch the engine's functions, which a child process would not see."""
+    settings_kw.setdefault("engine_process", False)
     settings = InferenceSettings(nats_url=nats_url, max_batch_size=16, chunk_tokens=4, **settings_kw)
     nc = await jetstream.connect(settings.nats_url, "test-inference-service")
     js = nc.jetstream()

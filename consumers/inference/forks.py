@@ -1,0 +1,42 @@
+"""Where engine processes come from: a fork server with the engine's modules imported.
+
+An engine process started as a fresh interpreter spends seconds importing torch and
+transformers (5-7 s on a busy 2-core VM) before it can step, and a worker restarted after
+a ``kill -9`` waited for that on top of its own imports. The fork server imports them
+once, beside the worker (it is started before the worker's own imports), and each engine
+process is forked from it in a fraction of a second. It is a process of its own, never
+the worker: a fork of the worker would copy its threads' locks and, on a GPU host, its
+CUDA context. It ends when the worker does.
+
+Nothing here imports torch: :func:`start` runs before the worker's imports.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing import forkserver, resource_tracker
+from multiprocessing.context import BaseContext
+
+#: What the fork server imports before it forks anything.
+PRELOAD = ["consumers.inference.engine_process"]
+
+
+def context() -> BaseContext:
+    """The multiprocessing context engine processes are started with."""
+    return mp.get_context("forkserver")
+
+
+def start() -> None:
+    """Start the fork server if it is not running; it imports :data:`PRELOAD` in the
+    background, so the caller goes on with its own imports meanwhile."""
+    context().set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Stop the fork server (and the resource tracker it started) and wait for them, so a
+    worker that stops leaves no process behind. Its engine processes must be stopped first."""
+    # multiprocessing's own way (its tests use it): closing the "alive" pipe ends the
+    # server, which exits at once, and _stop waits for it.
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
