@@ -1,7 +1,9 @@
-"""The engine in a process of its own (`ARENA_ENGINE_PROCESS`), against a real nats-server
-and stories260K: the same tokens as the engine thread, a killed engine process's requests
-are continued by the next one, and it never outlives a consumer killed with -9. And, for
-either runner: an evicted model's engine is stopped with it."""
+"""The engine in a process of its own (`ARENA_ENGINE_PROCESS`, the default), against a real
+nats-server and stories260K: the same tokens as the engine thread, forked from the fork
+server and stepping the pool's weights from shared memory, a killed engine process's
+requests are continued by the next one, it never outlives a consumer killed with -9, and
+a model with no room in /dev/shm runs on a thread. And, for either runner: an evicted
+model's engine is stopped with it."""
 
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from consumers.inference import engine_process
+from consumers.inference import service as service_module
 from consumers.inference.engine import GenRequest
 from consumers.inference.errors import RetryableError
 from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams
 from events import decode
 from tests.conftest import STORIES
@@ -54,7 +58,12 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
             steps = REGISTRY.get_sample_value("arena_engine_steps_total", {"model": MODEL}) or 0.0
             done = await serve(worker, len(PROMPTS))
             if mode:
-                assert runner_of(worker).pid != os.getpid(), "the engine did not run in a child process"
+                runner = runner_of(worker)
+                assert runner.pid != os.getpid(), "the engine did not run in a child process"
+                # Forked from the fork server (torch imported once), stepping the pool's own
+                # weights from shared memory rather than a copy of its own.
+                assert "multiprocessing.forkserver" in " ".join(psutil.Process(runner.pid).parent().cmdline())
+                assert all(p.is_shared() for p in runner.loaded.model.parameters())
             # The steps count in the worker's metrics either way (those of a child come up the pipe).
             assert (REGISTRY.get_sample_value("arena_engine_steps_total", {"model": MODEL}) or 0.0) > steps + 20
         finally:
@@ -97,6 +106,21 @@ async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_ag
         await request(worker.js, "after", PROMPTS[1], healthy_params(1))
         after = await serve(worker, 1, timeout=60)
         assert after["after"].type == "chat.completed" and after["after"].text
+    finally:
+        await stop_worker(worker, nc)
+
+
+async def test_a_model_with_no_room_in_dev_shm_runs_its_engine_on_a_thread(nats_server, monkeypatch, caplog):
+    """An engine process reads the weights from /dev/shm; where it is too small for them
+    (a container's 64 MB), the model is served by an engine thread and the log says why."""
+    monkeypatch.setattr(service_module, "shm_room", lambda nbytes: False)
+    worker, nc = await start(nats_server, engine_process=True)
+    try:
+        await request(worker.js, "small-shm", PROMPTS[0], healthy_params(0))
+        done = await serve(worker, 1)
+        assert done["small-shm"].type == "chat.completed"
+        assert isinstance(runner_of(worker), EngineRunner)
+        assert "/dev/shm has no room" in caplog.text
     finally:
         await stop_worker(worker, nc)
 
