@@ -73,7 +73,10 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
     assert texts[True] == texts[False]  # greedy and seeded sampling alike
 
 
-async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_again(nats_server):
+@pytest.mark.parametrize("killed", ["engine", "fork server"])
+async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_again(nats_server, killed):
+    """Killed with -9: the engine process, or the fork server it came from (which takes
+    the engine with it; the next engine is forked from a new one)."""
     worker, nc = await start(nats_server, engine_process=True)
     try:
         await worker.service.warm([MODEL, MODEL])  # started before any request, once per model
@@ -82,6 +85,7 @@ async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_ag
         engines = [p for p in psutil.Process().children(recursive=True) if p.name() == "arena-engine"]
         assert [p.pid for p in engines] == [runner.pid]  # forked from the fork server, named for ps
         first = runner.pid
+        server = psutil.Process(first).ppid()
         long = healthy_params(0).model_copy(update={"max_tokens": 200})
         for i in range(3):
             await request(worker.js, f"held{i}", PROMPTS[i], long)
@@ -91,13 +95,14 @@ async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_ag
         while not any(j.generated for j in worker.service.jobs.values()) and time.monotonic() < end:
             await asyncio.sleep(0.01)
         assert any(j.generated for j in worker.service.jobs.values()), "no request started generating"
-        os.kill(first, signal.SIGKILL)
+        os.kill(first if killed == "engine" else server, signal.SIGKILL)
         # Given back (naked), then pulled again and continued by the next engine process
         # from the chunks stored: each ends once, with every chunk once (serve's audit).
         resumed = REGISTRY.get_sample_value("arena_resumed_tokens_total") or 0.0
         done = await serve(worker, 3, timeout=90)
         assert {done[f"held{i}"].type for i in range(3)} == {"chat.completed"}
         assert runner.pid != first
+        assert (psutil.Process(runner.pid).ppid() == server) == (killed == "engine")
         assert (REGISTRY.get_sample_value("arena_resumed_tokens_total") or 0.0) > resumed, "nothing was continued"
         for i in range(3):  # the same text an unbroken run gives
             await request(worker.js, f"ref{i}", PROMPTS[i], long)
