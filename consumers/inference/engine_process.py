@@ -45,7 +45,7 @@ import torch
 from consumers.inference import forks
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
-from consumers.inference.models import LoadedModel, ModelSpec
+from consumers.inference.models import LoadedModel
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 
 log = logging.getLogger(__name__)
@@ -154,13 +154,8 @@ def _state(runner: EngineRunner) -> dict:
 class EngineChild:
     """A started engine process and the consumer's end of its pipe."""
 
-    spec: ModelSpec
     proc: Any
     conn: Any
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.conn.close()
 
 
 def shm_room(nbytes: int) -> bool:
@@ -176,8 +171,6 @@ def share(loaded: LoadedModel) -> None:
     """Move ``loaded``'s CPU weights to shared memory (in place, once; the pool's copy
     becomes the one both processes read). CUDA tensors go to a child by CUDA IPC as they are."""
     loaded.model.share_memory()
-    with suppress(OSError, AttributeError):  # glibc: give the private copies' freed pages back to the OS
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:
@@ -196,7 +189,7 @@ def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, thr
     child.close()
     with suppress(OSError):  # lowering a nice value needs CAP_SYS_NICE
         os.setpriority(os.PRIO_PROCESS, proc.pid or 0, os.getpriority(os.PRIO_PROCESS, 0) + ENGINE_NICE)
-    return EngineChild(loaded.spec, proc, parent)
+    return EngineChild(proc, parent)
 
 
 class ProcessRunner:
@@ -277,6 +270,8 @@ class ProcessRunner:
         self._state = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
         self.ready.clear()
         if served:
+            # Forking it takes milliseconds; if the fork server died too (it takes its
+            # engine with it), the new one imports torch first, and the loop waits seconds.
             self._start()
         else:
             self._dead_since = time.monotonic()
@@ -301,7 +296,12 @@ class ProcessRunner:
             if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")
             self._active[req.request_id] = req
-        self._conn.send(("add", req))
+        try:
+            self._conn.send(("add", req))
+        except OSError as exc:  # it died a moment ago, and _lost is on its way: not this request's fault
+            with self._lock:
+                self._active.pop(req.request_id, None)
+            raise RetryableError(f"the engine process of {self.name} ended; retrying shortly") from exc
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
