@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.net import free_port
@@ -62,6 +62,18 @@ class LocalServer:
     proc: subprocess.Popen
     port: int
     url: str
+    cmd: list[str] = field(default_factory=list)  # how it was started, to start it again as it was
+    log_file: Path | None = None
+    # For `arena up`'s supervisor, as for its roles: when it last started, its restarts in a row.
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    due: float | None = None  # when a restart is due, while it waits out its backoff
+
+    def respawn(self) -> subprocess.Popen:
+        """Start it again on its port with its store and config (JetStream's store and
+        Redis's append-only file are read back), without waiting for it to listen."""
+        self.proc = _spawn(self.cmd, self.log_file)
+        return self.proc
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:
@@ -112,7 +124,7 @@ def start_nats(
         cmd += ["--routes", routes]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
-    return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}")
+    return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}", cmd, log_file)
 
 
 @dataclass
@@ -181,4 +193,4 @@ def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None =
     ]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
-    return LocalServer("redis", proc, port, f"redis://127.0.0.1:{port}/0")
+    return LocalServer("redis", proc, port, f"redis://127.0.0.1:{port}/0", cmd, log_file)

@@ -2,7 +2,10 @@
 
 A child that dies is restarted with backoff (logged, and counted in
 `arena_process_restarts_total` on the supervisor's metrics port); the others keep
-serving. On stop, the roles go down one at a time in the reverse of their start order
+serving. So is a nats-server or redis-server `arena up` started itself: on its port, with
+its store (JetStream's files, Redis's append-only file), while the roles reconnect.
+
+On stop, the roles go down one at a time in the reverse of their start order
 (`events.topology.ROLES`): the gateway stops taking requests, inference drains and gives
 back what it could not finish while delivery still delivers, and the servers go last.
 """
@@ -102,36 +105,52 @@ class Stack:
         return self.children[name].proc
 
     def supervise(self, say=print) -> None:
-        """Restart children that died, with backoff; call it periodically."""
+        """Restart children and the servers this stack started that died, with backoff;
+        call it periodically."""
         now = time.monotonic()
         for child in self.children.values():
-            if child.due is not None:
-                if now >= child.due:
-                    child.proc, child.started, child.due = self._popen(child.role, child.name, child.env), now, None
-                continue
-            code = child.proc.poll()
-            if code is None:
-                continue
-            if now - child.started >= STABLE_S:
-                child.restarts = 0
-            handed_on = self.takeover.release(child.proc.pid) if self.takeover else 0
-            delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2**child.restarts)
-            child.restarts += 1
-            child.due = now + delay
-            RESTARTS.labels(child.name).inc()
-            say(
-                json.dumps(
-                    {
-                        "event": "process_exited",
-                        "process": child.name,
-                        "code": code,
-                        "restart_in_s": delay,
-                        "restarts": child.restarts,
-                        "messages_handed_on": handed_on,
-                    }
-                ),
-                flush=True,
-            )
+            self._revive(child.name, child, lambda c=child: self._popen(c.role, c.name, c.env), now, say)
+        for name, server in self._local_servers():
+            self._revive(name, server, server.respawn, now, say)
+
+    def _local_servers(self) -> list[tuple[str, LocalServer]]:
+        out: list[tuple[str, LocalServer]] = []
+        for server in self.servers:
+            if isinstance(server, NatsCluster):
+                out += [(f"nats-server-{n.name}", s) for n, s in zip(server.nodes, server.servers, strict=True)]
+            else:
+                out.append((f"{server.name}-server", server))
+        return out
+
+    def _revive(self, name: str, it: Child | LocalServer, start, now: float, say) -> None:
+        """Restart ``it`` (a role's process or a server) if it died, once its backoff is over."""
+        if it.due is not None:
+            if now >= it.due:
+                it.proc, it.started, it.due = start(), now, None
+            return
+        code = it.proc.poll()
+        if code is None:
+            return
+        if now - it.started >= STABLE_S:
+            it.restarts = 0
+        handed_on = self.takeover.release(it.proc.pid) if self.takeover and isinstance(it, Child) else 0
+        delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2**it.restarts)
+        it.restarts += 1
+        it.due = now + delay
+        RESTARTS.labels(name).inc()
+        say(
+            json.dumps(
+                {
+                    "event": "process_exited",
+                    "process": name,
+                    "code": code,
+                    "restart_in_s": delay,
+                    "restarts": it.restarts,
+                    "messages_handed_on": handed_on,
+                }
+            ),
+            flush=True,
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop the roles one at a time, in the reverse of their start order, then the servers."""

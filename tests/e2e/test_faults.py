@@ -13,6 +13,7 @@ import statistics
 import time
 
 import httpx
+import psutil
 import pytest
 
 from infra.servers import start_nats, start_redis
@@ -75,6 +76,44 @@ def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
             f"messages handed on at the exit {exited['messages_handed_on']}, stalls of the {len(stalls)} streams "
             f"spanning the kill: median {statistics.median(stalls or [0]):.2f}s, longest {max(stalls, default=0):.2f}s"
         )
+    finally:
+        up.stop()
+
+
+# ---- kill -9 of the servers `arena up` started ----------------------------------------
+
+
+@pytest.mark.parametrize("server", ["nats-server", "redis-server"])
+def test_kill_9_of_arena_ups_own_server_is_restarted_and_serving_resumes(tmp_path, server):
+    """`arena up` started the server, so it restarts it (same port, same store) as it
+    restarts a role; requests before, during and after get JSON, and 200 again soon after."""
+    up = ArenaUp(tmp_path)
+    try:
+        [victim] = [p for p in psutil.Process(up.proc.pid).children() if p.name() == server]
+        answers: list[tuple[float, int, str]] = []  # (sent at, status, content type)
+        killed_at = 0.0
+        with httpx.Client(timeout=30) as client:
+            end = time.monotonic() + 12
+            while time.monotonic() < end:
+                if not killed_at and time.monotonic() > end - 10:
+                    victim.kill()
+                    killed_at = time.monotonic()
+                sent = time.monotonic()
+                r = client.post(
+                    f"{up.url}/v1/chat/completions",
+                    json={"model": "stories-260k", "max_tokens": 8, "messages": [{"role": "user", "content": "Tom"}]},
+                )
+                answers.append((sent, r.status_code, r.headers.get("content-type", "")))
+                time.sleep(0.1)
+        assert all(kind.startswith("application/json") for _, _, kind in answers), answers
+        assert {status for _, status, _ in answers} <= {200, 503}, answers
+        late = [status for sent, status, _ in answers if sent > killed_at + 5]
+        assert late and set(late) == {200}, f"not serving again 5 s after the kill: {answers}"
+        up.stop()
+        exits = [json.loads(line) for line in up.lines if '"process_exited"' in line]
+        assert [e["process"] for e in exits] == [server], exits
+        failed = [status for _, status, _ in answers if status != 200]
+        print(f"\n[kill -9 {server}] {len(answers) - len(failed)}/{len(answers)} answered 200, {len(failed)} x 503")
     finally:
         up.stop()
 
