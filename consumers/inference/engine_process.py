@@ -220,6 +220,10 @@ class ProcessRunner:
         #: Set once the engine process has loaded its model and answered.
         self.ready = threading.Event()
         self._dead_since: float | None = None  # when a child died before it was ready
+        # While a new child starts (on a thread, see _restart), what would go down its pipe
+        # waits here, in order. Both are only touched on the loop.
+        self._starting = False
+        self._queued: list[tuple[str, Any]] = []
         self._start()
 
     # ---- the child -----------------------------------------------------------------
@@ -264,18 +268,51 @@ class ProcessRunner:
         once; one that died starting is left for a request to restart later."""
         self._proc.join(timeout=1)
         code, served = self._proc.exitcode, self.ready.is_set()
-        with self._lock:
-            held, self._active = list(self._active.values()), {}
-        log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(held))
+        log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(self._active))
         self._state = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
         self.ready.clear()
         if served:
-            # Forking it takes milliseconds; if the fork server died too (it takes its
-            # engine with it), the new one imports torch first, and the loop waits seconds.
-            self._start()
+            self._restart()
         else:
             self._dead_since = time.monotonic()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        with self._lock:
+            held, self._active = list(self._active.values()), {}
         self.on_outputs([StepOutput(r.request_id, [], "", True, "lost", len(r.prompt_ids), 0) for r in held])
+
+    def _restart(self) -> None:
+        """Start a new child on a thread: forking one takes milliseconds, but if the fork
+        server died too (it takes its engine with it), a new one imports torch first,
+        seconds the loop must not wait. What comes meanwhile is queued for the new pipe."""
+        self._starting = True
+
+        def start() -> None:
+            try:
+                self._start()
+            except Exception as exc:  # noqa: BLE001 - what waited is given back; a request restarts it later
+                log.error("cannot start the engine process of %s: %r", self.name, exc)
+                self.loop.call_soon_threadsafe(self._start_failed)
+                return
+            if self._stopping:  # stopped meanwhile: this one is not wanted
+                self._proc.kill()
+                return
+            self.loop.call_soon_threadsafe(self._started)
+
+        threading.Thread(target=start, name=f"engine-{self.name}-start", daemon=True).start()
+
+    def _started(self) -> None:
+        """On the loop: the new child is there; what waited goes down its pipe, in order."""
+        queued, self._queued, self._starting = self._queued, [], False
+        for message in queued:
+            with suppress(OSError):  # it died already: its _lost gives back what it held
+                self._conn.send(message)
+
+    def _start_failed(self) -> None:
+        self._queued, self._starting = [], False
+        self._dead_since = time.monotonic()
+        self._give_back()
 
     @property
     def pid(self) -> int | None:
@@ -291,11 +328,14 @@ class ProcessRunner:
             if time.monotonic() - self._dead_since < RESTART_AFTER_S:
                 raise RetryableError(f"the engine process of {self.name} failed to start; retrying shortly")
             self._dead_since = None
-            self._start()
+            self._restart()
         with self._lock:
             if req.request_id in self._active:
                 raise PermanentError(f"request {req.request_id} is already in the engine")
             self._active[req.request_id] = req
+        if self._starting:
+            self._queued.append(("add", req))
+            return
         try:
             self._conn.send(("add", req))
         except OSError as exc:  # it died a moment ago, and _lost is on its way: not this request's fault
@@ -307,6 +347,9 @@ class ProcessRunner:
         with self._lock:
             if request_id not in self._active:
                 return
+        if self._starting:
+            self._queued.append(("cancel", request_id))
+            return
         with suppress(OSError):  # a dead engine process fails what it held anyway
             self._conn.send(("cancel", request_id))
 

@@ -176,8 +176,14 @@ async def test_an_engine_process_that_cannot_start_is_not_restarted_in_a_loop(mo
         with pytest.raises(RetryableError):
             runner.add(req)
         await asyncio.sleep(1.0)
-        runner.add(req)  # due: a new child is started for it (and fails the same way)
+        runner.add(req)  # due: a new child is started for it, off the loop (and fails the same way)
+        end = time.monotonic() + 30
+        while runner.pid == first and time.monotonic() < end:
+            await asyncio.sleep(0.05)
         assert runner.pid != first
+        while not failed and time.monotonic() < end:  # it held the request: given back when it died
+            await asyncio.sleep(0.05)
+        assert [(o.request_id, o.finish_reason) for o in failed] == [("r", "lost")]
     finally:
         runner.stop()
 
