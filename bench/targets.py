@@ -123,9 +123,18 @@ def _arena_command() -> list[str]:
     raise NotRunnable("arenaflow's `arena` CLI (infra.cli) is not there yet")
 
 
+#: Where `arena up` steps the engine: its default (a process), or as asked; (name suffix, flags).
+_ENGINE_PLACES: dict[bool | None, tuple[str, list[str]]] = {
+    None: ("", []),
+    True: ("-process", ["--engine-process"]),
+    False: ("-thread", ["--no-engine-process"]),
+}
+
+
 def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Target:
     """`arena up` with ``engine``; ``engine_process`` None keeps its default (a process)."""
-    name = f"arenaflow-{engine}" + {None: "", True: "-process", False: "-thread"}[engine_process]
+    suffix, place_flags = _ENGINE_PLACES[engine_process]
+    name = f"arenaflow-{engine}{suffix}"
     cmd = _arena_command()
     check = subprocess.run([*cmd, "up", "--help"], capture_output=True, text=True, timeout=60, check=False)
     if check.returncode != 0:
@@ -157,7 +166,7 @@ def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Targ
         str(setup.max_batch_size),
         "--state-dir",
         str(state),
-        *({None: [], True: ["--engine-process"], False: ["--no-engine-process"]}[engine_process]),
+        *place_flags,
     ]
     proc = ServerProcess(
         name, cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / f"{name}.log", env=setup.env()

@@ -40,6 +40,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from consumers.inference import forks
@@ -81,23 +82,13 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_NAME, PROCESS_NAME)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _child(
     loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int, conn: Any, consumer: int
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes."""
     with suppress(OSError):
         _die_with_parent()
-    if not _alive(consumer):  # it died while this process was starting
+    if not psutil.pid_exists(consumer):  # it died while this process was starting
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
