@@ -8,8 +8,8 @@ to the GIL). In its own process it has a GIL of its own.
 
 The child steps an :class:`EngineRunner` (the same stepping, static hold and step-time
 measurement as the in-process runner) over the pool's own copy of the weights: they are
-moved to shared memory and handed over (a file descriptor per tensor, torch's
-multiprocessing), so a model is in memory once, whichever process steps it. The child is
+moved to shared memory, one flat buffer per dtype, and handed over (a file descriptor per
+buffer, torch's multiprocessing), so a model is in memory once, whichever process steps it. The child is
 forked from a fork server that has torch imported already (``forks.py``): it is ready in
 a fraction of a second, not the seconds a fresh interpreter takes to import torch.
 Requests go down a pipe; each step's outputs come back with the engine's state (budgets
@@ -158,10 +158,61 @@ def shm_room(nbytes: int) -> bool:
         return False
 
 
+#: Where each tensor starts in its flat buffer, in bytes (a cache line: what torch's own
+#: allocator gives a tensor, so the kernels' vector loads stay aligned).
+ALIGN_BYTES = 64
+
+
 def share(loaded: LoadedModel) -> None:
     """Move ``loaded``'s CPU weights to shared memory (in place, once; the pool's copy
-    becomes the one both processes read). CUDA tensors go to a child by CUDA IPC as they are."""
-    loaded.model.share_memory()
+    becomes the one both processes read). CUDA tensors go to a child by CUDA IPC as they are.
+
+    Into one flat buffer per dtype, every parameter and buffer a view of it: a child gets
+    a file descriptor per storage, and multiprocessing passes at most ~250 at a time
+    (``ValueError: too many fds``), fewer than a 30-layer Llama's tensors (SmolLM2-135M:
+    272). Tied weights are one tensor, and stay one view."""
+    tensors = [t for t in _tensors(loaded.model) if t.device.type == "cpu"]
+    if not tensors or (all(t.is_shared() for t in tensors) and len(storages(loaded.model)) <= len(_by_dtype(tensors))):
+        return
+    for dtype, group in _by_dtype(tensors).items():
+        slots = list(_slots(group).values())
+        step = max(1, ALIGN_BYTES // dtype.itemsize)
+        starts, end = [], 0
+        for first, *_ in slots:
+            starts.append(end)
+            end += -(-first.numel() // step) * step
+        flat = torch.empty(end, dtype=dtype).share_memory_()
+        for slot, start in zip(slots, starts, strict=True):
+            view = flat[start : start + slot[0].numel()].view(slot[0].shape)
+            view.copy_(slot[0])
+            for t in slot:
+                t.data = view  # the same Parameter (or buffer) object: its modules keep it
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each parameter and buffer once (a tied weight is one Parameter in two modules)."""
+    return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def _slots(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The tensors that are one piece of memory (tied as two objects over one storage)."""
+    slots: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        slots.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride()), []).append(t)
+    return slots
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def storages(model: torch.nn.Module) -> set[int]:
+    """The distinct storages ``model``'s weights live in (by address): after :func:`share`,
+    one per dtype, each a file descriptor when the model goes to a child."""
+    return {t.untyped_storage().data_ptr() for t in _tensors(model)}
 
 
 def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:

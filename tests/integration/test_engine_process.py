@@ -2,13 +2,15 @@
 nats-server and stories260K: the same tokens as the engine thread, forked from the fork
 server and stepping the pool's weights from shared memory, a killed engine process's
 requests are continued by the next one, it never outlives a consumer killed with -9, and
-a model with no room in /dev/shm runs on a thread. And, for either runner: an evicted
+a model with no room in /dev/shm runs on a thread, a model of more tensors than a child can be
+handed descriptors for (a 32-layer Llama) shares them as one buffer. And, for either runner: an evicted
 model's engine is stopped with it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,9 @@ import time
 
 import psutil
 import pytest
+import torch
 from prometheus_client import REGISTRY
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from consumers.inference import engine_process
 from consumers.inference import service as service_module
@@ -71,6 +75,60 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
         assert all(e.type == "chat.completed" for e in done.values()), done
         texts[mode] = [done[f"{mode}-{i}"].text for i in range(len(PROMPTS))]
     assert texts[True] == texts[False]  # greedy and seeded sampling alike
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """A random 32-layer Llama with stories260K's tokenizer: 291 tensors, past the ~250
+    file descriptors multiprocessing hands a child at once (SmolLM2-135M has 272)."""
+    path = tmp_path_factory.mktemp("deep")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, path / name)
+    return path
+
+
+def shared_weights_maps(pid: int) -> list:
+    """The child's shared mappings of torch's shared-memory files (the weights it steps)."""
+    return [m for m in psutil.Process(pid).memory_maps(grouped=False) if "/torch_" in m.path and "s" in m.perms]
+
+
+async def test_a_model_of_more_tensors_than_descriptors_a_child_takes_serves_from_one_buffer(nats_server, deep_model):
+    texts = {}
+    for mode in (False, True):
+        worker, nc = await start(nats_server, engine_process=mode)
+        try:
+            await worker.service.pool.add(ModelSpec(name="deep", path=str(deep_model)))
+            for i, p in enumerate(PROMPTS):
+                await request(worker.js, f"{mode}-{i}", p, healthy_params(i), model="deep")
+            done = await serve(worker, len(PROMPTS))
+            if mode:
+                runner = runner_of(worker)
+                model = runner.loaded.model
+                assert len(model.state_dict()) > 250
+                assert runner.pid != os.getpid() and runner.ready.is_set()
+                # One float32 buffer in shared memory, the pool's own: the child maps it,
+                # every parameter a view of it, rather than a copy of its own.
+                assert all(p.is_shared() for p in model.parameters())
+                assert len(engine_process.storages(model)) == 1
+                (mapped,) = shared_weights_maps(runner.pid)
+                assert mapped.size >= runner.loaded.nbytes
+        finally:
+            await stop_worker(worker, nc)
+        assert all(e.type == "chat.completed" for e in done.values()), done
+        texts[mode] = [done[f"{mode}-{i}"].text for i in range(len(PROMPTS))]
+    assert texts[True] == texts[False]
 
 
 @pytest.mark.parametrize("killed", ["engine", "fork server"])
