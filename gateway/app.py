@@ -6,8 +6,10 @@ fake one (tests/unit/fake_pipeline.py) without NATS or Redis."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import uvicorn
@@ -20,13 +22,15 @@ from pydantic.json_schema import models_json_schema
 from gateway import errors, routes_async, routes_openai, ws
 from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
-from gateway.edge import BodyGuard, ServerTiming, head_timeout_protocol
+from gateway.edge import BodyGuard, ServerTiming, WebSocketProtocol, head_timeout_protocol
 from gateway.fleet import FLEET
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from gateway.shed import EarlyAdmission, EarlyGate
 from runtime import heap, tracing
 from runtime.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
 
 
 def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None = None) -> FastAPI:
@@ -146,9 +150,27 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
     return r
 
 
+def raise_open_files() -> int:
+    """The soft limit on open files raised to the hard one (one descriptor per connection:
+    a default soft limit of 1,024 would cap the open WebSockets far below max_websockets).
+    Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        with suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
 def main() -> None:
     settings = GatewaySettings()
     app = build_app(settings)
+    files = raise_open_files()
+    if files < settings.max_websockets + settings.max_connections:
+        log.warning(
+            "open-file limit below max_websockets + max_connections",
+            extra={"limit": files, "max_websockets": settings.max_websockets},
+        )
     uvicorn.run(
         app,
         host=settings.host,
@@ -161,5 +183,8 @@ def main() -> None:
         http=head_timeout_protocol(settings.header_timeout_s, refuse=app.state.gate.refusal),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,
+        ws=WebSocketProtocol,
         ws_max_size=settings.max_ws_frame_bytes,
+        ws_ping_interval=settings.ws_ping_interval_s,
+        ws_ping_timeout=settings.ws_ping_timeout_s,
     )

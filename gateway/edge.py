@@ -6,6 +6,9 @@
   Content-Length, or trickled) is 408. The route then reads the buffered body.
 - `HeadTimeoutProtocol` (uvicorn's HTTP protocol) closes a connection whose request head
   does not arrive within `header_timeout_s`: a slow-loris client holds nothing for long.
+  A connection upgraded to a WebSocket leaves this protocol for uvicorn's WebSocket one
+  (`WebSocketProtocol`, which counts the open sockets): every HTTP timer is cancelled
+  at the upgrade, so none fires into a socket that now speaks another protocol.
 - `ServerTiming` (ASGI middleware) adds `Server-Timing: gateway;dur=<ms>` to every
   response: the time from the request's arrival (as the protocol read it) to its head.
 - `parse_frame` parses a WebSocket frame with bounded size and nesting depth.
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 try:  # the faster parser, when installed (uvicorn[standard])
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as FastProtocol
@@ -180,6 +184,13 @@ class HeadTimeoutProtocol(FastProtocol):
     def _arm(self) -> None:
         self._head_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._head_timeout)
 
+    def handle_websocket_upgrade(self, *args) -> None:
+        """The transport goes to a WebSocket protocol and never comes back: its HTTP
+        timers stop here (uvicorn cancels its keep-alive timer as the upgrade is read;
+        the head timer is this class's own)."""
+        self._head_timer.cancel()
+        super().handle_websocket_upgrade(*args)
+
     def data_received(self, data: bytes) -> None:
         self._data_at = time.perf_counter()  # a request head starting in this read arrived now
         super().data_received(data)
@@ -241,6 +252,8 @@ class HeadTimeoutProtocol(FastProtocol):
     def _head_timeout(self) -> None:
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
+        if self.transport.get_protocol() is not self:  # upgraded: the socket speaks WebSocket now
+            return
         METRICS.rejections.labels(reason="header_timeout").inc()
         body = json.dumps(too_slow(self.HEADER_TIMEOUT_S).body()).encode()
         head = (
@@ -266,12 +279,34 @@ def _resume(loop: asyncio.AbstractEventLoop) -> None:
         loop.call_soon(_resume, loop)
 
 
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (websockets' sans-I/O implementation, what uvicorn's
+    "auto" picks), counting the open sockets: they share uvicorn's connection and task
+    sets with HTTP, and the HTTP connection limit counts HTTP alone (an idle socket held
+    by a person between turns must not refuse the next chat request). Their own bound is
+    `GatewaySettings.max_websockets`, checked by the route."""
+
+    #: Open WebSocket connections in this process.
+    open = 0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        WebSocketProtocol.open += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        WebSocketProtocol.open -= 1
+        super().connection_lost(exc)
+
+
 def _limited(app, connections: set, tasks: set, limit: int):
-    """`app`, answering JSON 503 when the open connections or running requests (this one
-    counted) are over `limit`, as uvicorn's own check would (before any route runs)."""
+    """`app`, answering JSON 503 when the open HTTP connections or running HTTP requests
+    (this one counted) are over `limit`, as uvicorn's own check would (before any route
+    runs). WebSockets are in the same sets, one connection and one task each, and are
+    not counted (`WebSocketProtocol.open`)."""
 
     async def limited(scope: Scope, receive, send) -> None:
-        if scope["type"] == "http" and (len(connections) >= limit or len(tasks) > limit):
+        sockets = WebSocketProtocol.open
+        if scope["type"] == "http" and (len(connections) - sockets >= limit or len(tasks) - sockets > limit):
             METRICS.rejections.labels(reason="too_many_connections").inc()
             error = APIError(
                 503,

@@ -35,7 +35,7 @@ from events import subjects
 from events.models import FAILURE_TYPES, ChatMessage, new_id
 from gateway import errors
 from gateway.access import limits_of, not_found, principal_of
-from gateway.edge import FrameError, parse_frame
+from gateway.edge import FrameError, WebSocketProtocol, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
@@ -107,6 +107,7 @@ class Session:
 
     def __init__(self, ws: WebSocket, deps: Deps, conv_id: str, model: str | None, grace_s: float, principal: str):
         self.ws, self.deps, self.conv_id, self.model, self.grace_s = ws, deps, conv_id, model, grace_s
+        self.idle_s = deps.chat.settings.ws_idle_timeout_s
         self.principal = principal
         self.limits = limits_of(ws)
         self.token = new_id()  # names this session as a request's holder
@@ -132,7 +133,12 @@ class Session:
             if first is not None:
                 await self._work(first)
             while not self.closed:
-                text = await self.inbox.get()
+                try:  # the idle clock runs between turns only: a turn streams for as long as its deadline
+                    text = await asyncio.wait_for(self.inbox.get(), self.idle_s)
+                except TimeoutError:
+                    METRICS.websocket_idle_closes.inc()
+                    await self.ws.close(code=1000, reason=f"idle for {self.idle_s:g} s")
+                    break
                 if text is None:
                     break
                 await self._work(self.handle(text))
@@ -311,6 +317,17 @@ def _handshake(ws: WebSocket, settings) -> tuple[dict, APIError | None]:
     }, None
 
 
+def too_many_websockets(limit: int) -> APIError:
+    return APIError(503, f"the gateway holds {limit} WebSockets already; retry shortly", "too_many_websockets")
+
+
+async def _refuse(ws: WebSocket, err: APIError, code: int = 1008) -> None:
+    """The error as the socket's one frame, then the close: 1008 (policy) for a request
+    that cannot succeed, 1013 (try again later) for a full gateway."""
+    await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
+    await ws.close(code=code)
+
+
 def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     r = APIRouter(tags=["websocket"])
     deps = Deps(chat)
@@ -320,10 +337,12 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         await ws.accept()
         METRICS.websockets.inc()
         try:
+            if WebSocketProtocol.open > settings.max_websockets:
+                await _refuse(ws, too_many_websockets(settings.max_websockets), code=1013)
+                return
             args, err = _handshake(ws, settings)
             if err is not None:
-                await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
-                await ws.close(code=1008)
+                await _refuse(ws, err)
                 return
             principal = principal_of(ws)
             conv_id = args["conv_id"]
@@ -331,9 +350,7 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
                 record = await chat.pipeline.results.pending(args["resume"])
                 conv_id = record["conv_id"] if record else None
             if conv_id is not None and await chat.pipeline.keys.owner("conv", conv_id) not in (None, principal):
-                err = not_found("conversation", conv_id, "conv_id")
-                await ws.send_text(json.dumps({"type": "error", "status": err.status, **err.body()}))
-                await ws.close(code=1008)
+                await _refuse(ws, not_found("conversation", conv_id, "conv_id"))
                 return
             session = Session(ws, deps, conv_id or new_id(), args["model"], args["grace"], principal)
             await session.send(

@@ -163,9 +163,28 @@ class GatewaySettings(CommonSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="A request head must arrive within this (else 408).")
     keep_alive_s: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
     max_connections: int = Field(
-        4096, ge=16, description="Open connections and tasks before uvicorn answers 503 (slow clients cannot pile up)."
+        4096,
+        ge=16,
+        description="Open HTTP connections and tasks before the gateway answers 503 (slow clients cannot pile up); "
+        "WebSockets are not counted here (max_websockets).",
     )
     max_ws_frame_bytes: int = Field(256 * 1024, ge=1024, description="Largest WebSocket frame.")
+    ws_idle_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A WebSocket with no turn running and no frame from its client for this long is closed "
+        "(code 1000, reason 'idle'); the conversation stays in the stream and a new socket carries it on.",
+    )
+    ws_ping_interval_s: float = Field(
+        20.0, gt=0, description="Protocol pings on every WebSocket (they keep proxies and NATs from dropping it)."
+    )
+    ws_ping_timeout_s: float = Field(20.0, gt=0, description="A WebSocket whose pong is this late is closed (1011).")
+    max_websockets: int = Field(
+        10_000,
+        ge=1,
+        description="Open WebSockets per gateway; past it a new one is told to retry (close code 1013). "
+        "Bounded by the process's open-file limit, which the gateway raises to its hard limit at start.",
+    )
     max_json_depth: int = Field(32, ge=2, le=512, description="Deepest JSON nesting accepted in a WebSocket frame.")
     max_queue_per_model: int = Field(
         256, ge=1, description="Backstop: requests in flight per model and gateway before 429."
