@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
+import pytest
 import uvicorn
 import websockets
+from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
+from gateway.app import build_app
 from gateway.edge import WebSocketProtocol, head_timeout_protocol
+from tests.unit.fake_pipeline import FakePipeline, settings
 
 HEAD_TIMEOUT_S = 0.3
 
@@ -106,3 +112,18 @@ async def test_open_websockets_do_not_count_against_the_http_connection_limit():
             await ws.close()
     finally:
         await stop(server, task)
+
+
+def test_an_idle_websocket_is_closed_after_the_idle_limit_and_a_frame_restarts_the_clock():
+    s = settings(ws_idle_timeout_s=0.6)
+    with TestClient(build_app(s, FakePipeline(s))) as client, client.websocket_connect("/v1/ws") as ws:
+        assert ws.receive_json()["type"] == "session"
+        for _ in range(4):  # 1.2 s in all, a frame every 0.3 s: never idle for 0.6 s
+            time.sleep(0.3)
+            ws.send_json({"type": "ping"})
+            assert ws.receive_json()["type"] == "pong"
+        started = time.monotonic()
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1000 and "idle" in closed.value.reason
+        assert 0.4 < time.monotonic() - started < 3
