@@ -22,6 +22,9 @@ class GatewayMetrics:
         self.idempotent_hits = Counter("arena_idempotent_hits_total", "Retries answered from an earlier request")
         self.rejections = Counter("arena_rejections_total", "Requests refused", ["reason"])
         self.websockets = Gauge("arena_websockets_open", "Open WebSocket connections")
+        self.live_skipped = Counter(
+            "arena_live_messages_skipped_total", "Messages on a request's live subject that were no event, skipped"
+        )
         self.websocket_idle_closes = Counter(
             "arena_websocket_idle_closes_total", "WebSockets closed after ws_idle_timeout_s with no frame"
         )

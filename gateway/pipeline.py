@@ -26,6 +26,7 @@ from gateway.admission import ModelQueue, StreamState
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
+from gateway.metrics import METRICS
 from runtime import jetstream
 from runtime.recovery import recover_request
 from runtime.redis import redis_client
@@ -334,3 +335,9 @@ class Output:
                 incoming, quiet = [decode(msg.data)], QUIET_S
             except TimeoutError:
                 incoming, quiet = await self._stored(), min(quiet * 2, QUIET_MAX_S)
+            except ValueError as exc:  # no event (a buggy or older publisher): the stream has what it meant
+                METRICS.live_skipped.inc()
+                log.warning(
+                    "undecodable live message skipped: %s", str(exc)[:200], extra={"request_id": self.request_id}
+                )
+                incoming = await self._stored()

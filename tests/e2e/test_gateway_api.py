@@ -252,3 +252,41 @@ def test_injected_prompt_is_rejected_with_an_event_and_a_sanitized_one_reaches_t
     assert evs[-1].type == "chat.completed"
     clean = httpx.post(api.url + CHAT, json=body("Once upon a time there was a cat", temperature=0), timeout=30)
     assert clean.json()["choices"][0]["message"]["content"] == ok.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_bad_message_on_a_live_subject_is_skipped_and_the_answer_completes(api):
+    """A buggy or older publisher puts something that is no event on a request's live
+    subject while it streams: the gateway logs and counts it, reads on from the stream,
+    and the client gets the whole answer (SSE and JSON), never a 500."""
+    nc = await nats.connect(api.nats.url)
+    spoiled: set[str] = set()
+
+    async def spoil(msg) -> None:
+        if msg.subject not in spoiled:  # at its first live message, three bad ones follow
+            spoiled.add(msg.subject)
+            for junk in (b"not json", b'{"type": "chat.completed"}', b"[1, 2]"):
+                await nc.publish(msg.subject, junk)
+
+    sub = await nc.subscribe("arena.live.>", cb=spoil)
+    try:
+        async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
+            streamed = ""
+            async with client.stream("POST", CHAT, json=body(max_tokens=200, temperature=0, stream=True)) as r:
+                assert r.status_code == 200
+                streaming_id = r.headers["x-request-id"]
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        streamed += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+            r2 = await client.post(CHAT, json=body(content="A dog", max_tokens=200, temperature=0))
+            assert r2.status_code == 200, r2.text
+        metrics = httpx.get(f"{api.url}/metrics").text
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+    assert f"arena.live.{streaming_id}" in spoiled and f"arena.live.{r2.headers['x-request-id']}" in spoiled
+    stored = await asyncio.to_thread(stored_events, api.nats.url, streaming_id)
+    assert streamed == next(e.text for e in stored if e.type == "chat.completed") != ""
+    skipped = [line for line in metrics.splitlines() if line.startswith("arena_live_messages_skipped_total ")]
+    assert skipped and float(skipped[0].split()[-1]) >= 1
