@@ -260,6 +260,8 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             stack.spawn(role.name, name, extra | {"ARENA_METRICS_PORT": str(targets[-1].port)})
     url = f"http://{args.host}:{port}"
     metrics_port = free_port()
+    for name in [*stack.children, *(name for name, _ in stack._local_servers())]:
+        RESTARTS.labels(name)  # at 0 from the start: increase() then counts the first restart
     start_http_server(metrics_port, addr="127.0.0.1")
     targets.append(scrape.Target("supervisor", "supervisor", metrics_port))
     prometheus = scrape.write(state / "prometheus", targets)

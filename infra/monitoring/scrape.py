@@ -43,6 +43,10 @@ def config(targets_file: Path, interval: str = SCRAPE_INTERVAL) -> dict:
         "scrape_configs": [
             {
                 "job_name": "arenaflow",
+                # A series's own role/process labels win over its target's: the supervisor's
+                # restarts per process and the gateway's ready processes per role would
+                # otherwise all read as the scraped process's (renamed exported_process/role).
+                "honor_labels": True,
                 "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": interval}],
             }
         ],

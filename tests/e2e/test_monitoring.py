@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import httpx
+import psutil
 import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -194,6 +195,32 @@ def test_each_process_exports_its_spans_one_trace_per_request(up, traffic):
         return services if {"arena-gateway", "arena-filter", "arena-inference", "arena-delivery"} <= services else None
 
     wait_for(one_trace, 30, "spans of every process in the request's trace")
+
+
+def test_a_kill_9_shows_in_the_dashboards_restart_panel(up, prometheus):
+    """The panel "Ready processes per role, restarts" under `arena up`: the gateway's
+    ready processes keep their own role label (not the scraped gateway's), the
+    supervisor's port is scraped, and a role killed with -9 reaches the restart query:
+    each process's counter is there at 0 from the start, so increase() sees the step to 1
+    (a series born at 1 reads as no increase)."""
+    [ready, restarts] = [q for q in dashboard.queries() if "arena_fleet_processes" in q or "restarts_total" in q]
+    roles = wait_for(lambda: {r["metric"].get("role") for r in query(prometheus, ready)}, 30, ready)
+    assert {r.name for r in topology.consumers()} <= roles, roles
+    at_zero = 'arena_process_restarts_total{process="leaderboard", role="supervisor"} == 0'
+    wait_for(lambda: query(prometheus, at_zero), 30, "the leaderboard's restarts at 0")
+    [victim] = [p for p in psutil.Process(up.proc.pid).children() if "leaderboard" in p.cmdline()]
+    victim.kill()
+
+    def counted():
+        return [r for r in query(prometheus, restarts) if r["metric"].get("process") == "leaderboard"]
+
+    wait_for(lambda: [r for r in counted() if float(r["value"][1]) >= 1], 30, f"{restarts} after the kill")
+    assert {r["metric"]["process"] for r in query(prometheus, restarts)} >= {"gateway", "nats-server", "redis-server"}
+
+    def back():
+        return any(p.pid != victim.pid and "leaderboard" in p.cmdline() for p in psutil.Process(up.proc.pid).children())
+
+    wait_for(back, 30, "the leaderboard restarted")
 
 
 def _targets(up) -> list[dict]:
