@@ -26,9 +26,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start(replicas: int, state: Path) -> tuple[subprocess.Popen, str]:
+def start(replicas: int, state: Path, settings: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`arena up` as a user's shell starts it (no ARENA_* of the caller's), plus ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARENA_") and k not in ("NATS_URL", "REDIS_URL")}
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(settings or {})
     cmd = [sys.executable, "-m", "infra.cli", "up", "--port", "0", "--state-dir", str(state)]
     proc = subprocess.Popen(
         [*cmd, "--inference-replicas", str(replicas)],

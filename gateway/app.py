@@ -187,4 +187,5 @@ def main() -> None:
         ws_max_size=settings.max_ws_frame_bytes,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,
+        ws_per_message_deflate=settings.ws_per_message_deflate,
     )
