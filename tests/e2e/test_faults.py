@@ -13,13 +13,15 @@ import statistics
 import time
 
 import httpx
+import nats
 import psutil
 import pytest
 
+from events import subjects
 from infra.servers import start_nats, start_redis
 from tests.arena_up import ArenaUp
 from tests.conftest import stored_events
-from tests.streams import Stream, audit_of, post_one, prompt, stream_one
+from tests.streams import Stream, audit_of, post_one, prompt, stream_one, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -132,12 +134,23 @@ def test_redis_outage_under_load_gives_no_500_and_keeps_idempotency(tmp_path, na
     try:
 
         async def run():
+            nc = await nats.connect(nats_server.url)
+            published = asyncio.Queue()
+            await nc.subscribe(f"{subjects.REQUESTED}.>", cb=published.put)
             async with httpx.AsyncClient(timeout=60) as client:
                 keyed = await post_one(client, s.url, prompt(0, 16), {"Idempotency-Key": "before-outage"})
                 await asyncio.sleep(1.5)  # the append-only file syncs every second
-                flowing = [asyncio.create_task(stream_one(client, s.url, prompt(i, 64))) for i in range(12)]
+                seen = [Stream() for _ in range(12)]
+                flowing = [
+                    asyncio.create_task(stream_one(client, s.url, prompt(i, 64), out=seen[i])) for i in range(12)
+                ]
                 waiting = [asyncio.create_task(post_one(client, s.url, prompt(100 + i, 64))) for i in range(12)]
-                await asyncio.sleep(0.5)
+                # Under way before the kill, however loaded the machine: all 24 published
+                # (their ChatRequested seen on the stream's subject) and every stream flowing.
+                for _ in range(25):  # the keyed request's, then the 24
+                    await asyncio.wait_for(published.get(), 30)
+                await until(lambda: all(x.chunk_times or x.done or x.status not in (0, 200) for x in seen), 30)
+                await nc.close()
                 redis.proc.send_signal(signal.SIGKILL)
                 redis.proc.wait()
                 during = [await post_one(client, s.url, prompt(200 + i, 8)) for i in range(3)]
