@@ -23,13 +23,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+from urllib.parse import urlparse
 
 import httpx
 import nats
+import psutil
 from prometheus_client import Counter, start_http_server
 
 from events import topology
-from infra import nats_auth
+from infra import nats_auth, start_checks
 from infra.monitoring import scrape
 from infra.servers import LocalServer, NatsCluster, start_nats, start_nats_cluster, start_redis
 from infra.takeover import Takeover
@@ -83,6 +86,7 @@ class Stack:
     servers: list[LocalServer | NatsCluster] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
     takeover: Takeover | None = None  # naks a dead inference process's messages at once
+    lock: IO[str] | None = None  # the state dir's lock (infra.start_checks), held until stop() ends
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -161,6 +165,8 @@ class Stack:
                 self.takeover.close()
         for server in reversed(self.servers):
             server.stop()
+        if self.lock is not None:
+            self.lock.close()  # the state dir is free for the next `arena up`
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -178,10 +184,13 @@ def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     state = Path(args.state_dir).resolve()
+    lock = start_checks.hold_state_dir(state)  # before anything else: a refused start touches nothing
+    port = args.port if args.port is not None else 8000
+    port = free_port() if port == 0 else start_checks.check_port_free(args.host, port)
     (state / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    stack = Stack(state, env)
+    stack = Stack(state, env, lock=lock)
     operator = OperatorSettings()
     nats_url = args.nats_url or operator.nats_url
     redis_url = args.redis_url or operator.redis_url
@@ -218,9 +227,6 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         stack.servers.append(server)
         redis_url = server.url
         print_fn(f"redis-server on {redis_url} (append-only file in {state / 'redis'})")
-    port = args.port if args.port is not None else 8000
-    if port == 0:
-        port = free_port()
     env.update(
         {
             "NATS_URL": nats_url,
@@ -320,18 +326,21 @@ async def create_topology(url: str, replicas: int = 1) -> None:
 
 
 def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
-    """Wait for /readyz; a child that exits before the stack is ready fails the start."""
+    """Wait for /readyz from this stack's own gateway (another server on its port does
+    not count); a child that exits before the stack is ready fails the start."""
     end = time.monotonic() + timeout
     last = ""
+    port = urlparse(url).port
     while time.monotonic() < end:
         for name, proc in stack.procs.items():
             if proc.poll() is not None:
-                print_fn(f"{name} exited with {proc.returncode}; see {stack.state / 'logs' / (name + '.log')}")
+                log = stack.state / "logs" / f"{name}.log"
+                print_fn(f"{name} exited with {proc.returncode}: {_exit_reason(log)}\n(see {log})")
                 return False
         try:
             r = httpx.get(f"{url}/readyz", timeout=1.0)
             body = r.json()
-            if r.status_code == 200:
+            if r.status_code == 200 and _own_gateway_listens(stack, port):
                 return True
             counts = " ".join(f"{role}={body.get(role)}" for role in topology.required())
             line = f"waiting: {counts} models={list(body.get('models', {}))}"
@@ -341,7 +350,36 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
             print_fn(line)
             last = line
         time.sleep(0.3)
+    print_fn(f"not ready after {timeout}s")
     return False
+
+
+def _own_gateway_listens(stack: Stack, port: int | None) -> bool:
+    """A gateway process of this stack listens on `port` (what answered is not some
+    other server that held the port first)."""
+    for child in stack.children.values():
+        if child.role != topology.GATEWAY.name:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for conn in psutil.Process(child.proc.pid).net_connections("tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port:
+                    return True
+    return False
+
+
+def _exit_reason(log: Path) -> str:
+    """Why a process exited, from its log: its last error (uvicorn logs a failed bind, then
+    its shutdown), else its last line (a traceback's)."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, AttributeError):
+            entry = json.loads(line)
+            if entry.get("level") in ("ERROR", "CRITICAL"):
+                return str(entry.get("msg"))[:500]
+    return lines[-1][-500:] if lines else "nothing logged"
 
 
 def up(args) -> int:
@@ -352,12 +390,16 @@ def up(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    stack, url = start_stack(args)
+    try:
+        stack, url = start_stack(args)
+    except start_checks.StartRefused as exc:
+        print(f"arena up: {exc}", file=sys.stderr)
+        return 1
     drain = InferenceSettings().drain_grace_s
     try:
         if not wait_ready(stack, url, args.ready_timeout):
             if not stopping["flag"]:
-                print(f"not ready after {args.ready_timeout}s; logs in {stack.state / 'logs'}", file=sys.stderr)
+                print(f"arena up did not start; logs in {stack.state / 'logs'}", file=sys.stderr)
                 return 1
             return 0
         print(f"arenaflow ready at {url}  (OpenAI base_url {url}/v1; logs in {stack.state / 'logs'})", flush=True)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import psutil
 import pytest
 
-from tests.arena_up import ArenaUp, arena
+from runtime.net import free_port
+from tests.arena_up import ArenaUp, arena, user_env
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -50,3 +58,137 @@ def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
     # The stream outlives the stack: replay reads the store it left.
     again = arena("replay", "--request-id", rid, "--state-dir", str(state), env=env)
     assert again.returncode == 0 and "chat.completed" in again.stdout
+
+
+# ---- one stack per state dir, and a "ready" that is the stack's own ----------------------
+
+
+class Ready(BaseHTTPRequestHandler):
+    """Another server on the port, answering /readyz 200 as a ready gateway would."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"ready": True}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def other_server(port: int = 0):
+    server = ThreadingHTTPServer(("127.0.0.1", port), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def arena_up(state, port: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "up", "--port", str(port), "--state-dir", str(state)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    """Its exit code, all it printed and how long it ran (killed, and failed, if it runs on)."""
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"arena up still running after {timeout}s:\n{out}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+def test_a_second_arena_up_in_the_same_state_dir_is_refused_and_the_first_still_operates(tmp_path):
+    up = ArenaUp(tmp_path)
+    try:
+        # What a second stack would rewrite (the stores are the first stack's servers' to write).
+        kept = {p: p.read_bytes() for p in up.state.rglob("*") if p.is_file() and not _store_or_log(up.state, p)}
+        mtimes = {p: p.stat().st_mtime_ns for p in kept}
+        servers = _servers_on(up.state)
+        assert len(servers) == 2, servers
+
+        code, out, seconds = finished(arena_up(up.state, 0, up.env), timeout=30)
+        assert code != 0, out
+        assert f"in use by another `arena up` (pid {up.proc.pid})" in out, out
+        assert "ready at" not in out and "nats-server" not in out, out
+        print(f"\n[second arena up] refused in {seconds:.1f}s: {out.strip()}")
+
+        # Nothing of the first stack's was touched: its config and endpoints, and no second
+        # server was started on its stores.
+        assert {p: p.stat().st_mtime_ns for p in kept} == mtimes
+        assert {p: p.read_bytes() for p in kept} == kept
+        assert _servers_on(up.state) == servers
+        models = arena("models", "list", "--state-dir", str(up.state), env=up.env)
+        assert models.returncode == 0, models.stdout + models.stderr
+        r = httpx.post(
+            f"{up.url}/v1/chat/completions",
+            timeout=30,
+            json={"max_tokens": 4, "messages": [{"role": "user", "content": "Once upon a time"}]},
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        assert up.stop() == 0
+    # Stopped, it frees the dir: the next `arena up` there starts.
+    again = ArenaUp(tmp_path)
+    assert again.stop() == 0
+
+
+def _store_or_log(state, path) -> bool:
+    return path.relative_to(state).parts[0] in ("nats", "redis", "logs")
+
+
+def _servers_on(state) -> set[int]:
+    """nats-server and redis-server processes with their store in `state` (redis-server
+    rewrites its command line, but works in its --dir)."""
+    out = set()
+    for p in psutil.process_iter(["name", "cmdline", "cwd"]):
+        where = " ".join([*(p.info["cmdline"] or []), p.info["cwd"] or ""])
+        if p.info["name"] in ("nats-server", "redis-server") and str(state) in where:
+            out.add(p.pid)
+    return out
+
+
+def test_arena_up_on_a_taken_port_fails_fast_and_starts_nothing(tmp_path):
+    with other_server() as port:
+        code, out, seconds = finished(arena_up(tmp_path / "state", port, user_env()), timeout=30)
+    assert code != 0 and "ready at" not in out, out
+    assert f"port {port} on 127.0.0.1: address already in use" in out, out
+    assert not (tmp_path / "state" / "nats").exists(), "it started nats-server before it checked the port"
+    print(f"\n[taken port] refused in {seconds:.1f}s: {out.strip()}")
+
+
+def test_a_port_taken_while_the_stack_starts_fails_the_start_not_a_ready_line(tmp_path):
+    """The port was free when `arena up` checked it, then another server took it before
+    the gateway bound it (and answers /readyz 200): the gateway's exit fails the start,
+    with its reason, and the other server's answer is not taken for the stack's."""
+    port = free_port()
+    proc = arena_up(tmp_path / "state", port, user_env())
+    assert proc.stdout is not None
+    lines = []
+    try:
+        while not lines or not lines[-1].startswith("redis-server on"):  # the roles start right after
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        with other_server(port):
+            code, out, seconds = finished(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + out
+    assert code != 0 and "ready at" not in out, out
+    assert "gateway exited with" in out and f"{port}): address already in use" in out, out
+    print(f"\n[port taken during start] failed {seconds:.1f}s after the port was taken")
