@@ -172,7 +172,7 @@ async def sse_levels(url: str, gw: psutil.Process, levels: list[int]) -> None:
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     for n in levels:
-        live, seen = [0, 0], []
+        live, seen = [0, 0], list[tuple[int, float | None, float | None]]()
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             task = asyncio.gather(*(one_stream(client, url, i, live, seen) for i in range(n)))
             peak_fds = 0
@@ -185,7 +185,7 @@ async def sse_levels(url: str, gw: psutil.Process, levels: list[int]) -> None:
         ttft = [s[1] for s in ok if s[1] is not None]
         print(
             f"{n:>8} {len(ok):>5} {refused:>5} {len(seen) - len(ok) - refused:>6} {live[1]:>15} "
-            f"{pct(ttft, 99):>11.2f} {pct([s[2] for s in ok], 99):>10.2f} {peak_fds:>9}"
+            f"{pct(ttft, 99):>11.2f} {pct([s[2] for s in ok if s[2] is not None], 99):>10.2f} {peak_fds:>9}"
         )
         await asyncio.sleep(2)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -89,6 +89,22 @@ class Message(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+#: OpenAI request fields that are refused unless neutral: field -> its neutral values
+#: (null first, then the one a client sends to mean "none").
+UNSERVED: dict[str, tuple] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: Annotated[bool, Strict()] = False
 
@@ -113,6 +129,24 @@ class ChatCompletionRequest(BaseModel):
     conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
     turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
     deadline_s: Deadline | None = None
+    # OpenAI fields this server does not serve: refused with a 400 naming the field when
+    # they ask for anything (their neutral values pass), never accepted and ignored.
+    logprobs: Any = Field(None, description="Not served: only false/null is accepted.")
+    top_logprobs: Any = Field(None, description="Not served: only 0/null is accepted.")
+    presence_penalty: Any = Field(None, description="Not served: only 0/null is accepted.")
+    frequency_penalty: Any = Field(None, description="Not served: only 0/null is accepted.")
+    logit_bias: Any = Field(None, description="Not served: only {}/null is accepted.")
+    response_format: Any = Field(None, description='Not served: only {"type": "text"} is accepted.')
+    tools: Any = Field(None, description="No tool calling: only []/null is accepted.")
+    tool_choice: Any = Field(None, description='No tool calling: only "none"/null is accepted.')
+    functions: Any = Field(None, description="No function calling: only []/null is accepted.")
+    function_call: Any = Field(None, description='No function calling: only "none"/null is accepted.')
+
+    @field_validator(*UNSERVED)
+    @classmethod
+    def _unserved(cls, v, info):
+        if v not in UNSERVED[info.field_name]:
+            raise ValueError(f"is not supported by this server (accepted: {UNSERVED[info.field_name][1]!r} or null)")
 
     @field_validator("stop")
     @classmethod

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.access import limits_of, principal_of
-from gateway.errors import errors
+from gateway.errors import APIError, errors
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
@@ -63,15 +63,23 @@ async def stream_events(
 def router(chat: ChatService) -> APIRouter:
     r = APIRouter(tags=["openai"])
 
+    def served() -> dict[str, dict]:
+        return {
+            name: {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
+            for name, insts in sorted(chat.pipeline.fleet()["models"].items())
+        }
+
     @r.get("/v1/models")
     async def models() -> dict:
         """The served models and how many inference processes hold each one."""
-        fleet = chat.pipeline.fleet()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
-            for name, insts in sorted(fleet["models"].items())
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": list(served().values())}
+
+    @r.get("/v1/models/{model_id:path}", responses=errors(404))
+    async def model(model_id: str) -> dict:
+        """One served model (the openai SDK's `models.retrieve`); 404 when none holds it."""
+        if (found := served().get(model_id)) is None:
+            raise APIError(404, f"model '{model_id}' is not served; see GET /v1/models", "model_not_found", "model")
+        return found
 
     @r.post(
         "/v1/chat/completions",

@@ -27,7 +27,7 @@ from gateway.access import not_found
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import UNSERVED, ChatCompletionRequest
 from gateway.ratelimit import Limits
 from gateway.variants import model_defaults, with_model_defaults
 from runtime import tracing
@@ -81,7 +81,7 @@ class Ticket:
 
 def body_hash(req: ChatCompletionRequest, model: str) -> str:
     """What makes two requests 'the same' for an idempotency key (transport options excluded)."""
-    fields = req.model_dump(exclude={"stream", "stream_options", "deadline_s", "user"})
+    fields = req.model_dump(exclude={"stream", "stream_options", "deadline_s", "user", *UNSERVED})
     fields["model"] = model
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import nats
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,6 +64,10 @@ def test_openai_client_non_streaming_and_streaming(api):
     assert "".join(parts) == r.choices[0].message.content
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
     assert [m.id for m in client.models.list()] == ["stories-260k"]
+    assert client.models.retrieve("stories-260k").id == "stories-260k"
+    with pytest.raises(openai.BadRequestError) as refused:  # asked for, not served: never silently ignored
+        client.chat.completions.create(model="stories-260k", logprobs=True, messages=[{"role": "user", "content": "x"}])
+    assert refused.value.body["param"] == "logprobs"
 
 
 def test_retry_returns_the_same_answer_without_running_the_model_again(api, module_stack_factory):
