@@ -133,8 +133,9 @@ class TextTracker:
     Text is decoded together with a few prompt tokens so that tokenizers that drop a
     leading space at the start of a decode (SentencePiece) still produce it. A delta
     never ends inside a multi-byte character (the replacement character marks an
-    incomplete one), and never ends with text that could be the start of a stop
-    string: that tail is held back until it is resolved or the request finishes.
+    incomplete one; a special token, which decodes to nothing, is none, and a character
+    the end cuts off is left out), and never ends with text that could be the start of a
+    stop string: that tail is held back until it is resolved or the request finishes.
 
     With a fast (Rust) tokenizer the text grows by one streaming decode per token
     (`tokenizers.decoders.DecodeStream`, a few microseconds); otherwise the whole
@@ -150,6 +151,8 @@ class TextTracker:
     _emitted: int = field(init=False, default=0)
     _stream: Any = field(init=False, default=None)
     _decoded: str = field(init=False, default="")  # the whole completion as decoded so far
+    _special: frozenset[int] = field(init=False, default=frozenset())  # skipped by the stream
+    _partial: bool = field(init=False, default=False)  # the stream holds part of a character
     text: str = field(init=False, default="")  # the completion so far, stop-trimmed
     stopped: bool = field(init=False, default=False)
 
@@ -160,6 +163,7 @@ class TextTracker:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             self._stream = (backend, DecodeStream(ids=self._prefix_ids, skip_special_tokens=True))
+            self._special = special_ids(backend)
         else:
             self._prefix_len = len(self._decode(self._prefix_ids))
 
@@ -180,10 +184,13 @@ class TextTracker:
                 self._stream = None
                 self._prefix_len = len(self._decode(self._prefix_ids))
             else:
-                if piece is None:  # inside a multi-byte character
-                    return self._decoded + "\ufffd"
-                self._decoded += piece
-                return self._decoded
+                # None: inside a multi-byte character, or a special token skipped (an
+                # end-of-turn token, which must not read as half a character).
+                if piece is None and token_id not in self._special:
+                    self._partial = True
+                elif piece is not None:
+                    self._decoded, self._partial = self._decoded + piece, False
+                return self._decoded + "\ufffd" if self._partial else self._decoded
         return self._decode(self._prefix_ids + self._ids)[self._prefix_len :]
 
     def add(self, token_id: int) -> str:
@@ -201,7 +208,10 @@ class TextTracker:
         return self._emit(len(full) - _partial_stop_len(full, self.stop))
 
     def flush(self) -> str:
-        """The held-back tail, at the end of generation."""
+        """The held-back tail, at the end of generation; a character cut off by the end
+        (``max_tokens`` reached inside it) is left out, never shown as U+FFFD."""
+        if self._partial and not self.stopped:
+            self.text = self.text.removesuffix("\ufffd")
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
@@ -210,6 +220,11 @@ class TextTracker:
         delta = self.text[self._emitted : upto]
         self._emitted = upto
         return delta
+
+
+def special_ids(backend: Any) -> frozenset[int]:
+    """The ids a decode with ``skip_special_tokens`` leaves out (a fast tokenizer's backend)."""
+    return frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

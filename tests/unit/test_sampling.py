@@ -120,6 +120,22 @@ def test_tracker_never_splits_a_multibyte_character(tokenizer):
     assert _feed(tracker, byte_ids) == ["", "", "中"]
 
 
+def test_tracker_ends_on_eos_without_a_replacement_character(tokenizer):
+    """The end-of-turn token is skipped in the text: it is no half-decoded character."""
+    prompt, gen = _split(tokenizer, "Once upon a time", " there was a dog.")
+    tracker = TextTracker(tokenizer, prompt)
+    deltas = [*_feed(tracker, [*gen, tokenizer.eos_token_id]), tracker.flush()]
+    assert "".join(deltas) == " there was a dog." == tracker.text
+    assert deltas[-2:] == ["", ""]
+
+
+def test_tracker_leaves_out_a_character_cut_off_by_the_end(tokenizer):
+    """max_tokens reached inside a multi-byte character: the text ends before it."""
+    byte_ids = tokenizer.convert_tokens_to_ids(["▁a", "<0xE4>", "<0xB8>"])  # "中" without its last byte
+    tracker = TextTracker(tokenizer, tokenizer("Hi").input_ids)
+    assert "".join([*_feed(tracker, byte_ids), tracker.flush()]) == " a"
+
+
 def test_tracker_survives_bytes_that_are_no_utf8(tokenizer):
     """tokenizers' DecodeStream raises on a stray continuation byte followed by a word
     (found by test_poison's random requests); the tracker decodes in full instead."""
