@@ -124,6 +124,10 @@ class InferenceSettings(CommonSettings):
         default_factory=_default_models_dir, description="Where relative model paths are looked up."
     )
     warm_models: list[str] | None = Field(None, description="Loaded at start; default: the default model.")
+    model_cache: str = Field(
+        str(Path.home() / ".cache" / "arenaflow" / "models"),
+        description="Where a GGUF model source is converted to a checkpoint once (a directory per file hash).",
+    )
     engine: str = Field("continuous", description="'static' (padded micro-batches) or 'continuous'.")
     max_batch_size: int = Field(
         64,

