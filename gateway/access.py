@@ -7,7 +7,9 @@ it gets 404, as if it did not exist, so ids cannot be probed.
 
 `KeyGuard` (ASGI middleware) checks the key on every HTTP route and WebSocket except
 the paths the operator leaves open (`open_paths`: by default /healthz and /readyz, the
-latter without details for a caller without a key). Keys are taken from the
+latter without details for a caller without a key) and the arena pages' shell
+(`PAGE_PATHS`: static HTML, script and style, no data; the page asks for a key and sends
+it on its API calls). Keys are taken from the
 `Authorization: Bearer` header only: a key in the query string (`?api_key=`) would be
 written to access logs, so it is refused.
 """
@@ -28,6 +30,9 @@ from runtime.settings import GatewaySettings
 ANONYMOUS = "anonymous"
 #: Query parameters that look like credentials: refused, and redacted in logs.
 KEY_PARAMS = ("api_key", "apikey", "api-key", "access_token", "key", "token")
+#: The arena pages' static shell, served without a key whatever `open_paths` says (the
+#: data behind it, under /arena/battles and /arena/leaderboard, still needs one).
+PAGE_PATHS = ("/arena", "/arena/board", "/arena/static/*")
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -81,7 +86,9 @@ class Access:
         return "p-" + keyed(await self.secret(), "principal", api_key)[:24]
 
     def is_open(self, path: str) -> bool:
-        return any(path == p or (p.endswith("*") and path.startswith(p[:-1])) for p in self.settings.open_paths)
+        return any(
+            path == p or (p.endswith("*") and path.startswith(p[:-1])) for p in (*self.settings.open_paths, *PAGE_PATHS)
+        )
 
 
 class KeyGuard:

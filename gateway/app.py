@@ -28,6 +28,7 @@ from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from gateway.shed import EarlyAdmission, EarlyGate
 from runtime import heap, tracing
+from runtime.http import ProcessEndpoint
 from runtime.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,17 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     pipeline = pipeline or Pipeline(settings)
     chat = ChatService(settings, pipeline)
     gate = EarlyGate(chat)
+    # The operator's port: scraped without an API key, and answering while the API port
+    # sheds load (its connection limit, the early gate) or Redis is down (key checks).
+    endpoint = ProcessEndpoint(
+        "gateway", lambda: pipeline.ready(settings.default_model)[0], settings.http_host, settings.metrics_port
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tracing.setup(settings, "gateway")
+        if settings.metrics_port:
+            await endpoint.start()
         await pipeline.start()
         await gate.start()
         watcher = asyncio.create_task(FLEET.watch(pipeline))  # the fleet's series on /metrics
@@ -50,6 +58,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
         watcher.cancel()
         await gate.stop()
         await pipeline.stop()
+        await endpoint.stop()
         tracing.shutdown()
 
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)

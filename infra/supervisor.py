@@ -245,8 +245,7 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # stories-260k and two variants
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    targets = [scrape.Target(topology.GATEWAY.name, topology.GATEWAY.name, port, host)]  # /metrics on its API port
+    targets: list[scrape.Target] = []
     for role in topology.ROLES:
         replicas = args.inference_replicas if role.replicated else 1
         extra = torch_threads(env, replicas) if role.replicated else {}
@@ -258,10 +257,9 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             }
         for i in range(replicas):
             name = f"{role.name}-{i}" if role.replicated else role.name
-            if role is topology.GATEWAY:
-                stack.spawn(role.name, name, extra)
-                continue
             # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.
+            # The gateway's too (on ARENA_HTTP_HOST, 127.0.0.1 by default, whatever --host says):
+            # its API port wants a key when ARENA_API_KEYS is set, its metrics port none.
             targets.append(scrape.Target(name, role.name, free_port()))
             stack.spawn(role.name, name, extra | {"ARENA_METRICS_PORT": str(targets[-1].port)})
     url = f"http://{args.host}:{port}"

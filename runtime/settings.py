@@ -160,6 +160,13 @@ class InferenceSettings(CommonSettings):
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535)
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="/metrics, /healthz and /readyz on a port of their own (on http_host), outside API keys and the "
+        "edge's limits: what `arena up` and the PodMonitor scrape. 0: /metrics only on the API port (behind keys).",
+    )
     deadline_s: float = Field(15.0, gt=0, description="Default time budget of a request.")
     max_deadline_s: float = Field(120.0, gt=0, description="Longest deadline a client may ask for.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body (counted as it is read).")

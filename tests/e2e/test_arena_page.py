@@ -14,7 +14,6 @@ from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser download
 LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
 #: The generated text in the stream's frames (`delta.content`), which is the model's own words.
 GENERATED = re.compile(r'"content":\s*"(?:[^"\\]|\\.)*"')
@@ -30,16 +29,6 @@ def img(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
     return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml").start()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright  # a missing package fails the test, not skips it
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 def _body(response) -> str:

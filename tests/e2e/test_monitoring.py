@@ -6,10 +6,7 @@ OTLP, one trace per request across the processes."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -23,6 +20,7 @@ from events import topology
 from infra.monitoring import dashboard, scrape, series
 from runtime.net import free_port
 from tests.arena_up import ArenaUp, arena
+from tests.prometheus import active_targets, query, run_prometheus, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,30 +63,8 @@ def up(tmp_path_factory, otlp):
 
 @pytest.fixture(scope="module")
 def prometheus(up, tmp_path_factory):
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("prometheus is not installed: apt-get install prometheus (.ci/run does)")
-    port = free_port()
-    data = tmp_path_factory.mktemp("prometheus")
-    config = up.state / "prometheus" / "prometheus.yml"
-    with open(data / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={data}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, 30, "prometheus ready")
+    with run_prometheus(up.state / "prometheus" / "prometheus.yml", tmp_path_factory.mktemp("prometheus")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -108,31 +84,11 @@ def traffic(up) -> list[str]:
     return ids
 
 
-def wait_for(check, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        try:
-            last = check()
-            if last:
-                return last
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
-
-
-def query(url: str, promql: str) -> list[dict]:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=5)
-    r.raise_for_status()
-    return r.json()["data"]["result"]
-
-
 def test_prometheus_scrapes_every_process_arena_up_started(up, prometheus):
     expected = {r.name for r in topology.ROLES} | {"supervisor"}
 
     def healthy():
-        active = httpx.get(f"{prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        active = active_targets(prometheus)
         return active if {t["labels"]["role"] for t in active if t["health"] == "up"} == expected else None
 
     active = wait_for(healthy, 30, "every target up")

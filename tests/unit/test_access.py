@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from gateway.app import build_app
 from runtime.logs import JsonFormatter
+from runtime.net import free_port
 from tests.unit.fake_pipeline import FakePipeline, settings
 
 A, B = "sk-alice-1234", "sk-bob-5678"
@@ -59,6 +61,28 @@ def test_operator_can_open_docs_and_metrics():
         assert client.get("/docs").status_code == 200
         assert client.get("/metrics").status_code == 200
         assert client.get("/readyz").status_code == 401
+
+
+def test_the_arena_pages_shell_is_open_its_data_is_not():
+    with client_for() as client:
+        for path in ("/arena", "/arena/board", "/arena/static/key.js", "/arena/static/arena.js"):
+            r = client.get(path)
+            assert r.status_code == 200 and A not in r.text and B not in r.text, path
+        assert "key.js" in client.get("/arena").text
+        assert client.get("/arena/static/nope.js").status_code == 404
+        for path in ("/arena/leaderboard", "/arena/battles/x", "/arena/boardx", "/arena/static"):
+            assert client.get(path).status_code == 401, path
+
+
+def test_metrics_port_answers_without_a_key():
+    port = free_port()
+    with client_for(metrics_port=port) as client:
+        assert client.get("/metrics").status_code == 401  # the API port still wants one
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert r.status_code == 200 and "arena_req_total" in r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).json()["role"] == "gateway"
+    with pytest.raises(httpx.ConnectError):  # closed with the app
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
 
 def test_a_key_in_the_url_is_refused_and_never_logged(caplog):

@@ -1,4 +1,5 @@
-// The battle page: start a battle, stream both sides of each turn, vote, reveal.
+// The battle page: start a battle, stream both sides of each turn, vote, reveal (the
+// calls go through key.js's api(), which sends the API key when the gateway wants one).
 "use strict";
 const $ = (s) => document.querySelector(s);
 const voteButtons = [...document.querySelectorAll(".votes button")];
@@ -7,10 +8,6 @@ let busy = false;
 
 function status(text) { $("#status").textContent = text; }
 function setVoting(on) { voteButtons.forEach((b) => { b.disabled = !on; }); }
-
-async function apiError(r) {
-  try { return (await r.json()).error.message; } catch { return `HTTP ${r.status}`; }
-}
 
 async function newBattle() {
   setVoting(false);
@@ -21,8 +18,8 @@ async function newBattle() {
     $(`#pane-${side}`).classList.remove("winner");
   }
   $("#prompt").disabled = $("#send").disabled = false;
-  const r = await fetch("/arena/battles", { method: "POST" });
-  if (!r.ok) { status(await apiError(r)); return; }
+  const r = await api("/arena/battles", { method: "POST" });
+  if (!r.ok) { status(await refusal(r)); return; }
   battle = await r.json();
   status("New battle: ask something.");
 }
@@ -55,10 +52,10 @@ async function ask(event) {
   addTurnHeader(prompt);
   status("Both models are answering…");
   try {
-    const r = await fetch(`/arena/battles/${battle.battle_id}/turns`, {
+    const r = await api(`/arena/battles/${battle.battle_id}/turns`, {
       method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ prompt }),
     });
-    if (!r.ok) { status(await apiError(r)); return; }
+    if (!r.ok) { status(await refusal(r)); return; }
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
@@ -84,10 +81,10 @@ async function ask(event) {
 
 async function vote(choice) {
   setVoting(false);
-  const r = await fetch(`/arena/battles/${battle.battle_id}/vote`, {
+  const r = await api(`/arena/battles/${battle.battle_id}/vote`, {
     method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ choice }),
   });
-  if (!r.ok) { status(await apiError(r)); setVoting(true); return; }
+  if (!r.ok) { status(await refusal(r)); setVoting(true); return; }
   const v = await r.json();
   $("#pane-a .name").textContent = `Model A: ${v.model_a}`;
   $("#pane-b .name").textContent = `Model B: ${v.model_b}`;

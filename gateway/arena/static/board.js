@@ -19,7 +19,8 @@ function bar(row, lo, hi) {
 }
 
 async function refresh() {
-  const r = await fetch("/arena/leaderboard");
+  if (asking) return; // the key form is up (key.js); the call waiting on it refreshes
+  const r = await api("/arena/leaderboard");
   const board = await r.json();
   const rows = document.querySelector("#rows");
   rows.replaceChildren();
@@ -38,5 +39,14 @@ async function refresh() {
     ? `${board.total_votes} votes (stream sequence ${board.seq}). * provisional: few votes yet.`
     : "No votes yet: play a battle.";
 }
+// The CSV through api() too: a plain link would carry no key.
+document.querySelector("#csv").addEventListener("click", async (event) => {
+  event.preventDefault();
+  const r = await api("/arena/leaderboard?format=csv");
+  const link = Object.assign(document.createElement("a"), { download: "leaderboard.csv" });
+  link.href = URL.createObjectURL(await r.blob());
+  link.click();
+  URL.revokeObjectURL(link.href);
+});
 refresh();
 setInterval(refresh, 3000);
