@@ -123,6 +123,16 @@ class Pipeline:
         out["models"] = {name: sorted(insts) for name, insts in served.items()}
         return out
 
+    def context_len(self, model: str) -> int | None:
+        """The model's context in tokens (prompt and completion), as the workers listing
+        it report it (from its config, or as loaded); None until one does."""
+        lens = [
+            b["context"][model]
+            for b in self.live_beats()
+            if b["role"] == topology.INFERENCE.name and model in b.get("context", {})
+        ]
+        return min(lens) if lens else None
+
     async def _watch_stream(self) -> None:
         """Poll the consumers' state: the requests still ahead of the inference workers
         (being filtered, or waiting in the stream for a worker to pull them)."""

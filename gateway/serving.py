@@ -96,12 +96,29 @@ def store_unavailable() -> APIError:
     )
 
 
+def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
+    """The 400 for a token budget the model's context cannot hold, whatever the prompt
+    (a prompt has a token at least): retrying it can never succeed, so no 429."""
+    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    return APIError(
+        400,
+        f"{field}: {req.token_limit()} tokens asked for, but the model's context is {context} tokens, "
+        f"prompt included; ask for at most {context - 1} minus the prompt's tokens",
+        "context_length_exceeded",
+        field,
+    )
+
+
 def failure(terminal: Any) -> APIError:
     """The client error for a terminal event that is not an answer."""
     if terminal.type == "prompt.rejected":
         return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
     headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
-    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, terminal.code, headers=headers)
+    # A worker's message names the field at fault first ("max_tokens: ..."), as the edge's do.
+    named = terminal.message.partition(":")[0]
+    param = named if named in ("max_tokens", "messages") else None
+    code = "context_length_exceeded" if terminal.code == "prompt_too_long" and param == "max_tokens" else terminal.code
+    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, code, param, headers=headers)
 
 
 def outcome(terminal: Any) -> APIError | None:
@@ -155,6 +172,8 @@ class ChatService:
                 "prompt_too_long",
                 "messages",
             )
+        if (context := self.pipeline.context_len(model)) is not None and req.token_limit() >= context:
+            raise context_exceeded(req, context)
         if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
             METRICS.rejections.labels(reason="overloaded").inc()
             raise shed.backstop(model, self.in_flight[model])

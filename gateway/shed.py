@@ -291,7 +291,8 @@ class EarlyGate:
     ) -> tuple[APIError | None, str | None]:
         """(the 429, None) for a request to refuse; (None, its member) for one let
         through, counted at once so the next one is judged with it (peers are told by
-        `tell`); (None, None) when the model is not served or not yet: the route answers.
+        `tell`); (None, None) when the model is not served or not yet, or its context
+        cannot hold the token budget: the route answers.
         Refused too past the backstop (`max_queue_per_model` requests of this gateway in
         flight or let through here and not yet counted there): the route would refuse
         it, after a burst's worth of other requests' work. `workers`: the workers' queue
@@ -299,6 +300,8 @@ class EarlyGate:
         workers = workers or self.pipeline.queue(model)
         if workers.slots <= 0:
             return None, None
+        if (context := self.pipeline.context_len(model)) is not None and tokens >= context:
+            return None, None  # it can never run, now or later: the route's 400 says why
         now = time.time()
         self.demand.count(model, now)
         waiting = self.unreserved.setdefault(model, {})

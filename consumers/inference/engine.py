@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from consumers.inference import packed
-from consumers.inference.errors import PermanentError, PromptTooLong
+from consumers.inference.errors import ContextExceeded, PermanentError, PromptTooLong
 from consumers.inference.kvcache import KV, KVSlab
 from consumers.inference.models import LoadedModel
 from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
@@ -113,6 +113,14 @@ def check_prompt(req: GenRequest, context_len: int) -> None:
         raise PromptTooLong(n, context_len)
     if len(req.input_ids) >= context_len:
         req.resume_ids = req.resume_ids[: context_len - n]
+
+
+def check_room(req: GenRequest, context_len: int) -> None:
+    """Raise ``ContextExceeded`` if ``req``'s prompt and ``max_tokens`` are over the
+    context: a request as the client sent it, refused rather than cut short (the engine
+    clamps only a resumed one, whose client was answering already)."""
+    if len(req.prompt_ids) + req.params.max_tokens > context_len:
+        raise ContextExceeded(len(req.prompt_ids), req.params.max_tokens, context_len)
 
 
 class BatchEngine:

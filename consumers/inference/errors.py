@@ -37,9 +37,23 @@ class PromptTooLong(PermanentError):
         self.prompt_tokens = prompt_tokens
         self.context_len = context_len
         super().__init__(
-            f"prompt has {prompt_tokens} tokens but the model's context is "
+            f"messages: the prompt has {prompt_tokens} tokens but the model's context is "
             f"{context_len} tokens (at least one must be left for the completion); "
             "shorten the conversation"
+        )
+
+
+class ContextExceeded(PromptTooLong):
+    """The prompt fits the context, but not with the completion asked for."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_len: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_len = context_len
+        PermanentError.__init__(
+            self,
+            f"max_tokens: the prompt's {prompt_tokens} tokens and max_tokens {max_tokens} are over the "
+            f"model's context of {context_len} tokens; ask for at most {context_len - prompt_tokens} "
+            "or shorten the conversation",
         )
 
 

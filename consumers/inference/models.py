@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
@@ -191,18 +192,38 @@ def _weights_nbytes(model: torch.nn.Module) -> int:
 
 
 def _context_len(model: Any, tokenizer: Any) -> int:
-    cfg = model.config
+    return context_len_of(model.config, getattr(tokenizer, "model_max_length", None))
+
+
+def context_len_of(cfg: Any, tok_max: Any) -> int:
+    """The tokens (prompt and completion) a model attends over: its config's positions,
+    cut to the tokenizer's ``model_max_length`` where that is smaller."""
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, attr, None)
         if isinstance(value, int) and value > 0:
             break
     else:
         value = 2048
-    tok_max = getattr(tokenizer, "model_max_length", None)
     # Tokenizers without a limit report a huge sentinel (1e30); ignore it.
     if isinstance(tok_max, int) and 0 < tok_max < value:
         value = tok_max
     return value
+
+
+def configured_context_len(spec: ModelSpec) -> int | None:
+    """``spec``'s context length from its checkpoint's config files, without loading its
+    weights or tokenizer (milliseconds); None when they cannot be read (a hub id not in
+    the local cache), until the model is loaded."""
+    if spec.base is not None or sources.is_converted_source(spec.path):
+        return None
+    try:
+        config = AutoConfig.from_pretrained(spec.path)
+    except (OSError, ValueError):
+        return None
+    tok_max = None
+    with suppress(OSError, ValueError, AttributeError):
+        tok_max = json.loads((Path(spec.path) / "tokenizer_config.json").read_text()).get("model_max_length")
+    return context_len_of(config, tok_max)
 
 
 def _as_list(x: Any) -> list[int]:

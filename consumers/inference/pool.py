@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from consumers.inference.errors import PermanentError, PoolExhausted, UnknownModel
-from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from consumers.inference.models import LoadedModel, ModelSpec, configured_context_len, load_model
 from runtime import heap
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,10 @@ class ModelPool:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self._specs: dict[str, ModelSpec] = {}
+        self._contexts: dict[str, int] = {}  # per plain model: from its config, then as loaded
         for spec in specs:
             self._register(spec)
+            self._read_context(spec)
         self.budget_bytes = budget_bytes
         self._loader = loader
         self._wait_timeout = wait_timeout
@@ -175,6 +177,12 @@ class ModelPool:
     def specs(self) -> list[ModelSpec]:
         return list(self._specs.values())
 
+    def contexts(self) -> dict[str, int]:
+        """Each model's context length in tokens (prompt and completion), where known: as
+        loaded, else as its checkpoint's config says; a variant's is its base's."""
+        known = ((spec.name, self._contexts.get(spec.base or spec.name)) for spec in self._specs.values())
+        return {name: n for name, n in known if n is not None}
+
     # ---- management ----------------------------------------------------------------
 
     async def warm(self, names: list[str]) -> None:
@@ -186,6 +194,7 @@ class ModelPool:
     async def add(self, spec: ModelSpec) -> None:
         """Register a new model name (loaded lazily, on first use)."""
         self._register(spec)
+        await asyncio.to_thread(self._read_context, spec)
 
     async def reload(self, name: str, spec: ModelSpec | None = None) -> LoadedModel:
         """Load a new version of ``name`` (optionally from a new spec) and swap it in.
@@ -210,6 +219,7 @@ class ModelPool:
             raise UnknownModel(name, sorted(self._specs))
         await self._settle(name)
         del self._specs[name]
+        self._contexts.pop(name, None)
         old = self._resident.pop(name, None)
         if old is not None:
             self._retire(old)
@@ -219,6 +229,10 @@ class ModelPool:
         while (task := self._loading.get(name)) is not None:
             with suppress(Exception):
                 await asyncio.shield(task)
+
+    def _read_context(self, spec: ModelSpec) -> None:
+        if spec.name not in self._contexts and (n := configured_context_len(spec)) is not None:
+            self._contexts[spec.name] = n
 
     def _register(self, spec: ModelSpec) -> None:
         if spec.name in self._specs:
@@ -255,6 +269,7 @@ class ModelPool:
             return loaded
         self._versions[name] = max(version, self._versions.get(name, 0))
         self._sizes[name] = loaded.nbytes
+        self._contexts[name] = loaded.context_len
         old = self._resident.pop(name, None)
         if old is not None:
             self._retire(old)

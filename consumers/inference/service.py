@@ -33,7 +33,7 @@ from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt, check_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
@@ -228,6 +228,19 @@ class InferenceService:
         try:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
             prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+            resume_ids = [t for c in chunks for t in c.token_ids]
+            gen = GenRequest(
+                request_id=rid,
+                prompt_ids=prompt_ids,
+                deadline=event.deadline_at,
+                params=params,
+                resume_ids=resume_ids,
+            )
+            # One that can never fit is a 400 before anything judges its time (a 429 would
+            # tell its client to retry it).
+            check_prompt(gen, loaded.context_len)
+            if not resume_ids:
+                check_room(gen, loaded.context_len)
             runner = self._runner_for(loaded)
             late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
             if late and msg.metadata.num_delivered == 1:
@@ -240,14 +253,6 @@ class InferenceService:
                 METRICS.deadline_misses.labels(event.model).inc()
                 await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
                 return
-            resume_ids = [t for c in chunks for t in c.token_ids]
-            gen = GenRequest(
-                request_id=rid,
-                prompt_ids=prompt_ids,
-                deadline=event.deadline_at,
-                params=params,
-                resume_ids=resume_ids,
-            )
             job = self.jobs[rid] = Job(event, msg, runner, pin, span=span, gen=gen)
             if chunks:
                 job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)

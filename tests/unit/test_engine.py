@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
-from consumers.inference.errors import PermanentError, PromptTooLong
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_room
+from consumers.inference.errors import ContextExceeded, PermanentError, PromptTooLong
 from consumers.inference.models import ModelSpec, load_model
 from consumers.inference.sampling import SamplingParams
 
@@ -218,6 +218,18 @@ def test_prompt_too_long_and_duplicates_rejected_at_add(loaded):
     engine.add(GenRequest("dup", [1, 403], GREEDY))
     with pytest.raises(PermanentError):
         engine.add(GenRequest("dup", [1, 403], GREEDY))
+
+
+def test_a_request_whose_prompt_and_max_tokens_are_over_the_context_is_refused(loaded):
+    """As sent (check_room, at the worker's intake): refused with the room left named;
+    the engine itself still clamps a resumed one (below)."""
+    prompt = [1] * 500
+    check_room(GenRequest("fits", prompt, SamplingParams(max_tokens=12)), loaded.context_len)
+    with pytest.raises(ContextExceeded) as err:
+        check_room(GenRequest("over", prompt, SamplingParams(max_tokens=13)), loaded.context_len)
+    assert isinstance(err.value, PromptTooLong)
+    assert str(err.value).startswith("max_tokens:") and "context of 512 tokens" in str(err.value)
+    assert "at most 12" in str(err.value)
 
 
 def test_max_tokens_clamped_to_context(loaded):

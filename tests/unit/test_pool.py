@@ -181,6 +181,19 @@ async def test_add_and_remove(one_model_bytes):
         await pool.add(ModelSpec(name="a", path=str(STORIES)))
 
 
+async def test_context_lengths_from_the_config_then_as_loaded(one_model_bytes, tmp_path):
+    """What the heartbeats tell the gateway: known before a load (the checkpoint's config),
+    a variant's its base's, a model whose config cannot be read left out until loaded."""
+    pool = make_pool(one_model_bytes)
+    await pool.add(ModelSpec(name="v", path=str(STORIES), base="a"))
+    await pool.add(ModelSpec(name="missing", path=str(tmp_path / "none")))
+    assert pool.contexts() == {"a": 512, "b": 512, "c": 512, "v": 512}
+    async with pool.use("a") as a:
+        assert a.context_len == 512
+    await pool.remove("b")
+    assert sorted(pool.contexts()) == ["a", "c", "v"]
+
+
 async def test_warm_loads_in_order(one_model_bytes):
     pool = make_pool(one_model_bytes)
     await pool.warm(["c", "a"])

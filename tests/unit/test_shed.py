@@ -30,6 +30,9 @@ class Pipeline:
     def queue(self, model: str) -> ModelQueue:
         return ModelQueue(32, 0, 0, 0.02, 0.02, time.time())
 
+    def context_len(self, model: str) -> int:
+        return 2048
+
 
 class FleetCheck:
     """The fleet-wide check's judge: admits the first `room` requests it judges."""
@@ -80,6 +83,13 @@ async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
     est = gate.judge("m", 100, 15.0)
     assert est is not None and est.finish_s > 15.0
     assert gate.judge("m", 100, 60.0) is None  # a longer deadline still fits
+
+
+async def test_a_budget_over_the_context_is_left_to_the_routes_400(gate):
+    """One the model's context cannot hold is never a 429 (retry), however busy the fleet."""
+    assert gate.decide("m", 2048, 0.001) == (None, None)
+    err, _ = gate.decide("m", 2047, 0.001)
+    assert err is not None and err.status == 429
 
 
 async def test_peers_and_publishes_move_the_count(gate):

@@ -54,7 +54,7 @@ async def test_pool_loads_the_weights_once_for_base_and_variants():
 
     class Loaded:
         def __init__(self, spec, version):
-            self.spec, self.version, self.nbytes = spec, version, 10
+            self.spec, self.version, self.nbytes, self.context_len = spec, version, 10, 64
             loads.append(spec.name)
 
     specs = [ModelSpec(name="m", path="/w"), ModelSpec(name="v", path="/w", base="m", temperature=0.1)]
