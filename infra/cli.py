@@ -22,7 +22,7 @@ from events import subjects, topology
 from events.readmodel import ReadModel
 from infra.asyncapi import schema_json
 from infra.replay import audit_window, parse_window
-from infra.servers import start_nats
+from infra.servers import NATS_SYNC_DEFAULT, nats_sync, start_nats
 from infra.supervisor import up
 from runtime import heap, jetstream, logs
 from runtime.recovery import rebuild
@@ -243,6 +243,13 @@ async def _topology() -> int:
     return 0
 
 
+def _nats_sync(value: str) -> str:
+    try:
+        return nats_sync(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -270,6 +277,14 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="start an N-node JetStream cluster on loopback (stream at R3) instead of one server",
+    )
+    up.add_argument(
+        "--nats-sync",
+        type=_nats_sync,
+        default=NATS_SYNC_DEFAULT,
+        metavar="always|DURATION",
+        help=f"when the nats-server it starts fsyncs what JetStream acknowledged: 'always' (before the ack) "
+        f"or every DURATION, e.g. 2m (default: {NATS_SYNC_DEFAULT}; README, 'When things fail')",
     )
     up.add_argument("--state-dir", default=OperatorSettings().state_dir)
     up.add_argument("--ready-timeout", type=float, default=180.0)

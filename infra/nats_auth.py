@@ -33,6 +33,7 @@ import yaml
 
 from events import subjects as s
 from events import topology
+from infra.servers import NATS_SYNC_DEFAULT, nats_sync
 
 #: The operator's user (`arena replay`, `audit`, `models`, `battles import`, `topology`): every subject.
 OPERATOR = "operator"
@@ -198,9 +199,10 @@ def password_env(user: str) -> str:
     return f"ARENA_{user.upper()}_PASSWORD"
 
 
-def helm_values(cluster_replicas: int = 3, storage: str = "10Gi") -> dict:
+def helm_values(cluster_replicas: int = 3, storage: str = "10Gi", sync: str = NATS_SYNC_DEFAULT) -> dict:
     """Values for the official NATS Helm chart (1.x): a JetStream cluster with file
-    storage on PVCs and the users above, their passwords read from the Secret."""
+    storage on PVCs and the users above, their passwords read from the Secret; JetStream
+    fsyncs as `arena up` does (`sync`: infra.servers.NATS_SYNC_DEFAULT)."""
     users_block = [{**u, "password": f"<< ${password_env(u['user'])} >>"} for u in _users_block(lambda user: "")]
     return {
         "config": {
@@ -208,6 +210,7 @@ def helm_values(cluster_replicas: int = 3, storage: str = "10Gi") -> dict:
             "jetstream": {
                 "enabled": True,
                 "fileStore": {"enabled": True, "dir": "/data", "pvc": {"enabled": True, "size": storage}},
+                "merge": {"sync_interval": nats_sync(sync)},
             },
             "monitor": {"enabled": True, "port": 8222},  # KEDA's nats-jetstream scaler reads consumer lag here
             "merge": {"authorization": {"users": users_block}},
@@ -240,7 +243,8 @@ def secret_manifest(passwords: dict[str, str] | None = None) -> dict:
 HELM_HEADER = """\
 # Values for the official NATS Helm chart (nats/nats 1.x): a three-node JetStream cluster,
 # file storage on PVCs, one user per arenaflow role with the permissions of
-# infra/nats_auth.py, passwords from the Secret `arena-nats-credentials`.
+# infra/nats_auth.py, passwords from the Secret `arena-nats-credentials`, JetStream's fsync
+# policy as `arena up`'s default (sync_interval; README, "When things fail").
 # Generated: python -m infra.nats_auth helm-values > infra/k8s/nats/values.yaml
 # (tests/unit/test_nats_auth.py fails when this file and the table disagree.)
 #

@@ -34,7 +34,15 @@ from prometheus_client import Counter, start_http_server
 from events import topology
 from infra import nats_auth, start_checks
 from infra.monitoring import scrape
-from infra.servers import LocalServer, NatsCluster, start_nats, start_nats_cluster, start_redis
+from infra.servers import (
+    NATS_SYNC_DEFAULT,
+    LocalServer,
+    NatsCluster,
+    nats_server_config,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+)
 from infra.takeover import Takeover
 from runtime import jetstream
 from runtime.net import free_port
@@ -197,10 +205,12 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     credentials: dict[str, str] = {}
     operator_url = nats_url
     if not nats_url:
-        config = None
+        auth = None
         if getattr(args, "nats_auth", True):
             credentials = nats_auth.new_passwords()  # per run: a local process without them cannot connect
-            config = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials))
+            auth = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials)).name
+        sync = getattr(args, "nats_sync", None) or NATS_SYNC_DEFAULT
+        config = _private_file(state / "nats-server.conf", nats_server_config(sync, include=auth))
         nodes = getattr(args, "nats_cluster", 1) or 1
         if nodes > 1:
             cluster = start_nats_cluster(state / "nats-cluster", nodes, log_dir=state / "logs", config=config)
@@ -220,7 +230,10 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             )
             # the roles may not create it: they wait for it
             asyncio.run(create_topology(operator_url, int(env.get("ARENA_STREAM_REPLICAS", "1"))))
-        print_fn(f"nats-server (JetStream) on {nats_url}, {where}, per-role users: {bool(credentials)}")
+        print_fn(
+            f"nats-server (JetStream) on {nats_url}, {where}, per-role users: {bool(credentials)}, "
+            f"fsync: {sync if sync == 'always' else 'every ' + sync}"
+        )
     stack.takeover = _takeover(operator_url, operator) if operator_url else None
     if not redis_url:
         server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import psutil
@@ -17,6 +18,7 @@ import pytest
 from runtime.net import free_port
 from tests.arena_up import ArenaUp, arena, user_env
 from tests.conftest import REPO
+from tests.integration.test_nats_sync import varz_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -192,3 +194,18 @@ def test_a_port_taken_while_the_stack_starts_fails_the_start_not_a_ready_line(tm
     assert code != 0 and "ready at" not in out, out
     assert "gateway exited with" in out and f"{port}): address already in use" in out, out
     print(f"\n[port taken during start] failed {seconds:.1f}s after the port was taken")
+
+
+def test_arena_up_starts_its_nats_server_with_the_sync_policy_asked(tmp_path):
+    up = ArenaUp(tmp_path, "--nats-sync", "10s")
+    try:
+        [server] = [p for p in psutil.Process(up.proc.pid).children() if p.name() == "nats-server"]
+        args = server.cmdline()
+        config = Path(args[args.index("-c") + 1])
+        assert config == up.state / "nats-server.conf"
+        varz = varz_of(config, tmp_path / "copy")  # the same file, in a server with a monitoring port
+        assert varz["jetstream"]["config"]["sync_interval"] == 10_000_000_000
+        assert not varz["jetstream"]["config"].get("sync_always") and varz["auth_required"]
+        assert any("fsync: every 10s" in line for line in up.lines), up.lines
+    finally:
+        assert up.stop() == 0
