@@ -85,7 +85,7 @@ def compute_times(lm: hf.LoadedModel, turns: list[Turn]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--requests", type=int, default=32, help="requests per batch size")
     parser.add_argument("--batch-sizes", default="1,4,8,16")

@@ -160,7 +160,7 @@ def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="HF model directory")
     parser.add_argument("--name", help="served model name (default: the directory's name)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -106,7 +106,7 @@ def added_latency(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--classifier", type=Path, default=DEFAULT_ARTIFACT)

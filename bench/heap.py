@@ -47,7 +47,7 @@ print(json.dumps({"process": kind, "objects": objects, "full_collection_ms": bef
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="collections timed per figure (median)")
     args = parser.parse_args(argv)
     for kind in ("gateway", "inference"):

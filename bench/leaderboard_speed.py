@@ -66,7 +66,7 @@ def timed(label: str, fn: Callable[[], T]) -> T:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=int, default=100)
     ap.add_argument("--votes", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=100, help="bootstrap resamples")

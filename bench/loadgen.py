@@ -159,7 +159,7 @@ def workload_from_args(args: argparse.Namespace, model: str) -> tuple[Workload, 
 def main(argv: list[str] | None = None) -> int:
     from bench.report import write_report
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True)
     parser.add_argument("--name", default="target", help="row label in the report")

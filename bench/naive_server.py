@@ -143,7 +143,7 @@ async def _stream(lm: hf.LoadedModel, lock: asyncio.Lock, req: ChatCompletionReq
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--name", help="served model name (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1")

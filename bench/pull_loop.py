@@ -142,7 +142,9 @@ def _measure(loop: str, url: str, mode: str, count: int, server: psutil.Process)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--idle", type=int, default=100, help="messages one at a time, 50 ms apart")
     parser.add_argument("--busy", type=int, default=4000, help="messages in the backlog")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)

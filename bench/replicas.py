@@ -76,7 +76,9 @@ async def load(url: str, streams: int, max_tokens: int) -> tuple[float, list[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--streams", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])

@@ -20,6 +20,7 @@ from consumers.filter.evaluate import main as filter_eval
 from consumers.inference import forks
 from events import subjects, topology
 from events.readmodel import ReadModel
+from infra import up_models
 from infra.asyncapi import schema_json
 from infra.replay import audit_window, parse_window
 from infra.servers import NATS_SYNC_DEFAULT, nats_sync, start_nats
@@ -169,7 +170,7 @@ async def _arena(args) -> int:
         raise SystemExit(f"arena battles {args.op} needs --reason (it is recorded on the event)")
     async with _jetstream(args) as js:
         if args.cmd == "leaderboard":
-            return await arena_cli.leaderboard(js, args.at, args.json)
+            return await arena_cli.leaderboard(js, args.at, args.json, args.style_control)
         if args.op in ("invalidate", "reinstate"):
             return await arena_cli.set_vote_status(js, args.file, args.op == "reinstate", args.reason)
         if args.op == "import":
@@ -250,8 +251,17 @@ def _nats_sync(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options, in `arena` and every subcommand (subparsers are of their
+    parent's class): `arena up --model X` must never be taken for `--models-config X`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
+    p = Parser(prog="arena", description="arenaflow: LLM serving on NATS JetStream")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start everything on this machine")
@@ -260,6 +270,15 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--models-config", default=None, help="YAML/JSON file listing served models")
+    up.add_argument(
+        "--model",
+        action="append",
+        type=up_models.parse,
+        default=[],
+        metavar="[NAME=]SOURCE",
+        help="serve this model: a Hugging Face checkpoint directory, a .gguf file or pkg:PACKAGE (repeatable; "
+        "beside --models-config's models, if given); the first is the default model",
+    )
     up.add_argument("--default-model", default=None)
     up.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     up.add_argument("--max-batch-size", type=int, default=64)
@@ -341,6 +360,9 @@ def parser() -> argparse.ArgumentParser:
     lb = sub.add_parser("leaderboard", help="recompute the arena leaderboard from the stream")
     lb.add_argument("--at", type=int, default=None, help="stream sequence to stop at (same digest as then)")
     lb.add_argument("--json", action="store_true")
+    lb.add_argument(
+        "--style-control", action="store_true", help="ratings with answer length and markdown taken out (LMArena's)"
+    )
     ba = sub.add_parser(
         "battles",
         help="import or export arena votes (FastChat clean-battle JSON); invalidate or reinstate a battle's vote",
@@ -377,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         return filter_train(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "up":
-        return up(args)
+        return up(up_models.settle(args))
     if args.cmd == "run":
         return run_role(args.role)
     if args.cmd == "topology":

@@ -303,7 +303,7 @@ def _to_json(report: EvalReport) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``arena filter-eval FILE.jsonl [--json] [--reject-threshold T]``."""
-    parser = argparse.ArgumentParser(prog="arena filter-eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="arena filter-eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="JSONL corpus: {text, label: attack|benign, source} per line")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--reject-threshold", type=float, default=None, help="override FilterConfig.reject_threshold")

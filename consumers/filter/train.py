@@ -416,7 +416,7 @@ def train(
 def main(argv: list[str] | None = None) -> int:
     """``arena filter-train [--train FILE] [--dev FILE] [--[no-]train-on-dev] [--out PATH] [--seed N] [--limit N]
     [--no-eval]``."""
-    p = argparse.ArgumentParser(prog="arena filter-train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="arena filter-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--train", default=str(TRAIN_FILE), help="labelled JSONL: {text, label, source}")
     p.add_argument("--dev", default=str(DEV_FILE), help="dev file: k-fold in distribution, per family ('' to skip)")
     p.add_argument(

@@ -9,21 +9,25 @@ from __future__ import annotations
 import json
 import logging
 
-from consumers.inference.errors import InferenceError
-from consumers.inference.models import ModelSpec
+from consumers.inference.models import ModelSpec, resolve_source
 
 log = logging.getLogger(__name__)
 
 
-async def apply(pool, command: dict) -> dict:
+async def apply(pool, command: dict, models_dir: str = ".") -> dict:
     op = command.get("op")
     if op == "list":
         pass
     elif op == "add":
-        spec = ModelSpec(**command["spec"])
+        # A relative path as the models config resolves it; none there and no hub id: said so.
+        spec = ModelSpec(**{**command["spec"], "path": resolve_source(command["spec"]["path"], models_dir)})
         await pool.add(spec)
         if command.get("load", True):
-            await pool.warm([spec.name])
+            try:
+                await pool.warm([spec.name])
+            except BaseException:  # one that cannot load is not served (every request to it would fail)
+                await pool.remove(spec.name)
+                raise
     elif op == "reload":
         new_spec = ModelSpec(**command["spec"]) if command.get("spec") else None
         loaded = await pool.reload(command["name"], new_spec)
@@ -32,15 +36,20 @@ async def apply(pool, command: dict) -> dict:
         await pool.remove(command["name"])
     else:
         raise ValueError(f"op must be list, add, reload or remove; got {op!r}")
-    return {"ok": True, "models": [s.name for s in pool.specs()], "resident": pool.resident()}
+    return {"ok": True, **served(pool)}
 
 
-def handler(pool, instance: str):
+def served(pool) -> dict:
+    """What a process serves after a command, whether it succeeded or not."""
+    return {"models": [s.name for s in pool.specs()], "resident": pool.resident()}
+
+
+def handler(pool, instance: str, models_dir: str = "."):
     async def on_admin(msg) -> None:
         try:
-            reply = await apply(pool, json.loads(msg.data))
-        except (InferenceError, ValueError, KeyError, TypeError) as exc:
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            reply = await apply(pool, json.loads(msg.data), models_dir)
+        except Exception as exc:  # noqa: BLE001 - every command gets an answer, with the cause
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", **served(pool)}
         reply["instance"] = instance
         if msg.reply:
             await msg.respond(json.dumps(reply).encode())

@@ -95,7 +95,9 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         register_pool(pool)
         await runtime.start()
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
-        await runtime.connection().subscribe(subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id))
+        await runtime.connection().subscribe(
+            subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id, settings.models_dir)
+        )
         service.start()
         warm = settings.warm_models or [settings.default_model]
         await service.warm([w for w in warm if any(s.name == w for s in specs)])

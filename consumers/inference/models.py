@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from contextlib import suppress
@@ -17,6 +18,8 @@ from typing import Any, Literal
 
 import torch
 import yaml
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -113,6 +116,29 @@ def _resolve_path(path: str, models_dir: Path) -> str:
         return str(p)
     candidate = models_dir / p
     return str(candidate) if candidate.exists() else path
+
+
+#: What a hub id looks like ("org/model"); anything else that is not a directory is a typo.
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def resolve_source(path: str, models_dir: str | Path) -> str:
+    """A model's path as the models config resolves it (a directory or a .gguf file,
+    absolute or under ``models_dir``; ``pkg:``, as it is), or a hub id the hub (or, offline,
+    the local cache) has; else ``PermanentError`` saying there is no such directory (or
+    file), rather than the hub's error."""
+    if path.startswith(sources.PKG):
+        return path
+    resolved = _resolve_path(path, Path(models_dir))
+    if Path(resolved).exists():
+        return resolved
+    if sources.is_converted_source(path):
+        raise PermanentError(f"no such file: {path} (not under the models directory {models_dir} either)")
+    hub_like = _HUB_ID.fullmatch(path) is not None and not path.startswith(".")
+    if hub_like and (not hf_constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(path, "config.json"), str)):
+        return path
+    cache = ", nor a model in the local Hugging Face cache" if hub_like else ""
+    raise PermanentError(f"no such directory: {path} (not under the models directory {models_dir} either{cache})")
 
 
 def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSpec]:
@@ -218,7 +244,7 @@ def configured_context_len(spec: ModelSpec) -> int | None:
         return None
     try:
         config = AutoConfig.from_pretrained(spec.path)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - unreadable here; loading it says why
         return None
     tok_max = None
     with suppress(OSError, ValueError, AttributeError):
@@ -275,7 +301,9 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
             if spec.dtype == "auto" and (settled := auto_dtype(model, spec.device)) not in (None, model.dtype):
                 model.to(settled)  # type: ignore[arg-type]  # as below
             model.to(spec.device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
-    except (OSError, ValueError) as exc:
+    except torch.OutOfMemoryError:
+        raise  # the pool's to judge: room may come
+    except Exception as exc:  # a bad checkpoint fails as it will every time, whatever raised
         raise PermanentError(f"cannot load model {spec.name!r} from {spec.path!r}: {exc}") from exc
     model.eval()
     loaded = LoadedModel(

