@@ -8,7 +8,7 @@ from the client until the vote is stored.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -71,6 +71,14 @@ class VoteCast(BattleEvent):
     voter: str | None = None
     turns: int = Field(0, ge=0, description="Turns both sides completed before the vote.")
     imported: bool = Field(False, description="Read from a FastChat clean-battle file, not voted here.")
+    conv_metadata: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "The answers' style, in FastChat's clean-battle layout: sum_assistant_{a,b}_tokens (counted by "
+            "each model's own tokenizer), header_count_{a,b}, list_count_{a,b}, bold_count_{a,b} (markdown "
+            "counts, code blocks left out), turns. Style control reads it; None on votes cast before it existed."
+        ),
+    )
 
 
 class VoteStatusChanged(BattleEvent):

@@ -52,13 +52,18 @@ def project(events: list[tuple[int, object]]) -> VoteProjection:
     return projection
 
 
-async def leaderboard(js, at: int | None, as_json: bool) -> int:
-    board = project(await battle_events(js, at)).leaderboard()
+async def leaderboard(js, at: int | None, as_json: bool, style_control: bool = False) -> int:
+    projection = project(await battle_events(js, at))
+    board = projection.style_leaderboard() if style_control else projection.leaderboard()
     board.pop("computed_at")
     if as_json:
         print(json.dumps(board, indent=2))
         return 0
-    print(f"seq {board['seq']}  votes {board['total_votes']}  digest {board['digest']}")
+    kind = "style-controlled  " if style_control else ""
+    print(f"{kind}seq {board['seq']}  votes {board['total_votes']}  digest {board['digest']}")
+    if style_control:
+        coef = board["style_coefficients"] or {}
+        print("style coefficients (logit per SD): " + "  ".join(f"{k} {v:+.3f}" for k, v in coef.items()))
     print(f"{'rank':>4}  {'model':<28} {'rating':>8}  {'95% interval':>19}  {'votes':>6}")
     for r in board["rows"]:
         flag = "  provisional" if r["provisional"] else ""
@@ -81,6 +86,7 @@ def imported_votes(path: str) -> list[VoteCast]:
                 model_b=v.model_b,
                 voter=v.judge,
                 imported=True,
+                conv_metadata=None if v.conv_metadata is None else dict(v.conv_metadata),
                 **extra,
             )
         )

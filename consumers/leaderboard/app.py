@@ -69,9 +69,10 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
         while True:
             await dirty.wait()
             dirty.clear()
-            board = await asyncio.to_thread(projection.leaderboard)
+            boards = await asyncio.to_thread(projection.boards)
             try:
-                await save_leaderboard(redis, board)
+                for view, board in boards.items():
+                    await save_leaderboard(redis, board, view)
             except Exception as exc:  # noqa: BLE001 - Redis down: keep going, retry on the next vote
                 log.warning("could not store the leaderboard: %s", exc)
                 dirty.set()

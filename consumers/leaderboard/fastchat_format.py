@@ -1,7 +1,8 @@
 """FastChat's clean-battle JSON (`clean_battle_data.py` output) to vote records and back.
 
 A file is a JSON list of objects with `model_a`, `model_b` and `winner` in `model_a`,
-`model_b`, `tie`, `tie (bothbad)`; `tstamp` (number) and `judge` (string) are kept when
+`model_b`, `tie`, `tie (bothbad)`; `tstamp` (number), `judge` (string) and `conv_metadata`
+(an object: the answer tokens and markdown counts style control reads) are kept when
 present, every other field (conversations, language, anony, ...) is ignored.
 """
 
@@ -12,6 +13,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from consumers.leaderboard.style_control import STYLE_ELEMENTS, StyleMetadataError, style_count
 from consumers.leaderboard.votes import Outcome, Vote, check_vote
 
 WINNER_TO_OUTCOME: dict[str, Outcome] = {"model_a": "a", "model_b": "b", "tie": "tie", "tie (bothbad)": "both_bad"}
@@ -50,7 +52,22 @@ def _vote(index: int, row: object) -> Vote:
         check_vote(row["model_a"], row["model_b"], WINNER_TO_OUTCOME[winner])
     except ValueError as exc:
         raise BattleFormatError(index, "model_b", str(exc)) from None
-    return Vote(row["model_a"], row["model_b"], WINNER_TO_OUTCOME[winner], tstamp, judge)
+    return Vote(row["model_a"], row["model_b"], WINNER_TO_OUTCOME[winner], tstamp, judge, _metadata(index, row))
+
+
+def _metadata(index: int, row: dict) -> dict | None:
+    meta = row.get("conv_metadata")
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise BattleFormatError(index, "conv_metadata", f"expected an object, got {type(meta).__name__}")
+    try:  # an older file may carry some or none of the style counts: those present must be counts
+        for key in STYLE_ELEMENTS:
+            if key in meta:
+                style_count(meta, key)
+    except StyleMetadataError as exc:
+        raise BattleFormatError(index, "conv_metadata", str(exc)) from None
+    return meta
 
 
 def battles_to_votes(battles: object) -> list[Vote]:
@@ -61,7 +78,7 @@ def battles_to_votes(battles: object) -> list[Vote]:
 
 
 def votes_to_battles(votes: Iterable[Vote]) -> list[dict[str, object]]:
-    """Clean-battle objects for `votes`; `tstamp` and `judge` only where the vote has them."""
+    """Clean-battle objects for `votes`; `tstamp`, `judge` and `conv_metadata` only where the vote has them."""
     out: list[dict[str, object]] = []
     for v in votes:
         row: dict[str, object] = {"model_a": v.model_a, "model_b": v.model_b, "winner": OUTCOME_TO_WINNER[v.outcome]}
@@ -69,6 +86,8 @@ def votes_to_battles(votes: Iterable[Vote]) -> list[dict[str, object]]:
             row["tstamp"] = v.tstamp
         if v.judge is not None:
             row["judge"] = v.judge
+        if v.conv_metadata is not None:
+            row["conv_metadata"] = dict(v.conv_metadata)
         out.append(row)
     return out
 

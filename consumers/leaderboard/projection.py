@@ -11,8 +11,11 @@ from __future__ import annotations
 import time
 
 from consumers.leaderboard.config import LeaderboardConfig
-from consumers.leaderboard.ratings import LeaderboardState
+from consumers.leaderboard.ratings import Leaderboard, LeaderboardState
 from consumers.leaderboard.votes import Vote
+
+RAW, STYLE = "raw", "style"
+"""The stored views: the plain Bradley–Terry board and the style-controlled one."""
 
 
 def config_of(settings) -> LeaderboardConfig:
@@ -50,7 +53,14 @@ class VoteProjection:
         if bid is None:
             return False
         if event.type == "vote.cast" and bid not in self.votes:
-            vote = Vote(event.model_a, event.model_b, event.choice, event.occurred_at.timestamp(), event.voter)
+            vote = Vote(
+                event.model_a,
+                event.model_b,
+                event.choice,
+                event.occurred_at.timestamp(),
+                event.voter,
+                getattr(event, "conv_metadata", None),
+            )
             self.votes[bid] = (seq, vote)
             if bid in self.invalid:
                 return False
@@ -69,14 +79,36 @@ class VoteProjection:
     def counted(self) -> list[Vote]:
         return [v for bid, (_, v) in sorted(self.votes.items(), key=lambda kv: kv[1][0]) if bid not in self.invalid]
 
-    def leaderboard(self) -> dict:
-        """The current leaderboard as stored for the gateway (with its sequence and digest)."""
+    def _recount(self) -> None:
         if self._rebuild:  # a vote left or came back: recount in stream order
             self.state = LeaderboardState(self.config)
             self.state.extend(self.counted())
             self._rebuild = False
-        body: dict = {"seq": self.seq, "total_votes": self.state.total, "computed_at": time.time()}
-        if self.state.total == 0:
+
+    def leaderboard(self) -> dict:
+        """The current leaderboard as stored for the gateway (with its sequence and digest)."""
+        self._recount()
+        return self.document(self.state.leaderboard() if self.state.total else None)
+
+    def style_leaderboard(self) -> dict:
+        """The style-controlled board over the counted votes that carry style counts."""
+        self._recount()
+        return self.document(self.state.style_leaderboard(), style=True)
+
+    def boards(self) -> dict[str, dict]:
+        """Every view the gateway serves, by name."""
+        return {RAW: self.leaderboard(), STYLE: self.style_leaderboard()}
+
+    def document(self, board: Leaderboard | None, style: bool = False) -> dict:
+        body: dict = {
+            "seq": self.seq,
+            "total_votes": 0 if board is None else board.total_votes,
+            "computed_at": time.time(),
+            "min_votes": self.config.min_votes,
+            "style_control": style,
+        }
+        if style:
+            body["style_coefficients"] = None if board is None else dict(board.style_coefficients or {})
+        if board is None:
             return {**body, "digest": None, "rows": []}
-        board = self.state.leaderboard()
         return {**body, "digest": board.digest(), "rows": [row_dict(r) for r in board.rows]}

@@ -14,6 +14,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -30,7 +31,16 @@ from consumers.leaderboard.bradley_terry import (
     sandwich_intervals,
 )
 from consumers.leaderboard.config import LeaderboardConfig
-from consumers.leaderboard.votes import OUTCOMES, CountTable, Vote, aggregate, canonical
+from consumers.leaderboard.style_control import (
+    StyleBattles,
+    StyleFit,
+    StyleMetadataError,
+    fit_style_control,
+    style_bootstrap_ratings,
+    style_counts,
+    style_sandwich_cov,
+)
+from consumers.leaderboard.votes import OUTCOME_SCORE, OUTCOMES, CountTable, Vote, aggregate, canonical
 
 __all__ = [
     "OUTCOMES",
@@ -49,6 +59,7 @@ __all__ = [
     "bootstrap_intervals",
     "bootstrap_ratings",
     "build_leaderboard",
+    "build_style_leaderboard",
     "compute_leaderboard",
     "fit_bradley_terry",
     "online_elo",
@@ -117,7 +128,10 @@ class Leaderboard:
     config: LeaderboardConfig
     win_rates: Mapping[str, Mapping[str, float]] = field(repr=False)
     """Empirical pairwise score (ties as half) of row model against column model."""
-    fit: BradleyTerryFit = field(repr=False)
+    fit: BradleyTerryFit | StyleFit = field(repr=False)
+    style_coefficients: Mapping[str, float] | None = None
+    """On a style-controlled board: logit change per standard deviation of each style
+    feature (length, header, list, bold); None on the raw board."""
 
     def row(self, model: str) -> LeaderboardRow:
         for r in self.rows:
@@ -146,13 +160,16 @@ class Leaderboard:
             for r in sorted(self.rows, key=lambda r: r.model)
         ]
         wins = [[x, y, _num(v)] for x in sorted(self.win_rates) for y, v in sorted(self.win_rates[x].items())]
-        return {
+        out = {
             "version": DIGEST_VERSION,
             "config": cfg,
             "total_votes": self.total_votes,
             "rows": rows,
             "win_rates": wins,
         }
+        if self.style_coefficients is not None:
+            out["style_coefficients"] = [[k, _num(v)] for k, v in self.style_coefficients.items()]
+        return out
 
     def digest(self) -> str:
         """sha256 of the canonical JSON: equal for the same vote set and config on any machine."""
@@ -163,6 +180,32 @@ class Leaderboard:
 def ranks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     """1 + how many models are better beyond doubt (their lower bound above this upper bound)."""
     return 1 + (low[None, :] > high[:, None]).sum(axis=1)
+
+
+def _rows(
+    models: tuple[str, ...],
+    rating: np.ndarray,
+    iv: Intervals,
+    votes: Mapping[str, int],
+    config: LeaderboardConfig,
+    elo: Mapping[str, float] | None,
+) -> list[LeaderboardRow]:
+    rank = ranks(iv.low, iv.high)
+    rows = [
+        LeaderboardRow(
+            model=m,
+            rating=float(rating[k]),
+            ci_low=float(iv.low[k]),
+            ci_high=float(iv.high[k]),
+            rank=int(rank[k]),
+            votes=votes[m],
+            provisional=votes[m] < config.min_votes,
+            elo=None if elo is None else elo.get(m),
+        )
+        for k, m in enumerate(models)
+    ]
+    rows.sort(key=lambda r: (-r.rating, r.model))
+    return rows
 
 
 def build_leaderboard(
@@ -179,23 +222,56 @@ def build_leaderboard(
         iv = bootstrap_intervals(fit, config.bootstrap_rounds, config.seed, config.level)
     else:
         iv = sandwich_intervals(fit, config.level)
-    rating, rank = fit.ratings, ranks(iv.low, iv.high)
-    votes = table.votes_per_model()
-    rows = [
-        LeaderboardRow(
-            model=m,
-            rating=float(rating[k]),
-            ci_low=float(iv.low[k]),
-            ci_high=float(iv.high[k]),
-            rank=int(rank[k]),
-            votes=votes[m],
-            provisional=votes[m] < config.min_votes,
-            elo=None if elo is None else elo.get(m),
-        )
-        for k, m in enumerate(table.models)
-    ]
-    rows.sort(key=lambda r: (-r.rating, r.model))
+    rows = _rows(table.models, fit.ratings, iv, table.votes_per_model(), config, elo)
     return Leaderboard(tuple(rows), table.total, config, table.win_rates(), fit)
+
+
+def style_battles(votes: Iterable[Vote]) -> tuple[StyleBattles, CountTable] | None:
+    """The votes whose `conv_metadata` has the style counts, ready for the style fit; None if none has."""
+    a, b, y, counts, kept = [], [], [], [], []
+    column = {o: k for k, o in enumerate(OUTCOMES)}
+    for v in votes:
+        if v.conv_metadata is None:
+            continue
+        try:
+            counts.append(style_counts(v.conv_metadata))
+        except StyleMetadataError:
+            continue
+        a.append(v.model_a)
+        b.append(v.model_b)
+        y.append(float(OUTCOME_SCORE[column[v.outcome]]))
+        kept.append(v)
+    if not kept:
+        return None
+    return StyleBattles.build(a, b, y, counts), aggregate(kept)
+
+
+def build_style_leaderboard(
+    votes: Iterable[Vote],
+    config: LeaderboardConfig | None = None,
+    *,
+    elo: Mapping[str, float] | None = None,
+    init: tuple[Mapping[str, float], np.ndarray] | None = None,
+) -> Leaderboard | None:
+    """The style-controlled board (FastChat's `compute_style_control`) over the votes that
+    carry style counts; None when none does. `init` warm-starts from (θ by model name, γ)."""
+    config = config or LeaderboardConfig()
+    found = style_battles(votes)
+    if found is None:
+        return None
+    battles, table = found
+    start = None if init is None else np.concatenate([[init[0].get(m, 0.0) for m in battles.models], init[1]])
+    fit = fit_style_control(battles, gauge=config.gauge, init=start)
+    if config.interval == "bootstrap":
+        samples, _ = style_bootstrap_ratings(fit, config.bootstrap_rounds, config.seed)
+        low, high = np.quantile(samples, [(1.0 - config.level) / 2.0, (1.0 + config.level) / 2.0], axis=0)
+        iv = Intervals("bootstrap", config.level, low, high)
+    else:
+        robust, _ = style_sandwich_cov(fit)
+        half = NormalDist().inv_cdf(0.5 + config.level / 2.0) * np.sqrt(np.clip(np.diag(robust), 0.0, None))
+        iv = Intervals("sandwich", config.level, fit.ratings - half, fit.ratings + half)
+    rows = _rows(battles.models, fit.ratings, iv, battles.votes_per_model(), config, elo)
+    return Leaderboard(tuple(rows), len(battles), config, table.win_rates(), fit, fit.coefficients)
 
 
 def compute_leaderboard(votes: Iterable[Vote], config: LeaderboardConfig | None = None) -> Leaderboard:
@@ -219,12 +295,16 @@ class LeaderboardState:
         self._cells: Counter[tuple[str, str, str]] = Counter()
         self._elo = OnlineElo(self.config.elo_k)
         self._beta: dict[str, float] = {}
+        self._styled: list[Vote] = []
+        self._style_init: tuple[dict[str, float], np.ndarray] | None = None
         self.total = 0
 
     def add(self, vote: Vote) -> None:
         self._cells[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
         self._elo.update(vote.model_a, vote.model_b, vote.outcome)
         self.total += 1
+        if vote.conv_metadata is not None:
+            self._styled.append(vote)
 
     def extend(self, votes: Iterable[Vote]) -> None:
         for v in votes:
@@ -237,4 +317,12 @@ class LeaderboardState:
         board = build_leaderboard(self.table(), self.config, elo=self._elo.ratings, init=self._beta)
         fit = board.fit
         self._beta = dict(zip(fit.models, fit.beta.tolist(), strict=True))
+        return board
+
+    def style_leaderboard(self) -> Leaderboard | None:
+        """The style-controlled board over the votes with style counts, warm-started; None if none."""
+        board = build_style_leaderboard(self._styled, self.config, elo=self._elo.ratings, init=self._style_init)
+        if board is not None and isinstance(board.fit, StyleFit):
+            fit = board.fit
+            self._style_init = (dict(zip(fit.models, fit.theta.tolist(), strict=True)), fit.gamma)
         return board

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,13 +36,33 @@ class Vote:
     """Unix time of the vote, when known; the online Elo trend runs in this order."""
     judge: str | None = None
     """Opaque voter id, when known; carried for the FastChat format, unused by the statistics."""
+    conv_metadata: Mapping[str, Any] | None = field(default=None, hash=False)
+    """FastChat's per-battle metadata (answer tokens and markdown counts per side); style control reads it."""
 
     def __post_init__(self) -> None:
         check_vote(self.model_a, self.model_b, self.outcome)
 
     def swapped(self) -> Vote:
         """The same vote with the sides exchanged."""
-        return Vote(self.model_b, self.model_a, _FLIP[self.outcome], self.tstamp, self.judge)
+        meta = None if self.conv_metadata is None else swap_sides(self.conv_metadata)
+        return Vote(self.model_b, self.model_a, _FLIP[self.outcome], self.tstamp, self.judge, meta)
+
+
+def swap_sides(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """`conv_metadata` with side a's keys (`..._a`, `..._a_...`) and side b's exchanged."""
+    out = {}
+    for key, value in meta.items():
+        new = key
+        for mine, theirs in (("_a", "_b"), ("_b", "_a")):
+            if key.endswith(mine):
+                new = key[: -len(mine)] + theirs
+            elif f"{mine}_" in key:
+                new = key.replace(f"{mine}_", f"{theirs}_", 1)
+            else:
+                continue
+            break
+        out[new] = value
+    return out
 
 
 def check_vote(model_a: object, model_b: object, outcome: object) -> None:

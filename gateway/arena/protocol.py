@@ -47,9 +47,21 @@ class LeaderboardRowView(BaseModel):
     elo: float | None = None
 
 
+class StyleCoefficients(BaseModel):
+    """Logit change of P(a wins) per standard deviation of each style feature, (a - b) / (a + b + 1)."""
+
+    length: float = Field(description="Answer length in tokens.")
+    header: float = Field(description="Markdown headers.")
+    list: float = Field(description="Markdown list items.")
+    bold: float = Field(description="Bold spans.")
+
+
 class LeaderboardView(BaseModel):
     seq: int = Field(description="Stream sequence the leaderboard was computed at (0: no votes yet).")
     digest: str | None = Field(None, description="Leaderboard.digest(): equal for the same votes and config.")
     total_votes: int = 0
     computed_at: float | None = None
+    min_votes: int | None = Field(None, description="Rows with fewer votes are provisional.")
+    style_control: bool = Field(False, description="Ratings with the answers' style taken out (FastChat's).")
+    style_coefficients: StyleCoefficients | None = Field(None, description="Set on the style-controlled board.")
     rows: list[LeaderboardRowView] = Field(default_factory=list)

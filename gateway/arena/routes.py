@@ -81,13 +81,17 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         response_model=LeaderboardView,
         responses={200: {"content": {"text/csv": {}}}, **errors(503)},
     )
-    async def leaderboard(format: str = Query("json", pattern="^(json|csv)$")):
-        """The current leaderboard (kept live by the leaderboard consumer); `?format=csv` for CSV."""
+    async def leaderboard(
+        format: str = Query("json", pattern="^(json|csv)$"),
+        style_control: bool = Query(False, description="The style-controlled board (length and markdown out)."),
+    ):
+        """The current leaderboard (kept live by the leaderboard consumer); `?format=csv` for CSV,
+        `?style_control=true` for ratings with the answers' style taken out."""
         try:
-            stored = await load_leaderboard(chat.pipeline.results.redis)
+            stored = await load_leaderboard(chat.pipeline.results.redis, "style" if style_control else "raw")
         except REDIS_DOWN as exc:
             raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
-        board = LeaderboardView.model_validate(stored or {"seq": 0})
+        board = LeaderboardView.model_validate(stored or {"seq": 0, "style_control": style_control})
         if format == "csv":
             return Response(leaderboard_csv(board), media_type="text/csv", headers=NO_STORE)
         return Response(board.model_dump_json(), media_type="application/json", headers=NO_STORE)

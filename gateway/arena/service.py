@@ -23,6 +23,7 @@ from events import decode, encode, subjects
 from events.arena_readmodel import arena_secret
 from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, battle_filter
 from events.models import TERMINAL_TYPES, new_id
+from gateway.arena.features import conv_metadata
 from gateway.arena.identity import SIDES, names_itself, neutral_name, scrub, side_conv_id, voter_pseudonym
 from gateway.arena.pairing import NoPair, PairPolicy, sample_pair
 from gateway.arena.protocol import BattleView, TurnRequest
@@ -259,8 +260,8 @@ class ArenaService:
             raise APIError(409, "this battle already has a vote", "already_voted")
         if not battle.turns:
             raise APIError(409, "no answers to vote on yet; send a turn first", "not_answered")
-        ta, tb = await self.last_turn_terminals(battle)
-        if not all(t is not None and t.type == "chat.completed" for t in (ta, tb)):
+        answers = await self.answers(battle)
+        if not all(t is not None and t.type == "chat.completed" for t in answers[-1]):
             raise APIError(409, "both sides of the last turn must complete before a vote", "not_answered")
         event = VoteCast(
             battle_id=battle.battle_id,
@@ -269,25 +270,42 @@ class ArenaService:
             model_b=battle.started.model_b,
             voter=battle.started.voter,
             turns=len(battle.turns),
+            conv_metadata=style_of(answers),
         )
         if await self.publish(event):  # another request voted first: its vote holds
             return await self.vote(await self.load(battle.battle_id), choice)
         battle.vote = event
-        if leak := await self.leak(battle):
+        if leak := self.leak(battle, answers):
             await self.publish(VoteInvalidated(battle_id=battle.battle_id, reason=leak, detector=LEAK_DETECTOR))
             battle.invalid_reason = leak
         return battle
 
-    async def leak(self, battle: Battle) -> str | None:
+    async def answers(self, battle: Battle) -> list[tuple[Any, Any]]:
+        """Each turn's two terminal events (None while a side runs), in turn order."""
+        return [(await self.terminal(t.request_a), await self.terminal(t.request_b)) for t in battle.turns]
+
+    def leak(self, battle: Battle, answers: list[tuple[Any, Any]]) -> str | None:
         """Why the vote cannot count when an answer named its own model, else None."""
         defaults = model_defaults(self.pipeline.live_beats())
-        for turn in battle.turns:
-            for side, rid in (("a", turn.request_a), ("b", turn.request_b)):
-                model, t = battle.model(side), await self.terminal(rid)
+        for turn, terminals in zip(battle.turns, answers, strict=True):
+            for side, t in zip(SIDES, terminals, strict=True):
+                model = battle.model(side)
                 base = defaults.get(model, {}).get("base")
                 if t is not None and t.type == "chat.completed" and names_itself(t.text, model, base):
                     return f"identity_leak: side {side} named its own model in turn {turn.turn_id}"
         return None
+
+
+def style_of(answers: list[tuple[Any, Any]]) -> dict:
+    """The battle's `conv_metadata` from its completed answers (a turn cut off counts for nothing)."""
+    texts: dict[str, list[str]] = {"a": [], "b": []}
+    tokens = {"a": 0, "b": 0}
+    for terminals in answers:
+        for side, t in zip(SIDES, terminals, strict=True):
+            if t is not None and t.type == "chat.completed":
+                texts[side].append(t.text)
+                tokens[side] += t.usage.completion_tokens
+    return conv_metadata(texts, tokens)
 
 
 def view(battle: Battle) -> BattleView:

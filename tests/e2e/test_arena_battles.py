@@ -195,3 +195,55 @@ def test_a_vote_whose_answer_named_its_own_model_does_not_count(stack_factory, t
     assert view["counted"] is False and view["invalid_reason"].startswith("identity_leak"), view
     replay = arena_cmd(s, "replay", "--battle-id", bid)
     assert "vote.invalidated" in replay.stdout and "answer_names_model" in replay.stdout
+
+
+def test_style_controlled_board_on_live_battles_and_an_imported_file(arena, tmp_path):
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        for choice in ("a", "b", "tie"):
+            bid = client.post("/arena/battles").json()["battle_id"]
+            turn(client, bid, "A bird")
+            assert client.post(f"/arena/battles/{bid}/vote", json={"choice": choice}).status_code == 200
+        end = time.monotonic() + 10
+        while (board := client.get("/arena/leaderboard", params={"style_control": True}).json())["total_votes"] < 3:
+            assert time.monotonic() < end, board
+            time.sleep(0.3)
+    assert board["style_control"] and list(board["style_coefficients"]) == ["length", "header", "list", "bold"]
+    assert {r["model"] for r in board["rows"]} <= set(MODELS) and board["digest"]
+    again = arena_cmd(arena, "leaderboard", "--style-control", "--json", "--at", str(board["seq"]))
+    assert again.returncode == 0, again.stderr
+    cli = json.loads(again.stdout)
+    assert cli["digest"] == board["digest"] and list(cli["style_coefficients"]) == list(board["style_coefficients"])
+    assert all({"model", "rating"} <= set(r) for r in cli["rows"])
+
+    # The vote recorded each side's answer tokens as the model's tokenizer counted them.
+    replay = arena_cmd(arena, "replay", "--battle-id", bid, "--json")
+    events = [json.loads(line) for line in replay.stdout.splitlines()]
+    [cast] = [e for e in events if e["type"] == "vote.cast"]
+    [battle_turn] = [e for e in events if e["type"] == "battle.turn"]
+    usage = {e["request_id"]: e["usage"]["completion_tokens"] for e in events if e["type"] == "chat.completed"}
+    meta = cast["conv_metadata"]
+    assert meta["sum_assistant_a_tokens"] == usage[battle_turn["request_a"]] > 0
+    assert meta["sum_assistant_b_tokens"] == usage[battle_turn["request_b"]] > 0
+    assert set(meta["header_count_a"]) == {f"h{n}" for n in range(1, 7)}
+
+    rows = []
+    for k in range(60):  # a FastChat clean-battle file with conv_metadata: the longer answer mostly wins
+        long_a = k % 2 == 0
+        meta = {"sum_assistant_a_tokens": 400 if long_a else 80, "sum_assistant_b_tokens": 80 if long_a else 400}
+        for side in "ab":
+            meta |= {f"header_count_{side}": {"h1": k % 3}, f"list_count_{side}": {"ordered": 0, "unordered": k % 2}}
+            meta |= {f"bold_count_{side}": {"**": 0, "__": 0}}
+        winner = ("model_a" if long_a else "model_b") if k % 5 else "tie"
+        pair = ("imp-x", "imp-y") if k % 3 else ("imp-y", "imp-z")
+        rows.append(
+            {"model_a": pair[0], "model_b": pair[1], "winner": winner, "tstamp": 1.7e9 + k, "conv_metadata": meta}
+        )
+    path = tmp_path / "clean_battle_conv.json"
+    path.write_text(json.dumps(rows))
+    assert arena_cmd(arena, "battles", "import", str(path)).returncode == 0
+    styled = json.loads(arena_cmd(arena, "leaderboard", "--style-control", "--json").stdout)
+    assert {"imp-x", "imp-y", "imp-z"} <= {r["model"] for r in styled["rows"]}
+    assert styled["style_coefficients"]["length"] > 0.5  # the length effect planted in the file
+    assert arena_cmd(arena, "battles", "export", str(tmp_path / "out.json")).returncode == 0
+    out = {(r["model_a"], r["tstamp"]): r for r in json.loads((tmp_path / "out.json").read_text()) if "tstamp" in r}
+    assert out[("imp-x", 1.7e9 + 1)]["conv_metadata"] == rows[1]["conv_metadata"]

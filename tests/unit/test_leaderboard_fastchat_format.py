@@ -31,7 +31,23 @@ BATTLES = [
         "tstamp": 1682351591.1322,
     },
     {"model_a": "koala-13b", "model_b": "alpaca-13b", "winner": "model_b", "tstamp": 1682351600},
-    {"model_a": "alpaca-13b", "model_b": "vicuna-13b", "winner": "tie"},
+    {
+        "model_a": "alpaca-13b",
+        "model_b": "vicuna-13b",
+        "winner": "tie",
+        "conv_metadata": {
+            "sum_user_tokens": 12,
+            "sum_assistant_a_tokens": 310,
+            "sum_assistant_b_tokens": 95,
+            "header_count_a": {"h1": 0, "h2": 2, "h3": 0, "h4": 0, "h5": 0, "h6": 0},
+            "header_count_b": {"h1": 0, "h2": 0, "h3": 0, "h4": 0, "h5": 0, "h6": 0},
+            "list_count_a": {"ordered": 3, "unordered": 4},
+            "list_count_b": {"ordered": 0, "unordered": 0},
+            "bold_count_a": {"**": 5, "__": 0},
+            "bold_count_b": {"**": 0, "__": 0},
+            "turns": 1,
+        },
+    },
     {"model_a": "vicuna-13b", "model_b": "alpaca-13b", "winner": "tie (bothbad)", "judge": "arena_user_1"},
 ]
 
@@ -41,6 +57,9 @@ def test_reads_outcomes_and_keeps_tstamp_and_judge() -> None:
     assert [v.outcome for v in votes] == ["a", "b", "tie", "both_bad"]
     assert votes[0] == Vote("vicuna-13b", "koala-13b", "a", 1682351591.1322, "arena_user_973")
     assert votes[2].tstamp is None and votes[2].judge is None
+    assert votes[2].conv_metadata == BATTLES[2]["conv_metadata"] and votes[0].conv_metadata is None
+    swapped = votes[2].swapped().conv_metadata
+    assert swapped is not None and swapped["sum_assistant_b_tokens"] == 310 and swapped["list_count_b"]["ordered"] == 3
 
 
 def test_round_trip_through_a_file(tmp_path) -> None:
@@ -49,7 +68,7 @@ def test_round_trip_through_a_file(tmp_path) -> None:
     votes = load_battles(path)
     dump_battles(votes, tmp_path / "out.json")
     assert load_battles(tmp_path / "out.json") == votes
-    kept = ("model_a", "model_b", "winner", "tstamp", "judge")
+    kept = ("model_a", "model_b", "winner", "tstamp", "judge", "conv_metadata")
     assert votes_to_battles(votes) == [{k: b[k] for k in kept if k in b} for b in BATTLES]
 
 
@@ -65,6 +84,12 @@ def test_round_trip_through_a_file(tmp_path) -> None:
         ({"model_a": "x", "model_b": "y", "winner": "model_a", "judge": 5}, "judge", "string"),
         ({"model_a": "x", "model_b": "x", "winner": "model_a"}, "model_b", "itself"),
         (["x", "y", "model_a"], "*", "expected an object"),
+        ({"model_a": "x", "model_b": "y", "winner": "tie", "conv_metadata": [1]}, "conv_metadata", "an object"),
+        (
+            {"model_a": "x", "model_b": "y", "winner": "tie", "conv_metadata": {"bold_count_a": "lots"}},
+            "conv_metadata",
+            "bold_count_a",
+        ),
     ],
 )
 def test_bad_rows_name_index_and_field(row: object, field: str, words: str) -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from consumers.leaderboard.projection import VoteProjection
-from consumers.leaderboard.ratings import compute_leaderboard
+from consumers.leaderboard.ratings import build_style_leaderboard, compute_leaderboard
 from events.battles import BattleStarted, VoteCast, VoteInvalidated, VoteReinstated
 from infra.arena_cli import imported_votes, project
 from infra.battle_audit import audit_battles
@@ -50,3 +50,34 @@ def test_import_marks_votes_and_audit_finds_orphans_and_doubles(tmp_path):
     )
     report = audit_battles([started, vote("b1"), vote("b1"), vote("lost"), imp])
     assert report["votes_without_battle"] == ["lost"] and report["battles_with_several_votes"] == ["b1"]
+
+
+def styled(bid, a, b, choice, tokens_a, tokens_b):
+    meta = {"sum_assistant_a_tokens": tokens_a, "sum_assistant_b_tokens": tokens_b, "turns": 1}
+    for side in "ab":
+        meta |= {f"header_count_{side}": {"h1": 0}, f"list_count_{side}": {"ordered": 0}, f"bold_count_{side}": 0}
+    return VoteCast(battle_id=bid, choice=choice, model_a=a, model_b=b, conv_metadata=meta)
+
+
+def test_style_board_from_events_matches_one_from_the_counted_votes():
+    events = [styled(f"s{i}", f"m{i % 3}", f"m{(i + 1) % 3}", "ab"[i % 2], 10 + 7 * (i % 5), 30) for i in range(40)]
+    events.append(vote("plain"))  # a vote with no style record: on the raw board only
+    p = project(list(enumerate(events, 1)))
+    style = p.style_leaderboard()
+    assert style["style_control"] and style["total_votes"] == 40 and p.leaderboard()["total_votes"] == 41
+    assert list(style["style_coefficients"]) == ["length", "header", "list", "bold"]
+    assert style["style_coefficients"]["header"] == 0.0  # no answer had a header
+    expected = build_style_leaderboard([v for v in p.counted() if v.conv_metadata], p.config)
+    assert expected is not None and style["digest"] == expected.digest()
+    p.apply(VoteInvalidated(battle_id="s3", reason="t", detector="t"), 50)
+    assert p.style_leaderboard()["total_votes"] == 39
+    assert project([(1, vote("x"))]).style_leaderboard() | {"computed_at": 0} == {
+        "seq": 1,
+        "total_votes": 0,
+        "computed_at": 0,
+        "min_votes": p.config.min_votes,
+        "style_control": True,
+        "style_coefficients": None,
+        "digest": None,
+        "rows": [],
+    }

@@ -1,0 +1,47 @@
+"""What a vote records about the answers' style (pure logic, no numpy): FastChat's
+`conv_metadata` layout, so a live battle and an imported clean-battle row feed style
+control the same way.
+
+The markdown counts transcribe FastChat's `count_markdown_elements` and
+`get_element_counts` (fastchat/serve/monitor/add_markdown_info.py): a side's answers are
+joined with newlines and its code blocks are taken out first (FastChat removes what is
+between the fences and leaves the fences, and so does this). Token counts come from the
+model's own tokenizer: the `completion_tokens` inference reported for each answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+CODE_BLOCK = re.compile("```([^`]*)```")
+_HEADERS = {f"h{n}": re.compile(rf"^#{{{n}}}\s", re.MULTILINE) for n in range(1, 7)}
+_ORDERED = re.compile(r"^\s*\d+\.\s", re.MULTILINE)
+_UNORDERED = re.compile(r"^\s*[-*+]\s", re.MULTILINE)
+_BOLD_STARS = re.compile(r"\*\*[^*\n]+\*\*")
+_BOLD_UNDERSCORES = re.compile(r"__[^_\n]+__")
+
+
+def without_code(answer: str) -> str:
+    for block in CODE_BLOCK.findall(answer):
+        answer = answer.replace(block, "")
+    return answer
+
+
+def markdown_counts(text: str, side: str) -> dict[str, dict[str, int]]:
+    """FastChat's `count_markdown_elements(text, suffix="_" + side)` on text without its code."""
+    text = without_code(text)
+    return {
+        f"header_count_{side}": {h: len(p.findall(text)) for h, p in _HEADERS.items()},
+        f"list_count_{side}": {"ordered": len(_ORDERED.findall(text)), "unordered": len(_UNORDERED.findall(text))},
+        f"bold_count_{side}": {"**": len(_BOLD_STARS.findall(text)), "__": len(_BOLD_UNDERSCORES.findall(text))},
+    }
+
+
+def conv_metadata(answers: Mapping[str, Sequence[str]], tokens: Mapping[str, int]) -> dict:
+    """A battle's `conv_metadata`: per side ("a", "b") its answers in turn order and their tokens."""
+    meta: dict = {"turns": len(answers["a"])}
+    for side in ("a", "b"):
+        meta[f"sum_assistant_{side}_tokens"] = tokens[side]
+        meta.update(markdown_counts("\n".join(answers[side]), side))
+    return meta
