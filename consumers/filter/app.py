@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 from faststream import FastStream
 from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 
-from consumers.filter.classifier import Classifier, load_classifier
+from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.metrics import METRICS, FilterMetrics
 from consumers.filter.policy import inspect_messages
-from consumers.filter.reload import ClassifierSlot
+from consumers.filter.reload import ClassifierSlot, slot_for
 from consumers.filter.stage import ClassifierOutcome, strongest
 from events import topology
 from events.models import (
@@ -74,19 +73,6 @@ def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
     )
 
 
-def _slot(config: FilterConfig) -> ClassifierSlot | None:
-    if config.classifier_path is None:
-        return None
-    path = Path(config.classifier_path)
-    if not path.is_absolute() and not path.exists():
-        path = Path(__file__).resolve().parents[2] / path  # the committed default, from any working directory
-    return ClassifierSlot(
-        path,
-        config.classifier_reload_s,
-        loader=lambda p: load_classifier(p, config.guard_attack_label),
-    )
-
-
 def filter_config(settings: FilterSettings) -> FilterConfig:
     """The filter's config from its settings (ARENA_FILTER__*), with the shared prompt limit."""
     return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
@@ -134,7 +120,7 @@ def build_app(
     )
     runtime = ProcessRuntime(topology.FILTER.name, settings)
     publish = publish or runtime.publish
-    slot = _slot(config)  # loaded at build: a missing artifact stops the process at start
+    slot = slot_for(config)  # loaded at build: a missing artifact stops the process at start
     on_requested = handler(config, publish, slot)
     app = FastStream(broker)
     consumer = DurableConsumer(topology.FILTER, on_requested, "auto", settings.workers, batch=settings.workers)

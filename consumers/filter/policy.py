@@ -29,6 +29,7 @@ class FilterVerdict:
     reasons: tuple[str, ...]  # stable codes, e.g. "role_marker:system", "jailbreak:persona"
     edits: tuple[str, ...]  # what sanitizing changed, e.g. "removed control token <|im_start|>"
     classifier: ClassifierOutcome | None = None  # the classifier stage, when one ran
+    rules_action: Action | None = None  # what the rules alone decided (None: the same as ``action``)
 
 
 def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classifier | None = None) -> FilterVerdict:
@@ -48,10 +49,11 @@ def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classi
     threshold = math.inf if config.mode == "sanitize-only" else config.reject_threshold
     out_text, edits = (cleaned.text, cleaned.edits) if config.sanitize else (text, ())
     action = decide(value, out_text != text, threshold)
+    rules_action = action
     outcome = classify(text, classifier, config) if classifier is not None else None
     if outcome is not None and outcome.enforced and action != "reject":
         action, reasons = "reject", (*reasons, "classifier")
-    return FilterVerdict(action, out_text, value, reasons, edits, outcome)
+    return FilterVerdict(action, out_text, value, reasons, edits, outcome, rules_action)
 
 
 def inspect_messages(

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from consumers.filter.classifier import Classifier, load_classifier
+from consumers.filter.config import FilterConfig
 
-__all__ = ["ClassifierSlot"]
+__all__ = ["ClassifierSlot", "artifact_path", "slot_for"]
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +73,24 @@ class ClassifierSlot:
         log.info("classifier reloaded: %s -> %s", self._classifier.version, fresh.version)
         self._classifier = fresh
         self.reloads += 1
+
+
+def artifact_path(configured: str) -> Path:
+    """``classifier_path`` as the filter process reads it: relative paths from the working
+    directory, else (the committed default, from any directory) from the repository."""
+    path = Path(configured)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[2] / path
+    return path
+
+
+def slot_for(config: FilterConfig) -> ClassifierSlot | None:
+    """The classifier stage the filter process serves under ``config`` (None: rules only);
+    `arena filter-eval` measures through the same function."""
+    if config.classifier_path is None:
+        return None
+    return ClassifierSlot(
+        artifact_path(config.classifier_path),
+        config.classifier_reload_s,
+        loader=lambda p: load_classifier(p, config.guard_attack_label),
+    )

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from consumers.filter.app import filter_request
+from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.config import FilterConfig
 from consumers.filter.evaluate import EvalReport, evaluate, family, format_report, main
+from events.models import ChatMessage, ChatRequested, PromptRejected, SamplingParams
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared/data/injection-dev.jsonl"
 
@@ -33,8 +37,11 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
+RULES_ONLY = FilterConfig(classifier_path=None)
+
+
 def test_evaluate_counts_per_source_family_and_overall(corpus: Path) -> None:
-    report = evaluate(str(corpus))
+    report = evaluate(str(corpus), RULES_ONLY)
     assert isinstance(report, EvalReport)
     assert report.overall.attacks == 3 and report.overall.benign == 3
     assert report.overall.attacks_caught == 2  # rejected + sanitized; the plain request passes
@@ -45,7 +52,7 @@ def test_evaluate_counts_per_source_family_and_overall(corpus: Path) -> None:
 
 
 def test_length_matched_uses_only_bins_holding_both_classes(corpus: Path) -> None:
-    report = evaluate(str(corpus))
+    report = evaluate(str(corpus), RULES_ONLY)
     lm = report.length_matched
     assert lm.attacks == lm.benign  # each bin scaled to min(attacks, benign)
     assert 0 < lm.attacks <= 3
@@ -61,7 +68,9 @@ def test_main_prints_json(corpus: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main([str(corpus), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["overall"]["attacks"] == 3
-    assert "holdout" in data and "length_matched" in data
+    assert "rules_holdout" in data and "length_matched" in data
+    assert set(data["stages"]) == {"served", "rules", "classifier"}
+    assert data["classifier"]["version"] == load_classifier(DEFAULT_ARTIFACT).version
 
 
 def test_main_reports_unreadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,3 +105,94 @@ def test_targets_on_dev_corpus() -> None:
     cases = _generated_cases()
     neutralized = sum(check(*case) for case, check in cases)
     assert neutralized / len(cases) >= 0.99
+
+
+@pytest.fixture(scope="module")
+def dev_sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every 5th row of the dev corpus: each family, the classifier's catches and the rules' misses."""
+    assert CORPUS.is_file(), f"the development corpus is missing: {CORPUS}"
+    lines = CORPUS.read_text(encoding="utf-8").split("\n")[::5]
+    path = tmp_path_factory.mktemp("eval") / "dev-sample.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _text_tables(text: str) -> dict[str, dict[str, list[str]]]:
+    """The text report's overall / by family / by source tables: slice -> [attacks, benign, cells...]."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("-- "):
+            current = {"-- overall": "overall", "-- by family": "by_family", "-- by source": "by_source"}.get(line)
+            if current:
+                tables[current] = {}
+        elif current and "|" in line and not line.startswith("slice"):
+            head, *cells = line.split("|")
+            name, attacks, benign = head.rsplit(maxsplit=2)
+            tables[current][name.strip()] = [attacks, benign, *(c for cell in cells for c in cell.split())]
+    return tables
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def test_text_and_json_agree_stage_by_stage(dev_sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(_run(capsys, str(dev_sample), "--json"))
+    tables = _text_tables(_run(capsys, str(dev_sample)))
+    stages = list(data["stages"])
+    assert stages == ["served", "rules", "classifier"]
+    for key in ("overall", "by_family", "by_source"):
+        served = {"all": data["overall"]} if key == "overall" else data[key]
+        assert set(tables[key]) == set(served), key
+        for name, text_cells in tables[key].items():
+            per = [data["stages"][s][key] if key == "overall" else data["stages"][s][key][name] for s in stages]
+            expected = [f"{served[name]['attacks']:.0f}", f"{served[name]['benign']:.0f}"]
+            expected += [c for r in per for c in (_pct(r["catch_rate"]), _pct(r["false_positive_rate"]))]
+            assert text_cells == expected, (key, name)
+    # the JSON's top level is the served filter, not the rules alone
+    assert data["overall"] == data["stages"]["served"]["overall"] != data["stages"]["rules"]["overall"]
+
+
+def _served_tally(path: Path, config: FilterConfig) -> dict[str, int]:
+    """What the filter process's own decision function says about each row."""
+    classifier = load_classifier(DEFAULT_ARTIFACT) if config.classifier_path else None
+    tally = {"attacks": 0, "attacks_caught": 0, "attacks_rejected": 0, "benign": 0, "benign_flagged": 0}
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        event = ChatRequested(
+            request_id="r",
+            conv_id="r",
+            model="m",
+            messages=(ChatMessage(role="user", content=item["text"]),),
+            params=SamplingParams(),
+            deadline_at=2e9,
+        )
+        out = filter_request(event, config, classifier)
+        kind = "attacks" if item["label"] == "attack" else "benign"
+        tally[kind] += 1
+        tally[f"{kind}_caught" if kind == "attacks" else "benign_flagged"] += out.filter.action != "pass"
+        tally["attacks_rejected"] += kind == "attacks" and isinstance(out, PromptRejected)
+    return tally
+
+
+@pytest.mark.parametrize("mode", ["block", "shadow"])
+def test_json_overall_is_the_served_decision(
+    dev_sample: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    monkeypatch.setenv("ARENA_FILTER__MODE", mode)  # the filter process's own setting
+    data = json.loads(_run(capsys, str(dev_sample), "--json"))
+    assert data["mode"] == mode
+    served = _served_tally(dev_sample, FilterConfig(mode=mode))
+    assert {k: data["overall"][k] for k in served} == served
+    classifier, rules = data["stages"]["classifier"]["overall"], data["stages"]["rules"]["overall"]
+    assert classifier["attacks_caught"] > rules["attacks_caught"]  # the stage flags what the rules pass
+    if mode == "shadow":  # flagged, counted, never enforced: the served filter is the rules'
+        assert data["overall"] == rules
