@@ -224,11 +224,38 @@ async def _models(args) -> int:
     except Exception:  # noqa: BLE001 - a timeout ends the collection
         pass
     await nc.close()
-    for a in answers:
-        print(json.dumps(a))
+    if args.op == "list" and not args.json:
+        print(_models_table(answers))
+    else:
+        for a in answers:
+            print(json.dumps(a))
     if not answers:
         print("no inference process answered", file=sys.stderr)
     return 0 if answers and all(a.get("ok") for a in answers) else 1
+
+
+def _models_table(answers: list[dict]) -> str:
+    """`arena models list`: each process's models, one row each."""
+    blocks = []
+    for a in sorted(answers, key=lambda a: a.get("instance", "")):
+        rows = [("NAME", "SOURCE", "PARAMETERS", "DTYPE", "CONTEXT", "CHAT TEMPLATE", "RESIDENT")]
+        for d in a.get("details", []):
+            loaded = d["resident"]
+            rows.append(
+                (
+                    d["name"] + (f" (variant of {d['base']})" if d.get("base") else ""),
+                    d["source"],
+                    f"{d['parameters'] / 1e6:.1f}M" if loaded else "-",
+                    d["dtype"] if loaded else "-",
+                    str(d["context"] or "?"),
+                    ("yes" if d["chat_template"] else "no (plain text)") if loaded else "-",
+                    f"{d['resident_bytes'] / 1e6:.0f} MB" if loaded else "not loaded",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        blocks.append("\n".join([f"{a.get('instance')}:", *lines]))
+    return "\n\n".join(blocks)
 
 
 async def _topology() -> int:
@@ -355,6 +382,7 @@ def parser() -> argparse.ArgumentParser:
     mo.add_argument("--device", default="cpu")
     mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     mo.add_argument("--nats-url", default=None)
+    mo.add_argument("--json", action="store_true", help="list: each process's answer as a JSON line")
     mo.add_argument("--state-dir", default=OperatorSettings().state_dir)
 
     lb = sub.add_parser("leaderboard", help="recompute the arena leaderboard from the stream")

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 async def apply(pool, command: dict, models_dir: str = ".") -> dict:
     op = command.get("op")
     if op == "list":
-        pass
+        return {"ok": True, **served(pool), "details": [describe(pool, spec) for spec in pool.specs()]}
     elif op == "add":
         # A relative path as the models config resolves it; none there and no hub id: said so.
         spec = ModelSpec(**{**command["spec"], "path": resolve_source(command["spec"]["path"], models_dir)})
@@ -37,6 +37,25 @@ async def apply(pool, command: dict, models_dir: str = ".") -> dict:
     else:
         raise ValueError(f"op must be list, add, reload or remove; got {op!r}")
     return {"ok": True, **served(pool)}
+
+
+def describe(pool, spec: ModelSpec) -> dict:
+    """What `arena models list` shows of a model: where it comes from and its context;
+    resident, what it costs (parameters, dtype, bytes) and whether it has a chat template
+    of its own (else its prompts are the messages' contents, FALLBACK_TEMPLATE)."""
+    loaded = pool.resident_model(spec.name)
+    out: dict = {"name": spec.name, "source": spec.path, "base": spec.base, "context": pool.contexts().get(spec.name)}
+    if loaded is None:
+        return {**out, "resident": False}
+    model = loaded.model
+    return {
+        **out,
+        "resident": True,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "chat_template": bool(spec.chat_template or getattr(loaded.tokenizer, "chat_template", None)),
+        "resident_bytes": loaded.nbytes,
+    }
 
 
 def served(pool) -> dict:

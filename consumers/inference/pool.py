@@ -159,6 +159,11 @@ class ModelPool:
             out += [s.name for s in self._specs.values() if s.base == name]
         return out
 
+    def resident_model(self, name: str) -> LoadedModel | None:
+        """``name``'s resident weights (a variant's are its base's), or None."""
+        spec = self._specs.get(name)
+        return self._resident.get(spec.base or name) if spec is not None else None
+
     def holds(self, loaded: LoadedModel) -> bool:
         """Whether ``loaded`` is still this pool's: resident, or retired and borrowed."""
         return self._resident.get(loaded.spec.name) is loaded or id(loaded) in self._retired

@@ -186,7 +186,8 @@ def test_sigterm_drains_and_gives_back_unfinished_work(stack_factory):
 
 
 def models_cmd(nats_url: str, *args: str) -> tuple[int, list[dict]]:
-    """`arena models ...` against the stack's NATS: its exit code and every worker's answer."""
+    """`arena models ...` against the stack's NATS: its exit code and every worker's answer
+    (the JSON lines it prints; the last answer's `printed`: the whole output)."""
     r = subprocess.run(
         [sys.executable, "-m", "infra.cli", "models", *args, "--wait", "20"],
         env={**os.environ, "NATS_URL": nats_url},
@@ -195,7 +196,8 @@ def models_cmd(nats_url: str, *args: str) -> tuple[int, list[dict]]:
         timeout=60,
         check=False,
     )
-    return r.returncode, [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    answers = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return r.returncode, answers or [{"printed": r.stdout}]
 
 
 def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
@@ -236,3 +238,13 @@ def test_a_failed_add_leaves_nothing_registered(stack_factory, tmp_path):
     assert listed == {"stories-260k", "relative"}
     assert ask(s.url, "Once upon a time", model="broken", max_tokens=8).status_code == 404
     assert ask(s.url, "Once upon a time", model="relative", max_tokens=8).status_code == 200
+    # What each model is and costs, as `arena models list` shows it.
+    rc, (answer,) = models("list", "--json")
+    details = {d["name"]: d for d in answer["details"]}
+    assert rc == 0 and details["relative"]["source"] == str(STORIES)
+    stories = details["stories-260k"]
+    assert (stories["resident"], stories["dtype"], stories["context"]) == (True, "float32", 512), stories
+    assert stories["chat_template"] is False and 250_000 < stories["parameters"] < 300_000
+    assert 0 <= stories["resident_bytes"] - 4 * stories["parameters"] < 1024  # float32, and its buffers
+    rc, (table,) = models("list")
+    assert rc == 0 and "CHAT TEMPLATE" in table["printed"] and "no (plain text)" in table["printed"], table
