@@ -94,10 +94,14 @@ def imported_votes(path: str) -> list[VoteCast]:
 
 
 async def import_battles(js, path: str) -> int:
+    """Publish the file's votes that the stream does not have yet (a re-import adds none)."""
     events = imported_votes(path)
-    for e in events:
+    have = {e.battle_id for _, e in await battle_events(js) if isinstance(e, VoteCast)}
+    new = [e for e in events if e.battle_id not in have]
+    for e in new:
         await jetstream.publish(js, e)
-    print(f"imported {len(events)} votes from {path}")
+    old = len(events) - len(new)
+    print(f"imported {len(new)} new votes from {path} ({old} of its {len(events)} already in the stream)")
     return 0
 
 

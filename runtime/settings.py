@@ -271,8 +271,12 @@ class OperatorSettings(NatsClient):
     log_level: str = Field("INFO", description="Log level of `arena up` and of the processes it starts.")
 
 
+MIN_VOTES = 30
+"""Votes below which a model is provisional: the one default of ARENA_MIN_VOTES and LeaderboardConfig."""
+
+
 class LeaderboardSettings(CommonSettings):
-    min_votes: int = Field(30, ge=0, description="Models with fewer counted votes are flagged provisional.")
+    min_votes: int = Field(MIN_VOTES, ge=0, description="Models with fewer counted votes are flagged provisional.")
     interval: str = Field("sandwich", description="'sandwich' or 'bootstrap' intervals.")
     refresh_s: float = Field(0.5, gt=0, description="Longest a new vote waits before the leaderboard is refit.")
 

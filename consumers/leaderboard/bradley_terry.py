@@ -24,6 +24,8 @@ SCALE = 400.0
 BASE = 10.0
 POINTS_PER_NAT = SCALE / math.log(BASE)
 """Rating points per unit of natural-log strength."""
+FASTCHAT_PRIOR_L2 = 0.5 / math.log(BASE) ** 2
+"""FastChat's style-fit penalty (0.25·θ², θ in log10 units) on natural-log strengths: 0.5·l2·β²."""
 STEP_TOL = 1e-8
 """Newton step (natural-log units, ~2e-6 points) below which the next step is the last."""
 
@@ -224,6 +226,28 @@ def sandwich_intervals(fit: BradleyTerryFit, level: float = 0.95) -> Intervals:
     half = NormalDist().inv_cdf(0.5 + level / 2.0) * POINTS_PER_NAT * np.sqrt(var)
     ratings = fit.ratings
     return Intervals("sandwich", level, ratings - half, ratings + half)
+
+
+def model_based_sd(fit: BradleyTerryFit) -> np.ndarray:
+    """Standard deviation of each rating in points from H⁻¹, the inverse Hessian of the
+    penalized negative log-likelihood (the Laplace approximation under the L2 prior), on the gauge.
+
+    On separated data (a model that won every vote) the sandwich's meat, the squared score
+    (y - p)², goes to zero with the fitted probabilities, and so does its interval; H⁻¹
+    stays as wide as the prior and the few votes allow."""
+    table = fit.table
+    i, j, n, _ = _pair_data(table)
+    p = _sigmoid(fit.beta[i] - fit.beta[j])
+    hessian = _laplacian(i, j, n * p * (1.0 - p), len(table.models)) + fit.l2 * np.eye(len(table.models))
+    proj = fit.gauge.projection(table.models)
+    cov = proj @ np.linalg.inv(_gauge_fixed(hessian)) @ proj.T
+    return POINTS_PER_NAT * np.sqrt(np.clip(np.diag(cov), 0.0, None))
+
+
+def floored(iv: Intervals, ratings: np.ndarray, sd: np.ndarray) -> Intervals:
+    """`iv` widened where needed so each bound is at least z·sd from the rating."""
+    half = NormalDist().inv_cdf(0.5 + iv.level / 2.0) * sd
+    return Intervals(iv.method, iv.level, np.minimum(iv.low, ratings - half), np.maximum(iv.high, ratings + half))
 
 
 def bootstrap_ratings(fit: BradleyTerryFit, rounds: int = 100, seed: int = 0) -> np.ndarray:

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from consumers.leaderboard.bradley_terry import Gauge
+from consumers.leaderboard.bradley_terry import FASTCHAT_PRIOR_L2, Gauge
+from runtime.settings import MIN_VOTES
 
 
 class LeaderboardConfig(BaseModel):
@@ -26,14 +27,23 @@ class LeaderboardConfig(BaseModel):
     bootstrap_rounds: int = Field(100, ge=2, description="Resamples for interval='bootstrap' (FastChat uses 100).")
     seed: int = Field(0, ge=0, description="Seed of the bootstrap's numpy Generator.")
     min_votes: int = Field(
-        300, ge=0, description="Models with fewer votes are flagged provisional (their intervals are wide)."
+        MIN_VOTES,
+        ge=0,
+        description=(
+            "Models with fewer votes are provisional: flagged, and ranked by their interval's lower bound "
+            "(ARENA_MIN_VOTES for the live board)."
+        ),
     )
     rating: float = Field(1000.0, description="Mean rating, or the anchor's rating when `anchor` is set.")
     anchor: str | None = Field(None, description="Hold this model at `rating` instead of fixing the mean.")
     l2: float = Field(
-        1e-6,
+        FASTCHAT_PRIOR_L2,
         ge=0.0,
-        description="Ridge on natural-log strengths; keeps a model that never lost finite. 0 disables it.",
+        description=(
+            "L2 penalty (a weak Gaussian prior) on natural-log strengths, the same as FastChat's style fit "
+            "(reg 0.5 on log10 strengths): a model that won its few votes gets a finite rating and a wide "
+            "interval. On connected data its effect is of order l2 / votes. 0 gives the plain MLE."
+        ),
     )
     elo_k: float = Field(4.0, gt=0.0, description="K-factor of the online Elo trend (FastChat: 4).")
 

@@ -14,7 +14,6 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from statistics import NormalDist
 
 import numpy as np
 
@@ -28,6 +27,8 @@ from consumers.leaderboard.bradley_terry import (
     bootstrap_intervals,
     bootstrap_ratings,
     fit_bradley_terry,
+    floored,
+    model_based_sd,
     sandwich_intervals,
 )
 from consumers.leaderboard.config import LeaderboardConfig
@@ -66,7 +67,7 @@ __all__ = [
     "sandwich_intervals",
 ]
 
-DIGEST_VERSION = 1
+DIGEST_VERSION = 2  # 2: provisional rows ranked by their lower bound, intervals floored
 _ELO_SCORE = {"a": 1.0, "b": 0.0, "tie": 0.5, "both_bad": 0.5}
 
 
@@ -106,7 +107,8 @@ class LeaderboardRow:
     ci_low: float
     ci_high: float
     rank: int
-    """1 + number of models whose ci_low is above this model's ci_high."""
+    """1 + number of models whose ci_low is above this model's ci_high; for a provisional
+    model at least 1 + the number of models rated above its ci_low."""
     votes: int
     provisional: bool
     """Fewer than `min_votes` votes."""
@@ -121,7 +123,7 @@ def _num(x: float) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Leaderboard:
-    """Rows best first (rating, then name), with what produced them."""
+    """Rows best first (rank, then rating, then name), with what produced them."""
 
     rows: tuple[LeaderboardRow, ...]
     total_votes: int
@@ -182,6 +184,14 @@ def ranks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return 1 + (low[None, :] > high[:, None]).sum(axis=1)
 
 
+def placed_ranks(rating: np.ndarray, low: np.ndarray, high: np.ndarray, provisional: np.ndarray) -> np.ndarray:
+    """`ranks`, except that a provisional model is ranked by what its interval assures: at
+    least 1 + how many established models are rated above its lower bound. So a model with
+    a few lucky votes never ranks above an established one on its point estimate alone."""
+    established_above = ((rating[None, :] > low[:, None]) & ~provisional[None, :]).sum(axis=1)
+    return np.where(provisional, np.maximum(ranks(low, high), 1 + established_above), ranks(low, high))
+
+
 def _rows(
     models: tuple[str, ...],
     rating: np.ndarray,
@@ -190,7 +200,8 @@ def _rows(
     config: LeaderboardConfig,
     elo: Mapping[str, float] | None,
 ) -> list[LeaderboardRow]:
-    rank = ranks(iv.low, iv.high)
+    provisional = np.array([votes[m] < config.min_votes for m in models], dtype=bool)
+    rank = placed_ranks(rating, iv.low, iv.high, provisional)
     rows = [
         LeaderboardRow(
             model=m,
@@ -199,12 +210,12 @@ def _rows(
             ci_high=float(iv.high[k]),
             rank=int(rank[k]),
             votes=votes[m],
-            provisional=votes[m] < config.min_votes,
+            provisional=bool(provisional[k]),
             elo=None if elo is None else elo.get(m),
         )
         for k, m in enumerate(models)
     ]
-    rows.sort(key=lambda r: (-r.rating, r.model))
+    rows.sort(key=lambda r: (r.rank, -r.rating, r.model))
     return rows
 
 
@@ -222,6 +233,7 @@ def build_leaderboard(
         iv = bootstrap_intervals(fit, config.bootstrap_rounds, config.seed, config.level)
     else:
         iv = sandwich_intervals(fit, config.level)
+    iv = floored(iv, fit.ratings, model_based_sd(fit))
     rows = _rows(table.models, fit.ratings, iv, table.votes_per_model(), config, elo)
     return Leaderboard(tuple(rows), table.total, config, table.win_rates(), fit)
 
@@ -262,16 +274,20 @@ def build_style_leaderboard(
     battles, table = found
     start = None if init is None else np.concatenate([[init[0].get(m, 0.0) for m in battles.models], init[1]])
     fit = fit_style_control(battles, gauge=config.gauge, init=start)
+    robust, model_based = style_sandwich_cov(fit)
     if config.interval == "bootstrap":
         samples, _ = style_bootstrap_ratings(fit, config.bootstrap_rounds, config.seed)
         low, high = np.quantile(samples, [(1.0 - config.level) / 2.0, (1.0 + config.level) / 2.0], axis=0)
         iv = Intervals("bootstrap", config.level, low, high)
     else:
-        robust, _ = style_sandwich_cov(fit)
-        half = NormalDist().inv_cdf(0.5 + config.level / 2.0) * np.sqrt(np.clip(np.diag(robust), 0.0, None))
-        iv = Intervals("sandwich", config.level, fit.ratings - half, fit.ratings + half)
+        iv = floored(Intervals("sandwich", config.level, fit.ratings, fit.ratings), fit.ratings, _sd(robust))
+    iv = floored(iv, fit.ratings, _sd(model_based))
     rows = _rows(battles.models, fit.ratings, iv, battles.votes_per_model(), config, elo)
     return Leaderboard(tuple(rows), len(battles), config, table.win_rates(), fit, fit.coefficients)
+
+
+def _sd(cov: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.clip(np.diag(cov), 0.0, None))
 
 
 def compute_leaderboard(votes: Iterable[Vote], config: LeaderboardConfig | None = None) -> Leaderboard:
@@ -315,8 +331,8 @@ class LeaderboardState:
 
     def leaderboard(self) -> Leaderboard:
         board = build_leaderboard(self.table(), self.config, elo=self._elo.ratings, init=self._beta)
-        fit = board.fit
-        self._beta = dict(zip(fit.models, fit.beta.tolist(), strict=True))
+        if isinstance(board.fit, BradleyTerryFit):
+            self._beta = dict(zip(board.fit.models, board.fit.beta.tolist(), strict=True))
         return board
 
     def style_leaderboard(self) -> Leaderboard | None:

@@ -261,8 +261,7 @@ class ArenaService:
         if not battle.turns:
             raise APIError(409, "no answers to vote on yet; send a turn first", "not_answered")
         answers = await self.answers(battle)
-        if not all(t is not None and t.type == "chat.completed" for t in answers[-1]):
-            raise APIError(409, "both sides of the last turn must complete before a vote", "not_answered")
+        unfinished(battle, answers[-1])
         event = VoteCast(
             battle_id=battle.battle_id,
             choice=choice,
@@ -294,6 +293,25 @@ class ArenaService:
                 if t is not None and t.type == "chat.completed" and names_itself(t.text, model, base):
                     return f"identity_leak: side {side} named its own model in turn {turn.turn_id}"
         return None
+
+
+def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:
+    """Refuse a vote on a last turn that has not completed, saying what the voter can do."""
+    if any(t is None for t in last):
+        raise APIError(409, "the last turn is still running: vote once both answers are in", "not_answered")
+    ended = [f"side {side}: {_ending(t)}" for side, t in zip(SIDES, last, strict=True) if t.type != "chat.completed"]
+    if ended:
+        n = len(battle.turns) - 1
+        raise APIError(
+            409,
+            f"turn {n} did not complete ({', '.join(ended)}), so there is nothing whole to vote on: send the "
+            f"prompt again (POST /arena/battles/{battle.battle_id}/turns) and vote once both answers are in",
+            "turn_incomplete",
+        )
+
+
+def _ending(terminal: Any) -> str:
+    return getattr(terminal, "code", None) or terminal.type.removeprefix("chat.")
 
 
 def style_of(answers: list[tuple[Any, Any]]) -> dict:

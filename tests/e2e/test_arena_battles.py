@@ -134,6 +134,9 @@ def test_leaderboard_is_live_and_recomputed_from_the_stream(arena, tmp_path):
     path.write_text(json.dumps([{"model_a": "gpt-x", "model_b": "llama-y", "winner": "model_a", "tstamp": 1.7e9}]))
     imported = arena_cmd(arena, "battles", "import", str(path))
     assert imported.returncode == 0, imported.stderr
+    assert "imported 1 new votes" in imported.stdout, imported.stdout
+    again = arena_cmd(arena, "battles", "import", str(path))  # the same file: nothing new
+    assert "imported 0 new votes" in again.stdout and "(1 of its 1 already in the stream)" in again.stdout
     end = time.monotonic() + 10
     while "gpt-x" not in {r["model"] for r in httpx.get(f"{arena.url}/arena/leaderboard").json()["rows"]}:
         assert time.monotonic() < end, "imported votes did not reach the leaderboard"
@@ -247,3 +250,28 @@ def test_style_controlled_board_on_live_battles_and_an_imported_file(arena, tmp_
     assert arena_cmd(arena, "battles", "export", str(tmp_path / "out.json")).returncode == 0
     out = {(r["model_a"], r["tstamp"]): r for r in json.loads((tmp_path / "out.json").read_text()) if "tstamp" in r}
     assert out[("imp-x", 1.7e9 + 1)]["conv_metadata"] == rows[1]["conv_metadata"]
+
+
+def test_a_turn_cut_off_by_the_client_says_how_to_vote(arena):
+    """The client goes away mid-answer: both sides are cancelled, the vote's 409 says to send
+    the prompt again, and after a whole turn the vote counts."""
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        for _ in range(5):  # the tiny model can finish both answers before the cancel lands: cut again
+            bid = client.post("/arena/battles").json()["battle_id"]
+            body = {"prompt": "Once upon a time", "max_tokens": 400}
+            with client.stream("POST", f"/arena/battles/{bid}/turns", json=body) as r:
+                next(r.iter_lines())  # the first frame, then hang up
+            end = time.monotonic() + 20
+            while (refused := client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})).status_code == 409:
+                if refused.json()["error"]["code"] != "not_answered" or time.monotonic() > end:
+                    break
+                time.sleep(0.2)
+            if refused.status_code == 409:
+                break
+        error = refused.json()["error"]
+        assert refused.status_code == 409 and error["code"] == "turn_incomplete", refused.text
+        assert "send the prompt again" in error["message"] and f"/arena/battles/{bid}/turns" in error["message"]
+        assert not LEAK.search(refused.text)
+        turn(client, bid, "Once upon a time")
+        voted = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
+        assert voted.status_code == 200 and voted.json()["counted"] is True, voted.text

@@ -93,6 +93,9 @@ def test_leaderboard_page_and_phone_width(arena, browser, img):
     rows = phone.locator("#rows tr")
     assert rows.count() >= 2
     assert phone.locator("#rows .bar span").count() == rows.count()
+    # Few votes yet: every row is provisional, marked, and the summary says from how many votes it is not.
+    assert phone.locator("#rows .provisional").count() == rows.count()
+    assert "fewer than 30 votes" in phone.inner_text("#summary")
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     phone.screenshot(path=str(img / "arena-leaderboard-phone.png"), full_page=True)
     phone.goto(f"{arena.url}/arena")

@@ -29,14 +29,21 @@ async function refresh() {
   for (const row of board.rows) {
     const tr = document.createElement("tr");
     tr.dataset.model = row.model;
+    const name = cell(row.model);
+    if (row.provisional) {
+      const badge = Object.assign(document.createElement("span"), { className: "provisional", textContent: "provisional" });
+      badge.title = `fewer than ${board.min_votes} votes: ranked by the low end of its interval`;
+      name.append(" ", badge);
+    }
     tr.append(
-      cell(row.rank), cell(row.model + (row.provisional ? " *" : "")), cell(row.rating.toFixed(1), "num"),
+      cell(row.rank), name, cell(row.rating.toFixed(1), "num"),
       bar(row, lo, hi), cell(row.votes, "num"), cell(row.elo == null ? "" : row.elo.toFixed(1), "hide-narrow"),
     );
     rows.append(tr);
   }
   document.querySelector("#summary").textContent = board.rows.length
-    ? `${board.total_votes} votes (stream sequence ${board.seq}). * provisional: few votes yet.`
+    ? `${board.total_votes} votes (stream sequence ${board.seq}). Provisional: fewer than ${board.min_votes} votes, ` +
+      "ranked by the low end of its interval."
     : "No votes yet: play a battle.";
 }
 // The CSV through api() too: a plain link would carry no key.
