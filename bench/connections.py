@@ -141,6 +141,7 @@ async def idle_levels(url: str, gw: psutil.Process, levels: list[int], hold_s: f
 
 async def one_stream(client: httpx.AsyncClient, url: str, i: int, live: list[int], seen: list) -> None:
     body = {
+        "model": "stories-260k",
         "messages": [{"role": "user", "content": f"Once upon a time, story {i}"}],
         "max_tokens": 64,
         "temperature": 0.8,

@@ -51,6 +51,7 @@ def start(replicas: int, state: Path, settings: dict[str, str] | None = None) ->
 
 async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> int:
     body = {
+        "model": "stories-260k",
         "messages": [{"role": "user", "content": f"Once upon a time, story {i}"}],
         "max_tokens": max_tokens,
         "temperature": 0.8,

@@ -89,7 +89,11 @@ async def _round(url: str, users: int, seconds: float, max_tokens: int) -> tuple
         nonlocal failed
         i = 0
         while time.perf_counter() < end:
-            body = {"max_tokens": max_tokens, "messages": [{"role": "user", "content": f"Tom and Sue {u} {i}"}]}
+            body = {
+                "model": "stories-260k",
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": f"Tom and Sue {u} {i}"}],
+            }
             start = time.perf_counter()
             r = await client.post(f"{url}/v1/chat/completions", json=body)
             if r.status_code == 200:
@@ -125,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait_ready(300)
             for _, url in stacks.values():  # a first request loads what the first turn needs
                 httpx.post(
-                    f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=60
+                    f"{url}/v1/chat/completions",
+                    json={"model": "stories-260k", "messages": [{"role": "user", "content": "Hi"}]},
+                    timeout=60,
                 )
             served: dict[tuple[int, str], list] = {(u, policy): [0, 0, [], 0.0] for u in levels for policy in policies}
             for users in levels:

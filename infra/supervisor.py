@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -31,6 +32,8 @@ import nats
 import psutil
 from prometheus_client import Counter, start_http_server
 
+from consumers.inference import sources
+from consumers.inference.errors import PermanentError
 from events import topology
 from infra import nats_auth, start_checks
 from infra.monitoring import scrape
@@ -49,8 +52,12 @@ from runtime.net import free_port
 from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
 
 PR_SET_PDEATHSIG = 1
-#: What `arena up` serves without --models-config: three arena models on one set of weights.
+#: What `arena up` serves without --models-config or --model: a real chat model and stories-260k.
 DEFAULT_MODELS_CONFIG = REPO / "configs" / "arena-models.yaml"
+#: With DEFAULT_MODELS_CONFIG: the model a request that names none gets, and what is loaded
+#: before the stack is ready (both sets of weights, so the arena battles them at once).
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_WARM = ["smollm2-135m", "stories-260k"]
 RESTARTS = Counter("arena_process_restarts_total", "Children of `arena up` restarted after they died", ["process"])
 #: Backoff between restarts of one child: doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S,
 #: and starts over once the child has stayed up STABLE_S.
@@ -255,9 +262,12 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     if args.models_config:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
     elif not env.get("ARENA_MODELS_CONFIG"):
-        env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # stories-260k and two variants
+        env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # SmolLM2 (default), stories-260k, a variant
+        env.setdefault("ARENA_DEFAULT_MODEL", DEFAULT_MODEL)
+        env.setdefault("ARENA_WARM_MODELS", json.dumps(DEFAULT_WARM))
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
+    convert_sources(env["ARENA_MODELS_CONFIG"], print_fn)
     targets: list[scrape.Target] = []
     for role in topology.ROLES:
         replicas = args.inference_replicas if role.replicated else 1
@@ -298,6 +308,28 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         ),
     )
     return stack, url
+
+
+def convert_sources(models_config: str, print_fn=print) -> None:
+    """Convert the config's GGUF sources now, with their stages on the terminal (the first
+    start on a machine: tens of seconds), so the workers load checkpoints from the cache
+    instead of converting one each behind a "waiting" line. A source that cannot be
+    converted is left to the workers, whose error names it."""
+    from consumers.inference.models import load_models_config  # noqa: PLC0415 - torch: only arena up needs it
+
+    settings = InferenceSettings()
+    try:
+        specs = load_models_config(models_config, settings.models_dir)
+    except PermanentError:
+        return  # the workers say what is wrong with the file
+    for spec in specs:
+        if spec.base is None and sources.is_converted_source(spec.path):
+            with contextlib.suppress(PermanentError):
+                sources.checkpoint(spec.path, settings.model_cache, say=functools.partial(_said, print_fn, spec.name))
+
+
+def _said(print_fn, name: str, line: str) -> None:
+    print_fn(f"model {name}: {line}")
 
 
 def _takeover(url: str, operator: OperatorSettings) -> Takeover | None:

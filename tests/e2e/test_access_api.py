@@ -21,7 +21,7 @@ HA, HB = {"Authorization": f"Bearer {A}"}, {"Authorization": f"Bearer {B}"}
 @pytest.fixture(scope="module")
 def api(module_stack_factory):
     return module_stack_factory(
-        ARENA_API_KEYS=json.dumps([A, B]), ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml"
+        ARENA_API_KEYS=json.dumps([A, B]), ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml"
     ).start()
 
 

