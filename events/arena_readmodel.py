@@ -11,6 +11,11 @@ Key layout:
                          {length, header, list, bold}
   arena:secret           random key of the voter pseudonyms and side conversation ids
                          (shared by every gateway; created by the first one)
+  arena:integrity:prompt:<key>        counted votes of one prompt (FastChat's dedup key, hashed)
+  arena:integrity:daily:<voter>:<day> counted votes of a voter on a UTC day
+  arena:integrity:voter:<voter>       JSON of the voter's consensus test (gateway.arena.integrity.VoterRecord)
+The counters are the gateway's working state for its vote rules; what they decided is
+on the stream (`VoteInvalidated`), so losing them never changes a replayed board.
 """
 
 from __future__ import annotations
@@ -22,6 +27,21 @@ from redis.asyncio import Redis
 
 LEADERBOARD = "arena:leaderboard"
 SECRET = "arena:secret"
+INTEGRITY = "arena:integrity"
+INTEGRITY_PROMPT_TTL_S = 90 * 86400
+INTEGRITY_DAILY_TTL_S = 2 * 86400
+
+
+def integrity_prompt(key: str) -> str:
+    return f"{INTEGRITY}:prompt:{key}"
+
+
+def integrity_daily(voter: str, day: str) -> str:
+    return f"{INTEGRITY}:daily:{voter}:{day}"
+
+
+def integrity_voter(voter: str) -> str:
+    return f"{INTEGRITY}:voter:{voter}"
 
 
 def leaderboard_key(view: str = "raw") -> str:

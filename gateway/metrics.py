@@ -25,6 +25,14 @@ class GatewayMetrics:
         self.live_skipped = Counter(
             "arena_live_messages_skipped_total", "Messages on a request's live subject that were no event, skipped"
         )
+        self.votes_not_counted = Counter(
+            "arena_votes_not_counted_total",
+            "Arena votes cast that do not count, by the rule that took them out",
+            ["rule"],
+        )
+        self.vote_checks_skipped = Counter(
+            "arena_vote_checks_skipped_total", "Arena votes counted without their history rules (Redis or NATS down)"
+        )
         self.websocket_idle_closes = Counter(
             "arena_websocket_idle_closes_total", "WebSockets closed after ws_idle_timeout_s with no frame"
         )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def audit_battles(events: list) -> dict:
-    """Every vote belongs to a started battle (or was imported); no battle has two votes."""
+    """Every vote belongs to a started battle (or was imported); no battle has two votes;
+    and which votes do not count, by the rule that took them out."""
     started = {e.battle_id for e in events if e.type == "battle.started"}
     votes: dict[str, int] = {}
     orphans = []
@@ -19,4 +20,20 @@ def audit_battles(events: list) -> dict:
         "votes": sum(votes.values()),
         "votes_without_battle": sorted(orphans),
         "battles_with_several_votes": several,
+        "votes_not_counted": not_counted(events),
     }
+
+
+def not_counted(events: list) -> dict[str, list[str]]:
+    """Battles whose vote does not count now, by the detector of the change that took it out
+    (a vote rule's name, or `operator`), in stream order."""
+    out: dict[str, str] = {}
+    for e in events:
+        if e.type == "vote.invalidated":
+            out[e.battle_id] = e.detector
+        elif e.type == "vote.reinstated":
+            out.pop(e.battle_id, None)
+    by_rule: dict[str, list[str]] = {}
+    for battle_id, detector in out.items():
+        by_rule.setdefault(detector, []).append(battle_id)
+    return dict(sorted(by_rule.items()))

@@ -157,6 +157,8 @@ async def _audit(args) -> int:
             print(f"{key.replace('_', ' ')}: {len(report[key])}")
             for b in report[key]:
                 print(f"  {b}")
+        for rule, battles in report["votes_not_counted"].items():
+            print(f"votes not counted ({rule}): {len(battles)}  {' '.join(battles[:10])}")
         print("OK" if report["ok"] else "PROBLEMS FOUND")
     return 0 if report["ok"] else 1
 

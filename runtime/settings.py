@@ -236,6 +236,11 @@ class GatewaySettings(CommonSettings):
     arena_targets: dict[str, list[str]] = Field(
         default_factory=dict, description="Arena model -> rivals it should mostly meet."
     )
+    arena_min_dwell_s: float = Field(
+        0.0, ge=0.0, description="A vote sooner than this after both answers finished does not count (0: off)."
+    )
+    arena_daily_vote_cap: int = Field(200, ge=1, description="Counted arena votes per voter per UTC day.")
+    arena_prompt_cap: int = Field(25, ge=1, description="Counted arena votes per prompt (FastChat caps at 25).")
 
     @field_validator("rate_limits")
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from consumers.leaderboard.config import LeaderboardConfig
-from consumers.leaderboard.ratings import Leaderboard, LeaderboardState
+from consumers.leaderboard.ratings import BradleyTerryFit, Leaderboard, LeaderboardState
 from consumers.leaderboard.votes import Vote
 
 RAW, STYLE = "raw", "style"
@@ -111,4 +111,17 @@ class VoteProjection:
             body["style_coefficients"] = None if board is None else dict(board.style_coefficients or {})
         if board is None:
             return {**body, "digest": None, "rows": []}
+        if not style:  # the gateway's consensus test reads each pair's decisive votes
+            body["pairs"] = decisive_pairs(board)
         return {**body, "digest": board.digest(), "rows": [row_dict(r) for r in board.rows]}
+
+
+def decisive_pairs(board: Leaderboard) -> list[list]:
+    """[model_x, model_y, x's wins, x's losses] per pair that met, x < y (ties left out)."""
+    table = board.fit.table if isinstance(board.fit, BradleyTerryFit) else None
+    if table is None:
+        return []
+    return [
+        [table.models[i], table.models[j], int(c[0]), int(c[1])]
+        for (i, j), c in zip(table.pairs.tolist(), table.counts.tolist(), strict=True)
+    ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 CODE_BLOCK = re.compile("```([^`]*)```")
 _HEADERS = {f"h{n}": re.compile(rf"^#{{{n}}}\s", re.MULTILINE) for n in range(1, 7)}
@@ -45,3 +46,23 @@ def conv_metadata(answers: Mapping[str, Sequence[str]], tokens: Mapping[str, int
         meta[f"sum_assistant_{side}_tokens"] = tokens[side]
         meta.update(markdown_counts("\n".join(answers[side]), side))
     return meta
+
+
+def answer_texts(answers: Sequence[tuple[Any, Any]]) -> dict[str, list[str]]:
+    """Each side's completed answers in turn order, from each turn's (side a, side b) terminal events."""
+    texts: dict[str, list[str]] = {"a": [], "b": []}
+    for terminals in answers:
+        for side, t in zip(("a", "b"), terminals, strict=True):
+            if t is not None and t.type == "chat.completed":
+                texts[side].append(t.text)
+    return texts
+
+
+def style_of(answers: Sequence[tuple[Any, Any]]) -> dict:
+    """The battle's `conv_metadata` from its completed answers (a turn cut off counts for nothing)."""
+    tokens = {"a": 0, "b": 0}
+    for terminals in answers:
+        for side, t in zip(("a", "b"), terminals, strict=True):
+            if t is not None and t.type == "chat.completed":
+                tokens[side] += t.usage.completion_tokens
+    return conv_metadata(answer_texts(answers), tokens)

@@ -32,7 +32,7 @@ def neutral_name(side: str) -> str:
     return f"model_{side}"
 
 
-def _pattern(name: str) -> re.Pattern:
+def name_pattern(name: str) -> re.Pattern:
     # "stories-260k" also matches "Stories 260K" and "stories_260k".
     parts = [re.escape(p) for p in re.split(r"[\s_\-./:]+", name) if p]
     return re.compile(r"[\s_\-./:]*".join(parts), re.IGNORECASE)
@@ -41,10 +41,10 @@ def _pattern(name: str) -> re.Pattern:
 def scrub(text: str, names: Iterable[str]) -> str:
     """`text` with every model name replaced (longest first, so a variant's name goes whole)."""
     for name in sorted(set(names), key=len, reverse=True):
-        text = _pattern(name).sub("[model]", text)
+        text = name_pattern(name).sub("[model]", text)
     return text
 
 
 def names_itself(answer: str, model: str, base: str | None = None) -> bool:
     """True when an answer names its own model (or the model it is a variant of)."""
-    return any(_pattern(n).search(answer) for n in (model, base) if n)
+    return any(name_pattern(n).search(answer) for n in (model, base) if n)

@@ -20,15 +20,17 @@ from typing import Any
 import anyio
 
 from events import decode, encode, subjects
-from events.arena_readmodel import arena_secret
-from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, battle_filter
+from events.arena_readmodel import arena_secret, load_leaderboard
+from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteStatusChanged, battle_filter
 from events.models import TERMINAL_TYPES, new_id
-from gateway.arena.features import conv_metadata
-from gateway.arena.identity import SIDES, names_itself, neutral_name, scrub, side_conv_id, voter_pseudonym
+from gateway.arena.features import answer_texts, style_of
+from gateway.arena.identity import SIDES, neutral_name, scrub, side_conv_id, voter_pseudonym
+from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identity_leak, pair_counts, pair_score
 from gateway.arena.pairing import NoPair, PairPolicy, sample_pair
 from gateway.arena.protocol import BattleView, TurnRequest
 from gateway.arena.state import Battle, fold
 from gateway.errors import APIError
+from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN, Output, stream_unavailable
 from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
@@ -39,8 +41,6 @@ from runtime.redis import REDIS_DOWN
 from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
-
-LEAK_DETECTOR = "answer_names_model"
 
 
 def sse(body: dict) -> str:
@@ -59,6 +59,11 @@ class ArenaService:
     def __init__(self, chat: ChatService, policy: PairPolicy):
         self.chat, self.policy = chat, policy
         self.pipeline = chat.pipeline
+        cfg = chat.settings
+        self.integrity = Integrity(
+            chat.pipeline.results.redis,
+            IntegrityConfig(cfg.arena_min_dwell_s, cfg.arena_daily_vote_cap, cfg.arena_prompt_cap),
+        )
         self._secret: bytes | None = None
 
     async def secret(self) -> bytes:
@@ -274,25 +279,55 @@ class ArenaService:
         if await self.publish(event):  # another request voted first: its vote holds
             return await self.vote(await self.load(battle.battle_id), choice)
         battle.vote = event
-        if leak := self.leak(battle, answers):
-            await self.publish(VoteInvalidated(battle_id=battle.battle_id, reason=leak, detector=LEAK_DETECTOR))
-            battle.invalid_reason = leak
+        decision = await self.judge(battle, answers, event)
+        if decision.rule:
+            invalid = VoteInvalidated(battle_id=battle.battle_id, reason=decision.reason, detector=decision.rule)
+            await self.publish(invalid)
+            battle.invalid_reason = decision.reason
+            for earlier in decision.also:
+                await self.invalidate(earlier, decision)
+            METRICS.votes_not_counted.labels(decision.rule).inc(1 + len(decision.also))
         return battle
+
+    async def judge(self, battle: Battle, answers: list[tuple[Any, Any]], event: VoteCast) -> Decision:
+        """Which rule, if any, takes the vote out (gateway.arena.integrity)."""
+        defaults = model_defaults(self.pipeline.live_beats())
+        names = self.names(battle) | {d["base"] for d in defaults.values() if d.get("base")}
+        finished = max(t.occurred_at for t in answers[-1])
+        found = self.integrity.first(
+            identity_leak(answer_texts(answers), names), (event.occurred_at - finished).total_seconds()
+        )
+        if found is not None:
+            return found
+        pair, score = pair_score(event.model_a, event.model_b, event.choice)
+        try:
+            messages = conversation_state(await self.pipeline.conversation(battle.turns[-1].conv_a)).messages
+            return await self.integrity.tally(
+                battle_id=battle.battle_id,
+                voter=event.voter or "",
+                score=score,
+                pair_counts=pair_counts(await load_leaderboard(self.pipeline.results.redis), pair),
+                prompts=[m.content for m in messages if m.role == "user"],
+                now=event.occurred_at,
+            )
+        except (*REDIS_DOWN, *NATS_DOWN) as exc:  # the vote counts; its history rules could not run
+            log.warning("vote rules skipped: %s", exc, extra={"battle_id": battle.battle_id})
+            METRICS.vote_checks_skipped.inc()
+            return Decision(None)
+
+    async def invalidate(self, battle_id: str, decision: Decision) -> None:
+        """Take an earlier vote out for `decision` (unless it is out already)."""
+        events = await read_events(self.pipeline.js, battle_filter(battle_id))
+        changes = [e for e in events if isinstance(e, VoteStatusChanged)]
+        if changes and isinstance(changes[-1], VoteInvalidated):
+            return
+        await self.publish(
+            VoteInvalidated(battle_id=battle_id, reason=decision.reason, detector=decision.rule, revision=len(changes))
+        )
 
     async def answers(self, battle: Battle) -> list[tuple[Any, Any]]:
         """Each turn's two terminal events (None while a side runs), in turn order."""
         return [(await self.terminal(t.request_a), await self.terminal(t.request_b)) for t in battle.turns]
-
-    def leak(self, battle: Battle, answers: list[tuple[Any, Any]]) -> str | None:
-        """Why the vote cannot count when an answer named its own model, else None."""
-        defaults = model_defaults(self.pipeline.live_beats())
-        for turn, terminals in zip(battle.turns, answers, strict=True):
-            for side, t in zip(SIDES, terminals, strict=True):
-                model = battle.model(side)
-                base = defaults.get(model, {}).get("base")
-                if t is not None and t.type == "chat.completed" and names_itself(t.text, model, base):
-                    return f"identity_leak: side {side} named its own model in turn {turn.turn_id}"
-        return None
 
 
 def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:
@@ -312,18 +347,6 @@ def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:
 
 def _ending(terminal: Any) -> str:
     return getattr(terminal, "code", None) or terminal.type.removeprefix("chat.")
-
-
-def style_of(answers: list[tuple[Any, Any]]) -> dict:
-    """The battle's `conv_metadata` from its completed answers (a turn cut off counts for nothing)."""
-    texts: dict[str, list[str]] = {"a": [], "b": []}
-    tokens = {"a": 0, "b": 0}
-    for terminals in answers:
-        for side, t in zip(SIDES, terminals, strict=True):
-            if t is not None and t.type == "chat.completed":
-                texts[side].append(t.text)
-                tokens[side] += t.usage.completion_tokens
-    return conv_metadata(texts, tokens)
 
 
 def view(battle: Battle) -> BattleView:
