@@ -9,6 +9,9 @@ Key layout:
   arena:leaderboard:style
                          the style-controlled board, the same shape plus style_coefficients
                          {length, header, list, bold}
+  arena:leaderboard:category:<name>
+                         the board of one category's votes (the board of all votes lists
+                         the categories with votes under `categories`)
   arena:secret           random key of the voter pseudonyms and side conversation ids
                          (shared by every gateway; created by the first one)
   arena:integrity:prompt:<key>        counted votes of one prompt (FastChat's dedup key, hashed)
@@ -45,7 +48,7 @@ def integrity_voter(voter: str) -> str:
 
 
 def leaderboard_key(view: str = "raw") -> str:
-    """The key of one view of the leaderboard ("raw", "style")."""
+    """The key of one view of the leaderboard ("raw", "style", "category:coding")."""
     return LEADERBOARD if view == "raw" else f"{LEADERBOARD}:{view}"
 
 

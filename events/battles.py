@@ -79,6 +79,14 @@ class VoteCast(BattleEvent):
             "counts, code blocks left out), turns. Style control reads it; None on votes cast before it existed."
         ),
     )
+    categories: list[str] | None = Field(
+        None,
+        description=(
+            "The battle's categories by gateway.arena.categories' deterministic rules over the user's turns "
+            "(coding, math, creative_writing, multi_turn, long_query, hard_prompts, a language); the board per "
+            "category reads them. None on votes cast before categories existed."
+        ),
+    )
 
 
 class VoteStatusChanged(BattleEvent):

@@ -21,6 +21,7 @@ from events.battles import (
     VoteStatusChanged,
     battle_filter,
 )
+from gateway.arena.categories import CATEGORIES, categorize
 from runtime import jetstream
 from runtime.settings import LeaderboardSettings
 from runtime.stream import read_events, request_events
@@ -52,14 +53,24 @@ def project(events: list[tuple[int, object]]) -> VoteProjection:
     return projection
 
 
-async def leaderboard(js, at: int | None, as_json: bool, style_control: bool = False) -> int:
+async def leaderboard(
+    js, at: int | None, as_json: bool, style_control: bool = False, category: str | None = None
+) -> int:
+    if category is not None and category not in CATEGORIES:
+        print(f"--category: {category!r} is not one of {', '.join(CATEGORIES)}", file=sys.stderr)
+        return 2
     projection = project(await battle_events(js, at))
-    board = projection.style_leaderboard() if style_control else projection.leaderboard()
+    if style_control:
+        board = projection.style_leaderboard(category)
+    elif category is not None:
+        board = projection.category_leaderboard(category)
+    else:
+        board = {**projection.leaderboard(), "categories": projection.state.category_votes()}
     board.pop("computed_at")
     if as_json:
         print(json.dumps(board, indent=2))
         return 0
-    kind = "style-controlled  " if style_control else ""
+    kind = ("style-controlled  " if style_control else "") + (f"category {category}  " if category else "")
     print(f"{kind}seq {board['seq']}  votes {board['total_votes']}  digest {board['digest']}")
     if style_control:
         coef = board["style_coefficients"] or {}
@@ -73,8 +84,11 @@ async def leaderboard(js, at: int | None, as_json: bool, style_control: bool = F
 
 
 def imported_votes(path: str) -> list[VoteCast]:
-    """A FastChat clean-battle file as VoteCast events marked imported, with stable battle ids."""
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    """A FastChat clean-battle file as VoteCast events marked imported, with stable battle ids;
+    categories from each row's user turns (`conversation_a`) when it has them."""
+    raw = Path(path).read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    rows = json.loads(raw)
     events = []
     for i, v in enumerate(load_battles(path)):
         extra = {"occurred_at": datetime.fromtimestamp(v.tstamp, UTC)} if v.tstamp is not None else {}
@@ -87,10 +101,19 @@ def imported_votes(path: str) -> list[VoteCast]:
                 voter=v.judge,
                 imported=True,
                 conv_metadata=None if v.conv_metadata is None else dict(v.conv_metadata),
+                categories=row_categories(rows[i]),
                 **extra,
             )
         )
     return events
+
+
+def row_categories(row: dict) -> list[str] | None:
+    conversation = row.get("conversation_a")
+    if not isinstance(conversation, list):
+        return None
+    prompts = [t["content"] for t in conversation if isinstance(t, dict) and t.get("role") == "user"]
+    return categorize([p for p in prompts if isinstance(p, str)])
 
 
 async def import_battles(js, path: str) -> int:

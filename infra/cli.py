@@ -172,7 +172,7 @@ async def _arena(args) -> int:
         raise SystemExit(f"arena battles {args.op} needs --reason (it is recorded on the event)")
     async with _jetstream(args) as js:
         if args.cmd == "leaderboard":
-            return await arena_cli.leaderboard(js, args.at, args.json, args.style_control)
+            return await arena_cli.leaderboard(js, args.at, args.json, args.style_control, args.category)
         if args.op in ("invalidate", "reinstate"):
             return await arena_cli.set_vote_status(js, args.file, args.op == "reinstate", args.reason)
         if args.op == "import":
@@ -393,6 +393,7 @@ def parser() -> argparse.ArgumentParser:
     lb.add_argument(
         "--style-control", action="store_true", help="ratings with answer length and markdown taken out (LMArena's)"
     )
+    lb.add_argument("--category", metavar="NAME", help="the board of one category's votes (coding, math, english, ...)")
     ba = sub.add_parser(
         "battles",
         help="import or export arena votes (FastChat clean-battle JSON); invalidate or reinstate a battle's vote",

@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 
 from consumers.leaderboard.config import LeaderboardConfig
-from consumers.leaderboard.ratings import BradleyTerryFit, Leaderboard, LeaderboardState
+from consumers.leaderboard.ratings import BradleyTerryFit, Leaderboard, LeaderboardState, build_style_leaderboard
 from consumers.leaderboard.votes import Vote
 
-RAW, STYLE = "raw", "style"
-"""The stored views: the plain Bradley–Terry board and the style-controlled one."""
+RAW, STYLE, CATEGORY = "raw", "style", "category:"
+"""The stored views: the plain Bradley–Terry board, the style-controlled one, and a board per
+category ("category:coding")."""
 
 
 def config_of(settings) -> LeaderboardConfig:
@@ -60,6 +61,7 @@ class VoteProjection:
                 event.occurred_at.timestamp(),
                 event.voter,
                 getattr(event, "conv_metadata", None),
+                tuple(getattr(event, "categories", None) or ()),
             )
             self.votes[bid] = (seq, vote)
             if bid in self.invalid:
@@ -90,14 +92,26 @@ class VoteProjection:
         self._recount()
         return self.document(self.state.leaderboard() if self.state.total else None)
 
-    def style_leaderboard(self) -> dict:
-        """The style-controlled board over the counted votes that carry style counts."""
+    def style_leaderboard(self, category: str | None = None) -> dict:
+        """The style-controlled board over the counted votes that carry style counts (of one category)."""
         self._recount()
-        return self.document(self.state.style_leaderboard(), style=True)
+        if category is None:
+            return self.document(self.state.style_leaderboard(), style=True)
+        votes = [v for v in self.counted() if category in v.categories]
+        return {**self.document(build_style_leaderboard(votes, self.config), style=True), "category": category}
+
+    def category_leaderboard(self, name: str) -> dict:
+        """The board over the counted votes of one category."""
+        self._recount()
+        return {**self.document(self.state.category_leaderboard(name)), "category": name}
 
     def boards(self) -> dict[str, dict]:
-        """Every view the gateway serves, by name."""
-        return {RAW: self.leaderboard(), STYLE: self.style_leaderboard()}
+        """Every view the gateway serves, by name: raw, style and one per category with votes."""
+        raw = {**self.leaderboard(), "categories": self.state.category_votes()}
+        views = {RAW: raw, STYLE: self.style_leaderboard()}
+        for name in raw["categories"]:
+            views[f"{CATEGORY}{name}"] = self.category_leaderboard(name)
+        return views
 
     def document(self, board: Leaderboard | None, style: bool = False) -> dict:
         body: dict = {

@@ -312,6 +312,7 @@ class LeaderboardState:
         self._elo = OnlineElo(self.config.elo_k)
         self._beta: dict[str, float] = {}
         self._styled: list[Vote] = []
+        self._by_category: dict[str, Counter[tuple[str, str, str]]] = {}
         self._style_init: tuple[dict[str, float], np.ndarray] | None = None
         self.total = 0
 
@@ -321,6 +322,8 @@ class LeaderboardState:
         self.total += 1
         if vote.conv_metadata is not None:
             self._styled.append(vote)
+        for name in vote.categories:
+            self._by_category.setdefault(name, Counter())[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
 
     def extend(self, votes: Iterable[Vote]) -> None:
         for v in votes:
@@ -334,6 +337,15 @@ class LeaderboardState:
         if isinstance(board.fit, BradleyTerryFit):
             self._beta = dict(zip(board.fit.models, board.fit.beta.tolist(), strict=True))
         return board
+
+    def category_votes(self) -> dict[str, int]:
+        """Counted votes per category that has any."""
+        return {name: sum(cells.values()) for name, cells in sorted(self._by_category.items())}
+
+    def category_leaderboard(self, name: str) -> Leaderboard | None:
+        """The Bradley–Terry board over the votes of one category (no Elo trend); None if it has none."""
+        cells = self._by_category.get(name)
+        return build_leaderboard(CountTable.from_cells(cells), self.config) if cells else None
 
     def style_leaderboard(self) -> Leaderboard | None:
         """The style-controlled board over the votes with style counts, warm-started; None if none."""

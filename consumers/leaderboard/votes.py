@@ -38,6 +38,8 @@ class Vote:
     """Opaque voter id, when known; carried for the FastChat format, unused by the statistics."""
     conv_metadata: Mapping[str, Any] | None = field(default=None, hash=False)
     """FastChat's per-battle metadata (answer tokens and markdown counts per side); style control reads it."""
+    categories: tuple[str, ...] = ()
+    """The battle's categories (coding, math, a language, ...): the boards per category read them."""
 
     def __post_init__(self) -> None:
         check_vote(self.model_a, self.model_b, self.outcome)
@@ -45,7 +47,7 @@ class Vote:
     def swapped(self) -> Vote:
         """The same vote with the sides exchanged."""
         meta = None if self.conv_metadata is None else swap_sides(self.conv_metadata)
-        return Vote(self.model_b, self.model_a, _FLIP[self.outcome], self.tstamp, self.judge, meta)
+        return Vote(self.model_b, self.model_a, _FLIP[self.outcome], self.tstamp, self.judge, meta, self.categories)
 
 
 def swap_sides(meta: Mapping[str, Any]) -> dict[str, Any]:

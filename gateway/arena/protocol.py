@@ -64,4 +64,8 @@ class LeaderboardView(BaseModel):
     min_votes: int | None = Field(None, description="Rows with fewer votes are provisional.")
     style_control: bool = Field(False, description="Ratings with the answers' style taken out (FastChat's).")
     style_coefficients: StyleCoefficients | None = Field(None, description="Set on the style-controlled board.")
+    category: str | None = Field(None, description="The category this board counts the votes of (all when None).")
+    categories: dict[str, int] = Field(
+        default_factory=dict, description="On the board of all votes: counted votes per category that has any."
+    )
     rows: list[LeaderboardRowView] = Field(default_factory=list)

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from events.arena_readmodel import load_leaderboard
 from gateway.access import limits_of, principal_of
+from gateway.arena.categories import CATEGORIES
 from gateway.arena.pairing import PairPolicy
 from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest
 from gateway.arena.service import ArenaService, view
@@ -79,19 +80,31 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     @r.get(
         "/leaderboard",
         response_model=LeaderboardView,
-        responses={200: {"content": {"text/csv": {}}}, **errors(503)},
+        responses={200: {"content": {"text/csv": {}}}, **errors(400, 503)},
     )
     async def leaderboard(
         format: str = Query("json", pattern="^(json|csv)$"),
         style_control: bool = Query(False, description="The style-controlled board (length and markdown out)."),
+        category: str | None = Query(None, description=f"The board of one category: {', '.join(CATEGORIES)}."),
     ):
         """The current leaderboard (kept live by the leaderboard consumer); `?format=csv` for CSV,
-        `?style_control=true` for ratings with the answers' style taken out."""
+        `?style_control=true` for ratings with the answers' style taken out, `?category=coding`
+        for the votes of one category."""
+        view = "style" if style_control else "raw"
+        if category is not None:
+            if category not in CATEGORIES:
+                raise APIError(
+                    400, f"category: {category!r} is not one of {list(CATEGORIES)}", "invalid_value", "category"
+                )
+            if style_control:
+                raise APIError(400, "category: not available with style_control yet", "invalid_value", "category")
+            view = f"category:{category}"
         try:
-            stored = await load_leaderboard(chat.pipeline.results.redis, "style" if style_control else "raw")
+            stored = await load_leaderboard(chat.pipeline.results.redis, view)
         except REDIS_DOWN as exc:
             raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
-        board = LeaderboardView.model_validate(stored or {"seq": 0, "style_control": style_control})
+        empty = {"seq": 0, "style_control": style_control, "category": category}
+        board = LeaderboardView.model_validate(stored or empty)
         if format == "csv":
             return Response(leaderboard_csv(board), media_type="text/csv", headers=NO_STORE)
         return Response(board.model_dump_json(), media_type="application/json", headers=NO_STORE)

@@ -23,6 +23,7 @@ from events import decode, encode, subjects
 from events.arena_readmodel import arena_secret, load_leaderboard
 from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteStatusChanged, battle_filter
 from events.models import TERMINAL_TYPES, new_id
+from gateway.arena.categories import categorize
 from gateway.arena.features import answer_texts, style_of
 from gateway.arena.identity import SIDES, neutral_name, scrub, side_conv_id, voter_pseudonym
 from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identity_leak, pair_counts, pair_score
@@ -267,6 +268,7 @@ class ArenaService:
             raise APIError(409, "no answers to vote on yet; send a turn first", "not_answered")
         answers = await self.answers(battle)
         unfinished(battle, answers[-1])
+        prompts = await self.prompts(battle)
         event = VoteCast(
             battle_id=battle.battle_id,
             choice=choice,
@@ -275,11 +277,12 @@ class ArenaService:
             voter=battle.started.voter,
             turns=len(battle.turns),
             conv_metadata=style_of(answers),
+            categories=categorize(prompts),
         )
         if await self.publish(event):  # another request voted first: its vote holds
             return await self.vote(await self.load(battle.battle_id), choice)
         battle.vote = event
-        decision = await self.judge(battle, answers, event)
+        decision = await self.judge(battle, answers, event, prompts)
         if decision.rule:
             invalid = VoteInvalidated(battle_id=battle.battle_id, reason=decision.reason, detector=decision.rule)
             await self.publish(invalid)
@@ -289,7 +292,17 @@ class ArenaService:
             METRICS.votes_not_counted.labels(decision.rule).inc(1 + len(decision.also))
         return battle
 
-    async def judge(self, battle: Battle, answers: list[tuple[Any, Any]], event: VoteCast) -> Decision:
+    async def prompts(self, battle: Battle) -> list[str]:
+        """The user's turns that both sides answered, in order (side a's conversation)."""
+        try:
+            events = await self.pipeline.conversation(battle.turns[-1].conv_a)
+        except NATS_DOWN as exc:
+            raise stream_unavailable() from exc
+        return [m.content for m in conversation_state(events).messages if m.role == "user"]
+
+    async def judge(
+        self, battle: Battle, answers: list[tuple[Any, Any]], event: VoteCast, prompts: list[str]
+    ) -> Decision:
         """Which rule, if any, takes the vote out (gateway.arena.integrity)."""
         defaults = model_defaults(self.pipeline.live_beats())
         names = self.names(battle) | {d["base"] for d in defaults.values() if d.get("base")}
@@ -301,13 +314,12 @@ class ArenaService:
             return found
         pair, score = pair_score(event.model_a, event.model_b, event.choice)
         try:
-            messages = conversation_state(await self.pipeline.conversation(battle.turns[-1].conv_a)).messages
             return await self.integrity.tally(
                 battle_id=battle.battle_id,
                 voter=event.voter or "",
                 score=score,
                 pair_counts=pair_counts(await load_leaderboard(self.pipeline.results.redis), pair),
-                prompts=[m.content for m in messages if m.role == "user"],
+                prompts=prompts,
                 now=event.occurred_at,
             )
         except (*REDIS_DOWN, *NATS_DOWN) as exc:  # the vote counts; its history rules could not run

@@ -280,3 +280,40 @@ def test_a_turn_cut_off_by_the_client_says_how_to_vote(arena):
         turn(client, bid, "Once upon a time")
         voted = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
         assert voted.status_code == 200 and voted.json()["counted"] is True, voted.text
+
+
+def test_boards_per_category_live_from_an_import_and_refused_for_an_unknown_name(arena, tmp_path):
+    with httpx.Client(base_url=arena.url, timeout=60) as client:
+        bid = client.post("/arena/battles").json()["battle_id"]
+        turn(client, bid, "Write a short poem about the sea")
+        assert client.post(f"/arena/battles/{bid}/vote", json={"choice": "b"}).status_code == 200
+        end = time.monotonic() + 10
+        while "creative_writing" not in (raw := client.get("/arena/leaderboard").json())["categories"]:
+            assert time.monotonic() < end, raw
+            time.sleep(0.3)
+        board = client.get("/arena/leaderboard", params={"category": "creative_writing"}).json()
+        assert board["category"] == "creative_writing" and 1 <= board["total_votes"] <= raw["total_votes"]
+        assert board["total_votes"] == raw["categories"]["creative_writing"] and board["rows"]
+        bad = client.get("/arena/leaderboard", params={"category": "poetry"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "category"
+    again = arena_cmd(arena, "leaderboard", "--category", "creative_writing", "--json", "--at", str(board["seq"]))
+    assert json.loads(again.stdout)["digest"] == board["digest"]
+    replay = arena_cmd(arena, "replay", "--battle-id", bid, "--json")
+    [cast] = [json.loads(line) for line in replay.stdout.splitlines() if '"vote.cast"' in line]
+    assert cast["categories"] == ["creative_writing", "english"]
+
+    code = [
+        {"role": "user", "content": "```python\nprint(1)\n```\nwhy does this fail?"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    rows = [
+        {"model_a": "cat-x", "model_b": "cat-y", "winner": "model_a", "tstamp": 1.8e9 + k, "conversation_a": code}
+        for k in range(3)
+    ]
+    path = tmp_path / "clean_battle_conv.json"
+    path.write_text(json.dumps(rows))
+    assert arena_cmd(arena, "battles", "import", str(path)).returncode == 0
+    coding = json.loads(arena_cmd(arena, "leaderboard", "--category", "coding", "--json").stdout)
+    assert {r["model"] for r in coding["rows"]} == {"cat-x", "cat-y"} and coding["total_votes"] == 3
+    refused = arena_cmd(arena, "leaderboard", "--category", "poetry")
+    assert refused.returncode == 2 and "is not one of" in refused.stderr

@@ -105,3 +105,13 @@ def test_leaderboard_page_and_phone_width(arena, browser, img):
     wide.goto(f"{arena.url}/arena/board")
     wide.wait_for_selector("#rows tr", timeout=20_000)
     wide.screenshot(path=str(img / "arena-leaderboard.png"), full_page=True)
+    # The style-controlled board, with its coefficients, then one category's board.
+    wide.select_option("#view", "style")
+    wide.wait_for_function("document.querySelector('#coefficients').textContent.includes('length')")
+    wide.wait_for_selector("#rows tr")
+    assert wide.locator("#rows tr").count() >= 2 and "with style counts" in wide.inner_text("#summary")
+    wide.screenshot(path=str(img / "arena-leaderboard-style.png"), full_page=True)
+    wide.wait_for_selector("#categories option[value='category:english']", state="attached")
+    wide.select_option("#view", "category:english")
+    wide.wait_for_function("document.querySelector('#summary').textContent.includes('in english')")
+    assert wide.locator("#rows tr").count() >= 2 and wide.is_hidden("#coefficients")

@@ -81,3 +81,29 @@ def test_style_board_from_events_matches_one_from_the_counted_votes():
         "digest": None,
         "rows": [],
     }
+
+
+def test_a_board_per_category_replays_from_the_events():
+    events = [
+        VoteCast(
+            battle_id=f"c{i}",
+            choice="ab"[i % 2] if i % 3 else "a",
+            model_a=f"m{i % 3}",
+            model_b=f"m{(i + 1) % 3}",
+            categories=["coding", "english"] if i % 2 else ["english"],
+        )
+        for i in range(30)
+    ]
+    p = project(list(enumerate(events, 1)))
+    views = p.boards()
+    assert views["raw"]["categories"] == {"coding": 15, "english": 30}
+    coding = views["category:coding"]
+    assert coding["category"] == "coding" and coding["total_votes"] == 15
+    expected = compute_leaderboard([v for v in p.counted() if "coding" in v.categories], p.config)
+    assert coding["digest"] == expected.digest()
+    assert project(list(enumerate(events, 1))[:10]).category_leaderboard("coding")["total_votes"] == 5
+    assert p.category_leaderboard("math") | {"computed_at": 0} == {
+        **p.document(None),
+        "computed_at": 0,
+        "category": "math",
+    }

@@ -18,10 +18,39 @@ function bar(row, lo, hi) {
   return td;
 }
 
+// Which board: all votes, style-controlled (?style_control=true) or one category (?category=NAME).
+const view = document.querySelector("#view");
+function query() {
+  if (view.value === "style") return "?style_control=true";
+  return view.value.startsWith("category:") ? `?category=${encodeURIComponent(view.value.slice(9))}` : "";
+}
+
+function showCategories(counts) {
+  const group = document.querySelector("#categories");
+  const want = Object.keys(counts || {});
+  if (want.join() === [...group.children].map((o) => o.value.slice(9)).join()) return;
+  group.replaceChildren(...want.map((name) => Object.assign(document.createElement("option"), {
+    value: `category:${name}`, textContent: `${name.replace("_", " ")} (${counts[name]})`,
+  })));
+}
+
+function showCoefficients(board) {
+  const p = document.querySelector("#coefficients");
+  p.hidden = !board.style_control;
+  if (!board.style_coefficients) { p.textContent = "No votes with style counts yet."; return; }
+  const parts = Object.entries(board.style_coefficients).map(([k, v]) => `${k} ${v >= 0 ? "+" : ""}${v.toFixed(3)}`);
+  p.textContent = `Style taken out (logit per standard deviation): ${parts.join(", ")}.`;
+}
+
 async function refresh() {
   if (asking) return; // the key form is up (key.js); the call waiting on it refreshes
-  const r = await api("/arena/leaderboard");
+  const r = await api(`/arena/leaderboard${query()}`);
   const board = await r.json();
+  if (!board.style_control && !board.category) showCategories(board.categories);
+  else if (!document.querySelector("#categories").children.length) {
+    showCategories((await (await api("/arena/leaderboard")).json()).categories);
+  }
+  showCoefficients(board);
   const rows = document.querySelector("#rows");
   rows.replaceChildren();
   const lo = Math.min(...board.rows.map((x) => x.ci_low));
@@ -41,19 +70,21 @@ async function refresh() {
     );
     rows.append(tr);
   }
+  const which = board.category ? ` in ${board.category.replace("_", " ")}` : board.style_control ? " with style counts" : "";
   document.querySelector("#summary").textContent = board.rows.length
-    ? `${board.total_votes} votes (stream sequence ${board.seq}). Provisional: fewer than ${board.min_votes} votes, ` +
-      "ranked by the low end of its interval."
-    : "No votes yet: play a battle.";
+    ? `${board.total_votes} votes${which} (stream sequence ${board.seq}). Provisional: fewer than ${board.min_votes} ` +
+      "votes, ranked by the low end of its interval."
+    : `No votes${which} yet: play a battle.`;
 }
 // The CSV through api() too: a plain link would carry no key.
 document.querySelector("#csv").addEventListener("click", async (event) => {
   event.preventDefault();
-  const r = await api("/arena/leaderboard?format=csv");
+  const r = await api(`/arena/leaderboard${query() ? `${query()}&` : "?"}format=csv`);
   const link = Object.assign(document.createElement("a"), { download: "leaderboard.csv" });
   link.href = URL.createObjectURL(await r.blob());
   link.click();
   URL.revokeObjectURL(link.href);
 });
+view.addEventListener("change", refresh);
 refresh();
 setInterval(refresh, 3000);
