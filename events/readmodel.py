@@ -1,7 +1,8 @@
 """The Redis read model: a contract between processes, like the subjects.
 
-Delivery writes it from the output events; the gateway reads it. Every key has a TTL
-(`result_ttl_s`); the stream stays the truth, Redis only answers fast.
+Delivery writes the results from the output events (only its Redis user may:
+infra/redis_auth.py); the gateway reads them, and writes the pending records and owners.
+Every key has a TTL (`result_ttl_s`); the stream stays the truth, Redis only answers fast.
 
 Key layout:
   arena:result:{request_id}      the request's terminal event, as JSON (the first one wins)

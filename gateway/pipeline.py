@@ -210,13 +210,15 @@ class Pipeline:
 
     async def recover(self, request_id: str) -> tuple[Any, dict | None]:
         """A request Redis has forgotten (its data lost), rebuilt from the stream:
-        (terminal event or None, pending record or None); the read model is refilled."""
+        (terminal event or None, pending record or None). The gateway's own keys are
+        refilled for a request still running; a result is delivery's to write (a finished
+        one is read from the stream again, or refilled by `arena rebuild-readmodel`)."""
         now = time.monotonic()
         if self._not_in_stream.get(request_id, 0.0) > now:
             return None, None
         try:
             async with self._recoveries:
-                terminal, record = await recover_request(self.js, self.results, request_id)
+                terminal, record = await recover_request(self.js, self.results, request_id, results=False)
         except NATS_DOWN as exc:
             log.warning("cannot read the stream: %s", exc, extra={"request_id": request_id})
             return None, None

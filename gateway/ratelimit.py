@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 
+BUCKETS = "arena:rl:{}:{}"
+
 # Buckets refill continuously at limit/60 per second, up to the limit. Redis's clock
 # (TIME) is the only clock, so gateways with skewed clocks agree.
 TAKE = """
@@ -114,7 +116,7 @@ class RateLimiter:
         either bucket lacks room (neither is then charged)."""
         if limits.off:
             return None
-        keys = [f"arena:rl:{principal}:req", f"arena:rl:{principal}:tok"]
+        keys = [BUCKETS.format(principal, "req"), BUCKETS.format(principal, "tok")]
         ok, requests_left, tokens_left = await self.script(keys=keys, args=[limits.rpm, limits.tpm, cost])
         verdict = Verdict(bool(int(ok)), limits, float(requests_left), float(tokens_left), cost)
         if not verdict.ok:

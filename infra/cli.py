@@ -27,7 +27,7 @@ from infra.servers import NATS_SYNC_DEFAULT, nats_sync, start_nats
 from infra.supervisor import up
 from runtime import heap, jetstream, logs
 from runtime.recovery import rebuild
-from runtime.redis import redis_client
+from runtime.redis import masked, redis_client
 from runtime.settings import CommonSettings, InferenceSettings, OperatorSettings
 from runtime.stream import conversation_events, request_events
 
@@ -134,7 +134,7 @@ async def _rebuild(args) -> int:
             counts = await rebuild(js, store, since)
     finally:
         await store.redis.aclose()
-    print(f"rebuilt from the stream: {counts['requests']} requests, {counts['results']} results, into {url}")
+    print(f"rebuilt from the stream: {counts['requests']} requests, {counts['results']} results, into {masked(url)}")
     return 0
 
 

@@ -229,15 +229,19 @@ def helm_values(cluster_replicas: int = 3, storage: str = "10Gi", sync: str = NA
     }
 
 
-def secret_manifest(passwords: dict[str, str] | None = None) -> dict:
-    passwords = passwords or new_passwords()
+def kubernetes_secret(name: str, string_data: dict[str, str]) -> dict:
+    """An Opaque Secret of arenaflow's (also infra.redis_auth's)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": SECRET_NAME, "labels": {"app.kubernetes.io/part-of": "arenaflow"}},
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "arenaflow"}},
         "type": "Opaque",
-        "stringData": passwords,
+        "stringData": string_data,
     }
+
+
+def secret_manifest(passwords: dict[str, str] | None = None) -> dict:
+    return kubernetes_secret(SECRET_NAME, passwords or new_passwords())
 
 
 HELM_HEADER = """\

@@ -195,7 +195,11 @@ def start_nats_cluster(
     return cluster
 
 
-def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None = None) -> LocalServer:
+def start_redis(
+    data_dir: Path, port: int | None = None, log_file: Path | None = None, acl: Path | None = None
+) -> LocalServer:
+    """`acl`: an ACL file (`infra.redis_auth.acl_file`), read again by a restart (`respawn`);
+    without it the server takes any local connection."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -216,6 +220,8 @@ def start_redis(data_dir: Path, port: int | None = None, log_file: Path | None =
         "--protected-mode",
         "yes",
     ]
+    if acl is not None:
+        cmd += ["--aclfile", str(acl.resolve())]
     proc = _spawn(cmd, log_file)
     wait_port(port, proc)
     return LocalServer("redis", proc, port, f"redis://127.0.0.1:{port}/0", cmd, log_file)

@@ -35,7 +35,7 @@ from prometheus_client import Counter, start_http_server
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
 from events import topology
-from infra import nats_auth, start_checks
+from infra import nats_auth, redis_auth, start_checks
 from infra.monitoring import scrape
 from infra.servers import (
     NATS_SYNC_DEFAULT,
@@ -242,11 +242,15 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             f"fsync: {sync if sync == 'always' else 'every ' + sync}"
         )
     stack.takeover = _takeover(operator_url, operator) if operator_url else None
+    redis_users: dict[str, str] = {}  # each user's URL, when the Redis is ours (with its users)
     if not redis_url:
-        server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log")
+        passwords = redis_auth.new_passwords()  # per run, as NATS's: anonymous clients are refused
+        acl = _private_file(state / "redis-users.acl", redis_auth.acl_file(passwords))  # a restart reads it again
+        server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log", acl=acl)
         stack.servers.append(server)
         redis_url = server.url
-        print_fn(f"redis-server on {redis_url} (append-only file in {state / 'redis'})")
+        redis_users = redis_auth.urls(server.url, passwords)
+        print_fn(f"redis-server on {redis_url} (append-only file in {state / 'redis'}), per-role users: True")
     env.update(
         {
             "NATS_URL": nats_url,
@@ -278,6 +282,8 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
                 "ARENA_NATS_PASSWORD": credentials[role.name],
                 "ARENA_MANAGE_TOPOLOGY": "false",
             }
+        if redis_users:
+            extra["REDIS_URL"] = redis_users[role.name]
         for i in range(replicas):
             name = f"{role.name}-{i}" if role.replicated else role.name
             # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.
@@ -297,10 +303,10 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
         state / "endpoints.json",
         json.dumps(
             {
-                # The operator's URL (with its credentials when the server has users): what
-                # `arena replay`, `audit` and `models` connect with.
+                # The operator's URLs (with their credentials when the servers have users): what
+                # `arena replay`, `audit`, `models` and `rebuild-readmodel` connect with.
                 "nats_url": operator_url,
-                "redis_url": redis_url,
+                "redis_url": redis_users.get(redis_auth.OPERATOR, redis_url),
                 "gateway_url": url,
                 "pid": os.getpid(),
                 "supervisor_metrics_port": metrics_port,

@@ -15,16 +15,23 @@ from events.readmodel import ReadModel
 from runtime.stream import read_events, request_events
 
 
-async def restore(store: ReadModel, events: list[Any]) -> tuple[Any, dict | None]:
+async def restore(store: ReadModel, events: list[Any], results: bool = True) -> tuple[Any, dict | None]:
     """Write one request's pending record and result from its events; returns its
-    terminal event (None while it runs) and its pending record (None if never requested)."""
+    terminal event (None while it runs) and its pending record (None if never requested).
+
+    Without `results` (the gateway, whose Redis user may not write results: only
+    delivery's may, infra/redis_auth.py) a finished request is answered from its events
+    and nothing is written; a pending record and owner without the result would read as
+    still running."""
     requested = next((e for e in events if e.type == "chat.requested"), None)
     terminal = next((e for e in events if e.type in TERMINAL_TYPES), None)
     record = None
+    write = results or terminal is None
     if requested is not None:
-        await store.record_pending(
-            requested.request_id, requested.conv_id, requested.turn_id, requested.model, requested.deadline_at
-        )
+        if write:
+            await store.record_pending(
+                requested.request_id, requested.conv_id, requested.turn_id, requested.model, requested.deadline_at
+            )
         record = {
             "conv_id": requested.conv_id,
             "turn_id": requested.turn_id,
@@ -32,15 +39,17 @@ async def restore(store: ReadModel, events: list[Any]) -> tuple[Any, dict | None
             "deadline_at": requested.deadline_at,
             "principal": requested.principal,
         }
-        if requested.principal is not None:  # the events record who asked: ownership comes back too
+        if write and requested.principal is not None:  # the events record who asked: ownership comes back too
             await store.restore_owner(requested.request_id, requested.principal)
-    if terminal is not None:
+    if terminal is not None and results:
         await store.save_result(terminal.request_id, encode(terminal))
     return terminal, record
 
 
-async def recover_request(js: JetStreamContext, store: ReadModel, request_id: str) -> tuple[Any, dict | None]:
-    return await restore(store, await request_events(js, request_id))
+async def recover_request(
+    js: JetStreamContext, store: ReadModel, request_id: str, results: bool = True
+) -> tuple[Any, dict | None]:
+    return await restore(store, await request_events(js, request_id), results)
 
 
 async def rebuild(js: JetStreamContext, store: ReadModel, since: datetime | None = None) -> dict[str, int]:

@@ -11,6 +11,7 @@ through Redis Sentinel: after a failover the pool reconnects to the new master.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -64,6 +65,11 @@ def redis_client(url: str, max_connections: int = 64, wait_s: float = 5.0, retri
     retry, retry_on_error = options.pop("retry"), options.pop("retry_on_error")
     pool = BlockingConnectionPool.from_url(url, **options)
     return Client(connection_pool=pool, retry=retry, retry_on_error=retry_on_error)
+
+
+def masked(url: str) -> str:
+    """The URL with its password (if any) as `***`, for messages and logs."""
+    return re.sub(r"(?<=://)([^/@]*?):[^/@]*@", r"\1:***@", url)
 
 
 def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psutil
 
 from tests.conftest import REPO, SHARED
@@ -82,3 +83,15 @@ class ArenaUp:
         assert self.proc.stdout is not None
         self.lines += self.proc.stdout.readlines()  # what it printed since it was ready
         return self.proc.returncode
+
+
+def battle_and_vote(url: str) -> str:
+    """One arena battle, one turn streamed and a vote for side a: its id."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        bid = client.post("/arena/battles").json()["battle_id"]
+        with client.stream("POST", f"/arena/battles/{bid}/turns", json={"prompt": "A cat", "max_tokens": 8}) as t:
+            assert t.status_code == 200
+            list(t.iter_lines())
+        vote = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
+        assert vote.status_code == 200, vote.text
+    return bid

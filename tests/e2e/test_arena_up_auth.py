@@ -12,7 +12,7 @@ import httpx
 import nats
 import pytest
 
-from tests.arena_up import ArenaUp, arena
+from tests.arena_up import ArenaUp, arena, battle_and_vote
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -46,13 +46,7 @@ def test_up_with_per_role_users_serves_and_refuses_strangers(tmp_path):
         rid = r.json()["x_arena"]["request_id"]
 
         # A battle and a vote: the gateway's battle events, the leaderboard's durable.
-        client = httpx.Client(base_url=url, timeout=30)
-        bid = client.post("/arena/battles").json()["battle_id"]
-        with client.stream("POST", f"/arena/battles/{bid}/turns", json={"prompt": "A cat", "max_tokens": 8}) as t:
-            assert t.status_code == 200
-            list(t.iter_lines())
-        assert client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"}).status_code == 200
-        client.close()
+        battle_and_vote(url)
 
         # The operator's tools use the operator's URL from endpoints.json.
         replay = arena("replay", "--request-id", rid, "--state-dir", str(state), env=env)

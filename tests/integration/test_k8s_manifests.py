@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from events import subjects, topology
-from infra import nats_auth
+from infra import nats_auth, redis_auth
 from runtime.settings import InferenceSettings
 from tests.conftest import REPO
 
@@ -200,6 +200,20 @@ def test_secrets_are_referenced_never_inlined_and_each_role_has_its_own_nats_use
             if where.startswith("Deployment/"):
                 assert user == c["args"][0], where  # a role runs as its own user
     assert container(docs, "gateway") and "ARENA_API_KEYS" in env_of(container(docs, "gateway"))
+
+
+def test_each_role_that_uses_redis_connects_as_its_own_redis_user_and_no_other_gets_redis(docs):
+    with_redis = set()
+    for where, spec in pod_specs(docs).items():
+        for c in spec["containers"]:
+            if "REDIS_URL" not in env_of(c):
+                continue
+            ref = env_of(c)["REDIS_URL"]["valueFrom"]["secretKeyRef"]
+            assert where.startswith("Deployment/") and ref == {"name": redis_auth.SECRET_NAME, "key": c["args"][0]}
+            with_redis.add(c["args"][0])
+    assert with_redis == set(redis_auth.with_keys()) == {"gateway", "delivery", "leaderboard"}
+    secret = redis_auth.secret_manifest()
+    assert with_redis < set(secret["stringData"]) and redis_auth.ACL_FILE_KEY in secret["stringData"]
 
 
 def test_the_roles_leave_the_topology_to_the_operator_s_job(docs):
