@@ -4,7 +4,8 @@ and the gateway (reader), like the subjects.
 Key layout:
   arena:leaderboard      JSON of the current leaderboard: {seq, digest, total_votes,
                          computed_at, min_votes, style_control, rows: [{model, rating, ci_low,
-                         ci_high, rank, votes, provisional, elo}]}; `seq` is the stream
+                         ci_high, rank, votes, provisional, elo}], pairs: [[x, y, x's wins,
+                         x's losses, ties]], categories: {name: votes}}; `seq` is the stream
                          sequence it was computed at
   arena:leaderboard:style
                          the style-controlled board, the same shape plus style_coefficients

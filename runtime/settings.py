@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -241,6 +241,12 @@ class GatewaySettings(CommonSettings):
     )
     arena_daily_vote_cap: int = Field(200, ge=1, description="Counted arena votes per voter per UTC day.")
     arena_prompt_cap: int = Field(25, ge=1, description="Counted arena votes per prompt (FastChat caps at 25).")
+    arena_boost_until_votes: int = Field(
+        3000, ge=0, description="Arena models with fewer counted votes are drawn 5x as often (LMArena's; 0: off)."
+    )
+    arena_sampling: Literal["weighted", "active"] = Field(
+        "weighted", description="'weighted' (weights, boosts, targets) or 'active' (the pair one vote informs most)."
+    )
 
     @field_validator("rate_limits")
     @classmethod

@@ -125,17 +125,17 @@ class VoteProjection:
             body["style_coefficients"] = None if board is None else dict(board.style_coefficients or {})
         if board is None:
             return {**body, "digest": None, "rows": []}
-        if not style:  # the gateway's consensus test reads each pair's decisive votes
+        if not style:  # the gateway's consensus test and active sampling read each pair's record
             body["pairs"] = decisive_pairs(board)
         return {**body, "digest": board.digest(), "rows": [row_dict(r) for r in board.rows]}
 
 
 def decisive_pairs(board: Leaderboard) -> list[list]:
-    """[model_x, model_y, x's wins, x's losses] per pair that met, x < y (ties left out)."""
+    """[model_x, model_y, x's wins, x's losses, ties and both_bad] per pair that met, x < y."""
     table = board.fit.table if isinstance(board.fit, BradleyTerryFit) else None
     if table is None:
         return []
     return [
-        [table.models[i], table.models[j], int(c[0]), int(c[1])]
+        [table.models[i], table.models[j], int(c[0]), int(c[1]), int(c[2] + c[3])]
         for (i, j), c in zip(table.pairs.tolist(), table.counts.tolist(), strict=True)
     ]

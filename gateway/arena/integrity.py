@@ -188,7 +188,7 @@ class Integrity:
 
 def pair_counts(board: Mapping | None, pair: tuple[str, str]) -> tuple[int, int]:
     """(wins, losses) of the pair's first model in the stored board's `pairs`, (0, 0) if absent."""
-    for x, y, wins, losses in (board or {}).get("pairs", ()):
+    for x, y, wins, losses, *_ in (board or {}).get("pairs", ()):
         if (x, y) == pair:
             return int(wins), int(losses)
     return 0, 0

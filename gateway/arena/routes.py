@@ -40,7 +40,14 @@ def leaderboard_csv(board: LeaderboardView) -> str:
 
 
 def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
-    arena = ArenaService(chat, PairPolicy(settings.arena_weights, tuple(settings.arena_boost), settings.arena_targets))
+    policy = PairPolicy(
+        settings.arena_weights,
+        tuple(settings.arena_boost),
+        settings.arena_targets,
+        settings.arena_boost_until_votes,
+        settings.arena_sampling,
+    )
+    arena = ArenaService(chat, policy)
     r = APIRouter(prefix="/arena", tags=["arena"])
 
     async def load(battle_id: str, request: Request):

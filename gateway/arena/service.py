@@ -27,7 +27,7 @@ from gateway.arena.categories import categorize
 from gateway.arena.features import answer_texts, style_of
 from gateway.arena.identity import SIDES, neutral_name, scrub, side_conv_id, voter_pseudonym
 from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identity_leak, pair_counts, pair_score
-from gateway.arena.pairing import NoPair, PairPolicy, sample_pair
+from gateway.arena.pairing import NoPair, PairPolicy, active_pair, pair_stats, sample_pair
 from gateway.arena.protocol import BattleView, TurnRequest
 from gateway.arena.state import Battle, fold
 from gateway.errors import APIError
@@ -120,8 +120,14 @@ class ArenaService:
     async def start(self, api_key: str | None, address: str | None) -> Battle:
         fleet = self.pipeline.fleet()
         resident = {m for m, insts in fleet["models"].items() if insts}
+        models = list(fleet["models"])
+        votes, pairs = await self.records()
+        policy = self.policy.with_votes(votes, models)
         try:
-            pair = sample_pair(self.policy, list(fleet["models"]), resident)
+            if policy.sampling == "active":
+                pair = active_pair(policy, models, resident, pairs)
+            else:
+                pair = sample_pair(policy, models, resident)
         except NoPair as exc:
             raise APIError(503, f"not enough models to battle: {exc}", "not_enough_models") from exc
         event = BattleStarted(
@@ -135,6 +141,16 @@ class ArenaService:
         )
         await self.publish(event)
         return Battle(event)
+
+    async def records(self) -> tuple[dict[str, int], dict]:
+        """Votes per model and each pair's record, from the stored leaderboard (empty when it cannot be read)."""
+        if not self.policy.boost_until and self.policy.sampling != "active":
+            return {}, {}
+        try:
+            return pair_stats(await load_leaderboard(self.pipeline.results.redis))
+        except REDIS_DOWN:
+            log.warning("pair sampling without the leaderboard: the result store is unavailable")
+            return {}, {}
 
     # ---- turns -----------------------------------------------------------------------
 

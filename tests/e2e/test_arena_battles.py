@@ -317,3 +317,21 @@ def test_boards_per_category_live_from_an_import_and_refused_for_an_unknown_name
     assert {r["model"] for r in coding["rows"]} == {"cat-x", "cat-y"} and coding["total_votes"] == 3
     refused = arena_cmd(arena, "leaderboard", "--category", "poetry")
     assert refused.returncode == 2 and "is not one of" in refused.stderr
+
+
+def test_active_sampling_is_recorded_on_each_battle(stack_factory):
+    """ARENA_ARENA_SAMPLING=active: with no votes yet every pair is as informative, and the
+    battle records the policy (every model under 3,000 votes is boosted) and its probability."""
+    from gateway.arena.pairing import PairPolicy
+
+    s = stack_factory(ARENA_MODELS_CONFIG=CONFIG, ARENA_ARENA_SAMPLING="active").start()
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        end = time.monotonic() + 30
+        while (r := client.post("/arena/battles")).status_code == 503:
+            assert time.monotonic() < end, r.text
+            time.sleep(0.3)
+        bid = r.json()["battle_id"]
+    replay = arena_cmd(s, "replay", "--battle-id", bid, "--json")
+    [started] = [json.loads(line) for line in replay.stdout.splitlines() if '"battle.started"' in line]
+    assert started["pair_probability"] == pytest.approx(1 / 3)
+    assert started["policy_version"] == PairPolicy(boost=tuple(sorted(MODELS)), sampling="active").version
