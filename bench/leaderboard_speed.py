@@ -20,6 +20,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLA
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar, cast
 
@@ -27,9 +28,12 @@ import numpy as np
 
 from consumers.leaderboard.ratings import (
     LeaderboardState,
+    StyleRows,
     Vote,
     aggregate,
     bootstrap_intervals,
+    build_style_leaderboard,
+    canonical,
     fit_bradley_terry,
     sandwich_intervals,
 )
@@ -56,6 +60,23 @@ def simulate(models: int, votes: int, seed: int, tie_rate: float = 0.1) -> tuple
         for a, b, o in zip(ia.tolist(), ib.tolist(), outcomes.tolist(), strict=True)
     ]
     return dict(zip(names, true.tolist(), strict=True)), records
+
+
+def style_rows(votes: list[Vote], seed: int) -> StyleRows:
+    """The votes as style control reads them, with made-up answer tokens and markdown counts."""
+    counts = np.random.default_rng(seed).poisson([300, 1, 2, 1.5] * 2, size=(len(votes), 8)).astype(float)
+    rows = StyleRows()
+    rows.a, rows.b = [v.model_a for v in votes], [v.model_b for v in votes]
+    rows.y = [{"a": 1.0, "b": 0.0}.get(v.outcome, 0.5) for v in votes]
+    rows.counts = [tuple(c) for c in counts.tolist()]
+    rows.cells = Counter(canonical(v.model_a, v.model_b, v.outcome) for v in votes)
+    return rows
+
+
+def state_style(rows: StyleRows, init):
+    board = build_style_leaderboard(rows, init=init)
+    assert board is not None
+    return board
 
 
 def timed(label: str, fn: Callable[[], T]) -> T:
@@ -94,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     state.extend(extra)
     live = timed("state.leaderboard() after +1,000 votes (warm)", state.leaderboard)
     print(f"    {live.fit.iterations} Newton steps warm-started")
+
+    styled = timed("style counts for every vote (simulated)", lambda: style_rows(votes, args.seed))
+    style = timed("style-controlled board, cold (fit, sandwich)", lambda: state_style(styled, None))
+    init = (dict(zip(style.fit.models, style.fit.theta.tolist(), strict=True)), style.fit.gamma)
+    timed("style-controlled board, warm-started", lambda: state_style(styled, init))
 
     truth = np.array([true[m] for m in fit.models])
     truth += 1000.0 - truth.mean()

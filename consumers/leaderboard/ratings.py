@@ -55,12 +55,14 @@ __all__ = [
     "LeaderboardRow",
     "LeaderboardState",
     "OnlineElo",
+    "StyleRows",
     "Vote",
     "aggregate",
     "bootstrap_intervals",
     "bootstrap_ratings",
     "build_leaderboard",
     "build_style_leaderboard",
+    "canonical",
     "compute_leaderboard",
     "fit_bradley_terry",
     "online_elo",
@@ -238,28 +240,39 @@ def build_leaderboard(
     return Leaderboard(tuple(rows), table.total, config, table.win_rates(), fit)
 
 
-def style_battles(votes: Iterable[Vote]) -> tuple[StyleBattles, CountTable] | None:
-    """The votes whose `conv_metadata` has the style counts, ready for the style fit; None if none has."""
-    a, b, y, counts, kept = [], [], [], [], []
-    column = {o: k for k, o in enumerate(OUTCOMES)}
-    for v in votes:
-        if v.conv_metadata is None:
-            continue
+@dataclass
+class StyleRows:
+    """The votes that carry style counts, kept as the style fit reads them (counts parsed once)."""
+
+    a: list[str] = field(default_factory=list)
+    b: list[str] = field(default_factory=list)
+    y: list[float] = field(default_factory=list)
+    counts: list[tuple[float, ...]] = field(default_factory=list)
+    cells: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+
+    def add(self, vote: Vote) -> None:
+        if vote.conv_metadata is None:
+            return
         try:
-            counts.append(style_counts(v.conv_metadata))
-        except StyleMetadataError:
-            continue
-        a.append(v.model_a)
-        b.append(v.model_b)
-        y.append(float(OUTCOME_SCORE[column[v.outcome]]))
-        kept.append(v)
-    if not kept:
-        return None
-    return StyleBattles.build(a, b, y, counts), aggregate(kept)
+            counts = style_counts(vote.conv_metadata)
+        except StyleMetadataError:  # metadata without the style counts (an older FastChat file)
+            return
+        self.a.append(vote.model_a)
+        self.b.append(vote.model_b)
+        self.y.append(float(OUTCOME_SCORE[OUTCOMES.index(vote.outcome)]))
+        self.counts.append(counts)
+        self.cells[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
+
+    @classmethod
+    def of(cls, votes: Iterable[Vote]) -> StyleRows:
+        rows = cls()
+        for v in votes:
+            rows.add(v)
+        return rows
 
 
 def build_style_leaderboard(
-    votes: Iterable[Vote],
+    votes: Iterable[Vote] | StyleRows,
     config: LeaderboardConfig | None = None,
     *,
     elo: Mapping[str, float] | None = None,
@@ -268,10 +281,10 @@ def build_style_leaderboard(
     """The style-controlled board (FastChat's `compute_style_control`) over the votes that
     carry style counts; None when none does. `init` warm-starts from (θ by model name, γ)."""
     config = config or LeaderboardConfig()
-    found = style_battles(votes)
-    if found is None:
+    rows = votes if isinstance(votes, StyleRows) else StyleRows.of(votes)
+    if not rows.y:
         return None
-    battles, table = found
+    battles, table = StyleBattles.build(rows.a, rows.b, rows.y, rows.counts), CountTable.from_cells(rows.cells)
     start = None if init is None else np.concatenate([[init[0].get(m, 0.0) for m in battles.models], init[1]])
     fit = fit_style_control(battles, gauge=config.gauge, init=start)
     robust, model_based = style_sandwich_cov(fit)
@@ -282,8 +295,8 @@ def build_style_leaderboard(
     else:
         iv = floored(Intervals("sandwich", config.level, fit.ratings, fit.ratings), fit.ratings, _sd(robust))
     iv = floored(iv, fit.ratings, _sd(model_based))
-    rows = _rows(battles.models, fit.ratings, iv, battles.votes_per_model(), config, elo)
-    return Leaderboard(tuple(rows), len(battles), config, table.win_rates(), fit, fit.coefficients)
+    board_rows = _rows(battles.models, fit.ratings, iv, battles.votes_per_model(), config, elo)
+    return Leaderboard(tuple(board_rows), len(battles), config, table.win_rates(), fit, fit.coefficients)
 
 
 def _sd(cov: np.ndarray) -> np.ndarray:
@@ -311,7 +324,7 @@ class LeaderboardState:
         self._cells: Counter[tuple[str, str, str]] = Counter()
         self._elo = OnlineElo(self.config.elo_k)
         self._beta: dict[str, float] = {}
-        self._styled: list[Vote] = []
+        self._styled = StyleRows()
         self._by_category: dict[str, Counter[tuple[str, str, str]]] = {}
         self._style_init: tuple[dict[str, float], np.ndarray] | None = None
         self.total = 0
@@ -320,8 +333,7 @@ class LeaderboardState:
         self._cells[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
         self._elo.update(vote.model_a, vote.model_b, vote.outcome)
         self.total += 1
-        if vote.conv_metadata is not None:
-            self._styled.append(vote)
+        self._styled.add(vote)
         for name in vote.categories:
             self._by_category.setdefault(name, Counter())[canonical(vote.model_a, vote.model_b, vote.outcome)] += 1
 
