@@ -85,6 +85,14 @@ class ClassifierReport(Frozen):
     flagged: bool = Field(description="score >= threshold.")
     enforced: bool = Field(description="The flag rejected the prompt (mode block); false in shadow/sanitize-only.")
     features: tuple[ClassifierFeature, ...] = Field((), description="Top n-grams behind a flag (empty when clear).")
+    # Optional and additive (ensemble stages): events written before them decode unchanged.
+    stage: str | None = Field(None, description="The ensemble stage (chars, words...); None: a lone classifier.")
+    mode: Literal["block", "shadow"] | None = Field(
+        None, description="The stage's mode: block (its flag rejects) or shadow (recorded and counted only)."
+    )
+    benign_tail: float | None = Field(
+        None, description="Share of held-out benign prompts scoring at least this (the stage's calibration)."
+    )
 
 
 class FilterReport(Frozen):
@@ -96,6 +104,9 @@ class FilterReport(Frozen):
     edits: tuple[str, ...] = ()
     # Optional and additive: events written before the classifier stage decode unchanged.
     classifier: ClassifierReport | None = Field(None, description="The classifier stage; None when it did not run.")
+    stages: tuple[ClassifierReport, ...] = Field(
+        (), description="Every stage of a classifier ensemble on the deciding user message (empty: one classifier)."
+    )
 
 
 class EventBase(Frozen):

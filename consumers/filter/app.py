@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import overload
 
 from faststream import FastStream
 from faststream.nats import NatsBroker
@@ -11,10 +12,11 @@ from nats.aio.msg import Msg
 
 from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
+from consumers.filter.ensemble import Ensemble
 from consumers.filter.metrics import METRICS, FilterMetrics
-from consumers.filter.policy import inspect_messages
+from consumers.filter.policy import deciding, inspect_messages
 from consumers.filter.reload import ClassifierSlot, slot_for
-from consumers.filter.stage import ClassifierOutcome, strongest
+from consumers.filter.stage import SINGLE, ClassifierOutcome, strongest
 from events import topology
 from events.models import (
     ChatMessage,
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def filter_request(
-    event: ChatRequested, config: FilterConfig, classifier: Classifier | None = None
+    event: ChatRequested, config: FilterConfig, classifier: Classifier | Ensemble | None = None
 ) -> PromptAccepted | PromptRejected:
     """Pure: the filter's verdict on one request, as the event to publish."""
     cleaned, verdicts, action = inspect_messages([m.model_dump() for m in event.messages], config, classifier)
@@ -44,6 +46,7 @@ def filter_request(
         reasons=tuple(dict.fromkeys(r for v in verdicts for r in v.reasons)),
         edits=tuple(dict.fromkeys(e for v in verdicts for e in v.edits)),
         classifier=_report(strongest([v.classifier for v in verdicts])),
+        stages=tuple(_report(o) for o in (deciding(verdicts).stages if verdicts else ()) if o.stage != SINGLE),
     )
     ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
     if action == "reject":
@@ -60,9 +63,14 @@ def filter_request(
     )
 
 
+@overload
+def _report(outcome: ClassifierOutcome) -> ClassifierReport: ...
+@overload
+def _report(outcome: None) -> None: ...
 def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
     if outcome is None:
         return None
+    ensemble = outcome.stage != SINGLE
     return ClassifierReport(
         version=outcome.version,
         score=outcome.score,
@@ -70,6 +78,9 @@ def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
         flagged=outcome.flagged,
         enforced=outcome.enforced,
         features=tuple(ClassifierFeature(text=t, weight=w) for t, w in outcome.features),
+        stage=outcome.stage if ensemble else None,
+        mode=("shadow" if outcome.mode == "shadow" else "block") if ensemble else None,
+        benign_tail=outcome.benign_tail,
     )
 
 
@@ -100,6 +111,7 @@ def handler(
                 metrics.classifier_verdicts.labels(
                     config.mode, "flagged" if out.filter.classifier.flagged else "clear"
                 ).inc()
+            _count_stages(out.filter, metrics, event.request_id)
             metrics.verdicts.labels(out.filter.action).inc()
             if span is not None:
                 span.set_attribute("arena.verdict", out.filter.action)
@@ -128,7 +140,23 @@ def build_app(
     return app
 
 
-def _current(slot: ClassifierSlot | None, metrics: FilterMetrics) -> Classifier | None:
+def _count_stages(report: FilterReport, metrics: FilterMetrics, request_id: str) -> None:
+    """Each ensemble stage's verdict in its metric; a stage in shadow that flags is logged too,
+    so an operator watches its would-be rejections (and false positives) before enforcing it."""
+    for stage in report.stages:
+        verdict = "flagged" if stage.flagged else "clear"
+        metrics.stage_verdicts.labels(stage.stage, stage.mode, verdict).inc()
+        if stage.flagged and stage.mode == "shadow":
+            log.info(
+                "stage %s would reject (shadow): score %.4f, threshold %.4f",
+                stage.stage,
+                stage.score,
+                stage.threshold,
+                extra={"request_id": request_id, "stage": stage.stage, "version": stage.version},
+            )
+
+
+def _current(slot: ClassifierSlot | None, metrics: FilterMetrics) -> Classifier | Ensemble | None:
     if slot is None:
         return None
     reloads, failures = slot.reloads, slot.failures

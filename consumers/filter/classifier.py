@@ -22,13 +22,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import FEATURES_VERSION, Features, featurize, featurize_views, gram_text
 from consumers.filter.memory import Memory, shingles
+
+if TYPE_CHECKING:
+    from consumers.filter.ensemble import Ensemble
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -37,6 +40,7 @@ __all__ = [
     "ClassifierScore",
     "LinearClassifier",
     "load_classifier",
+    "load_stage",
     "save_linear",
 ]
 
@@ -50,6 +54,7 @@ class ClassifierScore:
 
     score: float
     features: tuple[tuple[str, float], ...] = ()  # (n-gram, contribution to the logit), largest first
+    logit: float | None = None  # the score's logit (None: a guard model); the ensemble calibrates it
 
 
 class Classifier(Protocol):
@@ -75,7 +80,14 @@ class LinearClassifier:
 
     blocking = False
 
-    def __init__(self, weights: np.ndarray, bias: float, meta: dict[str, Any], memory: Memory | None = None):
+    def __init__(
+        self,
+        weights: np.ndarray,
+        bias: float,
+        meta: dict[str, Any],
+        memory: Memory | None = None,
+        benign_reference: np.ndarray | None = None,
+    ):
         if meta.get("features") != FEATURES_VERSION:
             raise ValueError(
                 f"artifact features {meta.get('features')!r} differ from this code's {FEATURES_VERSION!r}; "
@@ -105,6 +117,7 @@ class LinearClassifier:
         self.threshold = float(meta["threshold"])
         self.version = str(meta["version"])
         self.memory = memory
+        self.benign_reference = benign_reference  # sorted held-out benign logits (ensemble.py), when stored
 
     def _features(self, text: str) -> list[Features]:
         if "words" not in self.views:
@@ -135,7 +148,7 @@ class LinearClassifier:
         z, feats, cues, remembered = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
         if explain <= 0:
-            return ClassifierScore(round(prob, 6))
+            return ClassifierScore(round(prob, 6), logit=z)
         # every feature's contribution to the logit, only when explaining (few, flagged prompts)
         parts = [
             self.view_weights[view][f.index].astype(np.float64) / np.sqrt(max(len(f.index), 1))
@@ -148,7 +161,7 @@ class LinearClassifier:
         # the side that decided: features towards "attack" when flagged, else towards "benign"
         order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
         top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
-        return ClassifierScore(round(prob, 6), top)
+        return ClassifierScore(round(prob, 6), top, z)
 
     def _name(self, feats: list[Features], i: int) -> str:
         """The text of contribution ``i``: an n-gram of one of the views, a cue's name, or the memory."""
@@ -164,9 +177,15 @@ class LinearClassifier:
 
 
 def save_linear(
-    path: str | Path, weights: np.ndarray, bias: float, meta: dict[str, Any], memory: Memory | None = None
+    path: str | Path,
+    weights: np.ndarray,
+    bias: float,
+    meta: dict[str, Any],
+    memory: Memory | None = None,
+    benign_reference: np.ndarray | None = None,
 ) -> None:
-    """Write an artifact that :func:`load_classifier` reads without unpickling."""
+    """Write an artifact that :func:`load_classifier` reads without unpickling (``benign_reference``:
+    the held-out benign logits an ensemble calibrates the stage with)."""
     # the metadata names a memory exactly when the arrays are stored
     meta = {k: v for k, v in meta.items() if k != "memory"}
     if memory is not None:
@@ -179,21 +198,33 @@ def save_linear(
         "meta": payload,
         **(memory.arrays() if memory is not None else {}),
     }
+    if benign_reference is not None:
+        arrays["benign_reference"] = np.sort(benign_reference).astype(np.float32)
     with open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
 
 
-def _load_linear(path: Path) -> LinearClassifier:
+def load_stage(path: str | Path) -> Classifier:
+    """An ``.npz`` artifact: the character model, or the word stage (words.py)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"classifier artifact {path} not found; train one with `arena filter-train`")
+    from consumers.filter.words import WORDS_FORMAT, load_words  # noqa: PLC0415 - words.py imports this module
+
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())
+        if meta.get("format") == WORDS_FORMAT:
+            return load_words(z, meta)
         if meta.get("format") != ARTIFACT_FORMAT:
             raise ValueError(f"{path}: not a prompt classifier artifact (format {meta.get('format')!r})")
         memory = Memory.load(z, meta["memory"]) if "memory" in meta else None
-        return LinearClassifier(z["weights"], float(z["bias"][0]), meta, memory)
+        reference = np.asarray(z["benign_reference"], dtype=np.float64) if "benign_reference" in z else None
+        return LinearClassifier(z["weights"], float(z["bias"][0]), meta, memory, reference)
 
 
-def load_classifier(path: str | Path, attack_label: str | None = None) -> Classifier:
-    """A linear ``.npz`` artifact, or a Hugging Face checkpoint directory (has config.json)."""
+def load_classifier(path: str | Path, attack_label: str | None = None) -> Classifier | Ensemble:
+    """An ensemble manifest (``.json``: its stages' artifacts beside it), an ``.npz`` artifact (the
+    character model or the word stage), or a Hugging Face checkpoint directory (has config.json)."""
     p = Path(path)
     if p.is_dir():
         from consumers.filter.guard import GuardModel  # noqa: PLC0415 - torch only when a guard is configured
@@ -201,4 +232,8 @@ def load_classifier(path: str | Path, attack_label: str | None = None) -> Classi
         return GuardModel(p, attack_label)
     if not p.is_file():
         raise FileNotFoundError(f"classifier artifact {p} not found; train one with `arena filter-train`")
-    return _load_linear(p)
+    if p.suffix == ".json":
+        from consumers.filter.ensemble import load_ensemble  # noqa: PLC0415
+
+        return load_ensemble(p)
+    return load_stage(p)

@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: The committed artifact of `arena filter-train` (kept as a string: config is pure data).
 DEFAULT_CLASSIFIER = "consumers/filter/artifacts/prompt-classifier.npz"
+#: Each ensemble stage's mode unless ``stage_modes`` says otherwise; a stage not named here
+#: (a new one) runs in shadow until the operator turns it on. The word stage stays in shadow:
+#: measured held out, it does not add catches at the benign cap (docs/filter.md).
+DEFAULT_STAGE_MODES: dict[str, Literal["block", "shadow"]] = {"chars": "block", "words": "shadow"}
 
 
 class FilterConfig(BaseModel):
@@ -104,6 +108,23 @@ class FilterConfig(BaseModel):
     classifier_explain: int = Field(
         5, ge=0, le=50, description="How many top n-grams behind the classifier's verdict the event records."
     )
+    stage_modes: dict[str, Literal["block", "shadow"]] = Field(
+        default_factory=dict,
+        description=(
+            "Ensemble stages (a manifest as classifier_path): per stage, block (its flag rejects, in mode block) "
+            "or shadow (scored, recorded on the event, counted in arena_filter_stage_verdicts_total and logged; "
+            "never blocks), over the defaults (DEFAULT_STAGE_MODES: chars block; words, and any stage not named, "
+            "shadow), so a new stage is watched on real traffic before it can reject. "
+            "E.g. ARENA_FILTER__STAGE_MODES__WORDS=block."
+        ),
+    )
+    stage_thresholds: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Ensemble stages: a score threshold overriding the stage's one at the ensemble's operating point "
+            "(which keeps held-out benign flags within 0.3%; an override gives that up)."
+        ),
+    )
     guard_attack_label: str | None = Field(
         None,
         description=(
@@ -112,8 +133,15 @@ class FilterConfig(BaseModel):
         ),
     )
 
+    def stage_mode(self, stage: str) -> Literal["block", "shadow"]:
+        """The mode of an ensemble stage under this config (see ``stage_modes``)."""
+        return self.stage_modes.get(stage, DEFAULT_STAGE_MODES.get(stage, "shadow"))
+
     @model_validator(mode="after")
     def _check(self) -> FilterConfig:
+        bad = {k: v for k, v in self.stage_thresholds.items() if not 0.0 < v <= 1.0}
+        if bad:
+            raise ValueError(f"stage_thresholds must be scores in (0, 1]; got {bad}")
         if not self.sanitize and self.reject_threshold >= 1.0:
             raise ValueError(
                 "sanitize=False with reject_threshold=1.0 lets every injection through "

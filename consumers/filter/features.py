@@ -26,7 +26,8 @@ __all__ = ["FEATURES_VERSION", "Features", "featurize", "featurize_views", "gram
 
 FEATURES_VERSION = "ngram-hash-1"
 CHAR_ORDERS = (3, 4, 5)
-WORD_ORDERS = (1, 2)
+WORD_ORDERS = (1, 2)  # the word view inside the linear model (``--words``)
+WORD_KINDS = (1, 2, 3, 4)  # every word n-gram order there is a hash for (the TF-IDF stage reads up to 4)
 # Long prompts are read as head + tail: it bounds the work per prompt, and an
 # injection sits at the start or the end of what the model reads far more often
 # than in the middle of a 20k-character paste.
@@ -38,7 +39,7 @@ _M = 0x100000001B3  # odd, so invertible modulo 2**64
 _M_INV = pow(_M, -1, 1 << 64)
 _WORD_TABLE = np.array([chr(c).isalnum() or c == 0x5F for c in range(0x10000)], dtype=bool)
 _KIND_SALT = {("c", n): np.uint64(0x9E3779B97F4A7C15 * (n + 1) & _MASK64) for n in CHAR_ORDERS} | {
-    ("w", n): np.uint64(0xC2B2AE3D27D4EB4F * (n + 7) & _MASK64) for n in WORD_ORDERS
+    ("w", n): np.uint64(0xC2B2AE3D27D4EB4F * (n + 7) & _MASK64) for n in WORD_KINDS
 }
 
 
@@ -85,6 +86,7 @@ class Features:
     # per n-gram kind, in the order of ``raw``: where its occurrences start and end in ``text``
     # (joined only when asked: only explaining a score reads them)
     spans: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    counts: np.ndarray | None = None  # occurrences of each feature of ``index`` (term frequencies)
 
     @property
     def start(self) -> np.ndarray:
@@ -108,8 +110,8 @@ def featurize(
 ) -> Features:
     """Hashed, distinct character 3-5-grams, words and word bigrams of ``text``.
 
-    ``char_orders`` and ``word_orders`` (subsets of the defaults) select the
-    feature kinds; the training command compares such families.
+    ``char_orders`` and ``word_orders`` (subsets of ``CHAR_ORDERS`` and ``WORD_KINDS``)
+    select the feature kinds; the training command compares such families.
     """
     norm, prefix, cps = _prefix(text)
     return _hashed(norm, prefix, cps, bits, char_orders, word_orders)
@@ -154,7 +156,7 @@ def _hashed(
     # per prompt, numpy's per-call cost and fresh arrays weighed more than the arithmetic.
     orders = [order for order in char_orders if n >= order]
     ws, we = _word_spans(cps) if word_orders else (np.zeros(0, dtype=np.int64),) * 2
-    word_kinds = [k for k in WORD_ORDERS if k in word_orders and len(ws) >= k]
+    word_kinds = [k for k in WORD_KINDS if k in word_orders and len(ws) >= k]
     sizes = [n - order + 1 for order in orders] + [len(ws) - k + 1 for k in word_kinds]
     hashes = np.empty(sum(sizes), dtype=np.uint64)
     pos = 0
@@ -167,15 +169,16 @@ def _hashed(
         pos += m
     if word_kinds:
         words = (prefix[we] - prefix[ws]) * _POW[ws]
-        if 1 in word_kinds:
-            np.add(words, _KIND_SALT["w", 1], out=hashes[pos : pos + len(ws)])
-            pos += len(ws)
-        if 2 in word_kinds:
-            pairs = _mix(words[:-1].copy()) * np.uint64(_M) + words[1:]
-            np.add(pairs, _KIND_SALT["w", 2], out=hashes[pos:])
+        gram = words
+        for k in range(1, word_kinds[-1] + 1):
+            if k > 1:  # the k-gram: the (k-1)-gram's hash mixed, times M, plus the next word's
+                gram = _mix(gram[:-1].copy()) * np.uint64(_M) + words[k - 1 :]
+            if k in word_kinds:
+                np.add(gram, _KIND_SALT["w", k], out=hashes[pos : pos + len(gram)])
+                pos += len(gram)
     if not len(hashes):
         empty = np.zeros(0, dtype=np.int64)
-        return Features(norm, empty, empty)
+        return Features(norm, empty, empty, counts=empty)
     raw = np.right_shift(_mix(hashes), np.uint64(64 - bits), out=hashes).view(np.int64)  # < 2**bits: same values
     # sort + neighbour test: several times faster than np.unique on these sizes; 32-bit
     # keys sort in half the time, and take() of the kept positions beats a boolean mask
@@ -183,10 +186,12 @@ def _hashed(
     keep = np.empty(len(ordered), dtype=bool)
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    index = ordered.take(np.flatnonzero(keep)).astype(np.int64, copy=False)
-    word_spans = {1: (ws, we), 2: (ws[:-1], we[1:])}
+    firsts = np.flatnonzero(keep)
+    index = ordered.take(firsts).astype(np.int64, copy=False)
+    counts = np.diff(firsts, append=len(ordered))
     spans = [(_ARANGE[: n - order + 1], _ARANGE[order : n + 1]) for order in orders]
-    return Features(norm, index, raw, (*spans, *(word_spans[k] for k in word_kinds)))
+    word_spans = [(ws[: len(ws) - k + 1], we[k - 1 :]) for k in word_kinds]
+    return Features(norm, index, raw, (*spans, *word_spans), counts)
 
 
 def _word_spans(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

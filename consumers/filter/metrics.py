@@ -21,6 +21,14 @@ class FilterMetrics:
             ["mode", "verdict"],
             registry=registry,
         )
+        # Each stage of a classifier ensemble; mode: block / shadow (the stage's own). A stage in
+        # shadow counts its would-be rejections here before it is enforced.
+        self.stage_verdicts = Counter(
+            "arena_filter_stage_verdicts_total",
+            "Prompts scored by each classifier ensemble stage",
+            ["stage", "mode", "verdict"],
+            registry=registry,
+        )
         self.classifier_reloads = Counter(
             "arena_filter_classifier_reloads_total", "Classifier artifact reloads", ["outcome"], registry=registry
         )

@@ -12,11 +12,12 @@ from typing import Any
 
 from consumers.filter.classifier import Classifier
 from consumers.filter.config import DEFAULT, FilterConfig
+from consumers.filter.ensemble import Ensemble
 from consumers.filter.sanitize import sanitize, skeleton
 from consumers.filter.scoring import Action, decide, score
-from consumers.filter.stage import ClassifierOutcome, classify, strongest
+from consumers.filter.stage import SINGLE, ClassifierOutcome, run_stages, strongest
 
-__all__ = ["FilterVerdict", "inspect_messages", "inspect_prompt"]
+__all__ = ["FilterVerdict", "deciding", "inspect_messages", "inspect_prompt"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,14 @@ class FilterVerdict:
     score: float  # injection score in [0, 1]
     reasons: tuple[str, ...]  # stable codes, e.g. "role_marker:system", "jailbreak:persona"
     edits: tuple[str, ...]  # what sanitizing changed, e.g. "removed control token <|im_start|>"
-    classifier: ClassifierOutcome | None = None  # the classifier stage, when one ran
+    classifier: ClassifierOutcome | None = None  # the deciding classifier stage, when one ran
     rules_action: Action | None = None  # what the rules alone decided (None: the same as ``action``)
+    stages: tuple[ClassifierOutcome, ...] = ()  # every classifier stage (one, or an ensemble's)
 
 
-def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classifier | None = None) -> FilterVerdict:
+def inspect_prompt(
+    text: str, config: FilterConfig = DEFAULT, classifier: Classifier | Ensemble | None = None
+) -> FilterVerdict:
     """Score one prompt, sanitize it if configured, and decide what to do with it.
 
     The classifier stage (when given) runs after the sanitizer and reads the
@@ -50,14 +54,19 @@ def inspect_prompt(text: str, config: FilterConfig = DEFAULT, classifier: Classi
     out_text, edits = (cleaned.text, cleaned.edits) if config.sanitize else (text, ())
     action = decide(value, out_text != text, threshold)
     rules_action = action
-    outcome = classify(text, classifier, config) if classifier is not None else None
-    if outcome is not None and outcome.enforced and action != "reject":
-        action, reasons = "reject", (*reasons, "classifier")
-    return FilterVerdict(action, out_text, value, reasons, edits, outcome, rules_action)
+    stages = run_stages(text, classifier, config) if classifier is not None else ()
+    enforced = [o.stage for o in stages if o.enforced]
+    if enforced and action != "reject":
+        # "classifier" as before, and the stage(s) that rejected: the event says which
+        named = tuple(f"classifier:{s}" for s in enforced if s != SINGLE)
+        action, reasons = "reject", (*reasons, "classifier", *named)
+    outcome = strongest(list(stages))
+    changed = rules_action if rules_action != action else None  # None: the rules decided
+    return FilterVerdict(action, out_text, value, reasons, edits, outcome, changed, stages)
 
 
 def inspect_messages(
-    messages: list[dict[str, Any]], config: FilterConfig = DEFAULT, classifier: Classifier | None = None
+    messages: list[dict[str, Any]], config: FilterConfig = DEFAULT, classifier: Classifier | Ensemble | None = None
 ) -> tuple[list[dict[str, Any]], list[FilterVerdict], Action]:
     """Filter the user turns of an OpenAI-style chat.
 
@@ -88,7 +97,7 @@ def inspect_messages(
 
 
 def _inspect_parts(
-    parts: list[Any], config: FilterConfig, classifier: Classifier | None
+    parts: list[Any], config: FilterConfig, classifier: Classifier | Ensemble | None
 ) -> tuple[FilterVerdict, list[Any]]:
     """A content list (``[{"type": "text", "text": ...}, ...]``): every text part is a prompt.
 
@@ -112,5 +121,12 @@ def _inspect_parts(
         reasons=tuple(dict.fromkeys(r for v in verdicts for r in v.reasons)),
         edits=tuple(e for v in verdicts for e in v.edits),
         classifier=strongest([v.classifier for v in verdicts]),
+        stages=deciding(verdicts).stages,
     )
     return merged, new_parts
+
+
+def deciding(verdicts: list[FilterVerdict]) -> FilterVerdict:
+    """The verdict whose classifier outcome decides (stage.strongest): its stages go on the event."""
+    best = strongest([v.classifier for v in verdicts])
+    return next((v for v in verdicts if best is not None and v.classifier is best), verdicts[0])

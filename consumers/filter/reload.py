@@ -17,6 +17,7 @@ from pathlib import Path
 
 from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
+from consumers.filter.ensemble import Ensemble
 
 __all__ = ["ClassifierSlot", "artifact_path", "slot_for"]
 
@@ -30,7 +31,7 @@ class ClassifierSlot:
         self,
         path: str | Path,
         check_s: float = 5.0,
-        loader: Callable[[Path], Classifier] = load_classifier,
+        loader: Callable[[Path], Classifier | Ensemble] = load_classifier,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.path = Path(path)
@@ -52,7 +53,7 @@ class ClassifierSlot:
             return None
         return st.st_mtime_ns, st.st_size
 
-    def current(self) -> Classifier:
+    def current(self) -> Classifier | Ensemble:
         """The classifier to use now (reloaded first when the artifact changed)."""
         now = self._clock()
         if now >= self._next_check:

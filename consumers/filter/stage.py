@@ -1,4 +1,11 @@
-"""The classifier stage's verdict on one prompt, under the deployment's mode (pure)."""
+"""The classifier stages' verdicts on one prompt, under the deployment's modes (pure).
+
+One classifier (an artifact or a guard model) is one stage, ``classifier``, enforced
+in mode ``block``. An ensemble (ensemble.py) has named stages: each is enforced only
+when the mode is ``block`` and the config's stage mode is ``block`` (``stage_modes``
+over ``DEFAULT_STAGE_MODES``); any other stage runs in ``shadow`` (scored, recorded on the event,
+counted, never blocking), so a new stage is watched before it can reject anything.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +13,72 @@ from dataclasses import dataclass
 
 from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
+from consumers.filter.ensemble import Ensemble, Member
 
-__all__ = ["ClassifierOutcome", "classify"]
+__all__ = ["ClassifierOutcome", "classify", "run_stages", "strongest"]
+
+SINGLE = "classifier"  # the stage name of a lone classifier
 
 
 @dataclass(frozen=True)
 class ClassifierOutcome:
-    """What the classifier said about one prompt and whether that counted."""
+    """What one classifier stage said about one prompt and whether that counted."""
 
     version: str
     score: float
     threshold: float
     flagged: bool  # score >= threshold
-    enforced: bool  # flagged and the mode lets the classifier reject
+    enforced: bool  # flagged and the modes let the stage reject
     features: tuple[tuple[str, float], ...]
+    stage: str = SINGLE
+    mode: str = "block"  # the stage's own mode: block or shadow
+    benign_tail: float | None = None  # share of held-out benign prompts scoring at least this (ensembles)
 
 
 def classify(text: str, classifier: Classifier, config: FilterConfig) -> ClassifierOutcome:
-    """Score ``text``; only mode ``block`` turns a flag into a rejection."""
+    """Score ``text`` with one classifier; only mode ``block`` turns a flag into a rejection."""
     threshold = config.classifier_threshold if config.classifier_threshold is not None else classifier.threshold
+    return _outcome(text, classifier, threshold, config)
+
+
+def _outcome(
+    text: str, classifier: Classifier, threshold: float, config: FilterConfig, member: Member | None = None
+) -> ClassifierOutcome:
     result = classifier.score(text)
     flagged = result.score >= threshold
+    tail = member.benign_tail(result.logit) if member is not None and result.logit is not None else None
     if flagged and config.classifier_explain:
         # explaining costs a quarter of the scoring time: pay it only for the few flagged prompts
         result = classifier.score(text, config.classifier_explain)
+    stage, mode = (SINGLE, "block") if member is None else (member.name, config.stage_mode(member.name))
+    enforced = flagged and config.mode == "block" and mode == "block"
     return ClassifierOutcome(
-        classifier.version, result.score, threshold, flagged, flagged and config.mode == "block", result.features
+        classifier.version,
+        result.score,
+        threshold,
+        flagged,
+        enforced,
+        result.features,
+        stage,
+        mode,
+        None if tail is None else round(tail, 6),
+    )
+
+
+def run_stages(text: str, classifier: Classifier | Ensemble, config: FilterConfig) -> tuple[ClassifierOutcome, ...]:
+    """Every stage's outcome on ``text``: one for a lone classifier, one per stage of an ensemble,
+    each at the threshold of the ensemble's operating point for the stages the config enforces."""
+    if not isinstance(classifier, Ensemble):
+        return (classify(text, classifier, config),)
+    blocking = {m.name for m in classifier.members if config.stage_mode(m.name) == "block"}
+    thresholds = classifier.thresholds(blocking)
+    return tuple(
+        _outcome(text, m.classifier, config.stage_thresholds.get(m.name, thresholds[m.name]), config, m)
+        for m in classifier.members
     )
 
 
 def strongest(outcomes: list[ClassifierOutcome | None]) -> ClassifierOutcome | None:
-    """The outcome with the highest score: it is the one that decides a chat's verdict."""
+    """The outcome that decides a chat's verdict: an enforced flag first, then a flag, then the highest score."""
     present = [o for o in outcomes if o is not None]
-    return max(present, key=lambda o: o.score) if present else None
+    return max(present, key=lambda o: (o.enforced, o.flagged, o.score)) if present else None

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from consumers.filter import heldout
+from consumers.filter import heldout, protocols
 from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
 from consumers.filter.corpus import Row, load_rows
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
@@ -68,7 +68,7 @@ from consumers.filter.memory import WEIGHT as MEMORY_WEIGHT
 from consumers.filter.memory import Memory, shingles
 from consumers.filter.policy import inspect_prompt
 
-__all__ = ["Data", "Trained", "data", "evaluate", "fit", "fit_views", "main", "matrix", "train"]
+__all__ = ["Data", "Trained", "data", "dev_rows", "fit", "fit_views", "main", "matrix", "rules_flag", "train"]
 
 FP_CAP = 0.003
 BITS = 18
@@ -79,7 +79,6 @@ CUE_C = 1.0
 VIEW_MIX = {"chars": 1.0, "words": 1.0, "cues": 0.25}
 TRAIN_FILE = Path(__file__).resolve().parents[3] / "shared/data/injection-train.jsonl"
 DEV_FILE = TRAIN_FILE.with_name("injection-dev.jsonl")
-DEV_FOLDS = 5
 TRAIN_ON_DEV = True  # the shipped artifact's recipe: is the dev file in its training rows?
 # Each dev family weighs this many times a train family of its class, in every fit that has dev
 # rows: the dev file is the deployment's own traffic (arena prompts, JailbreakBench attacks).
@@ -238,93 +237,42 @@ def _prob(logit: float) -> float:
     return float(1.0 / (1.0 + np.exp(-logit)))
 
 
-@dataclass(frozen=True)
-class DevFile:
-    """The dev file as :func:`evaluate` needs it."""
-
-    rows: Sequence[Row]
-    x: Data  # the rows' views and shingles
-    rules: np.ndarray  # the rules (no classifier) reject or alter the row
-    in_training: bool  # the evaluated training rows end with these rows
-
-
 def rules_flag(rows: Sequence[Row]) -> np.ndarray:
     """Whether the rules alone (default config, no classifier) reject or alter each row."""
     return np.array([inspect_prompt(r.text).action != "pass" for r in rows], dtype=bool)
 
 
-def evaluate(
-    rows: Sequence[Row],
-    x: Data,
-    fit_rows: heldout.Fit,
-    *,
-    balance: str,
-    seed: int,
-    fp_cap: float,
-    dev: DevFile | None = None,
-    final: Callable[[Data], np.ndarray] | None = None,
-    boost: dict[str, float] | None = None,
-    log: Callable[[str], None] = print,
-) -> tuple[dict[str, Any], float]:
-    """The held-out report (see :mod:`consumers.filter.heldout`) and the shipped threshold (a logit).
-
-    The shipped threshold is the leave-one-source-out one: the benign cap then holds
-    for benign sources the model never saw, which is what production traffic is.
-    ``final`` scores the dev rows with the final model when it did not train on them;
-    ``boost`` weighs families more (heldout.family_weights) in every fit.
-    """
-    y = np.array([r.attack for r in rows])
-    fam = np.array([r.family for r in rows])
-    report: dict[str, Any] = {}
-    log(f"leave-one-source-out over {len(set(fam))} families ...")
-    loso = heldout.loso_scores(x, y, fam, fit_rows, balance, boost)
-    t = heldout.threshold_at(loso[~y], fp_cap)
-    report["loso"] = heldout.table(loso, y, fam, t, _prob)
-    report["loso"]["nested_benign_fp"] = heldout.nested_benign_fp(loso, y, fam, fp_cap)
-    log(f"attack families held out ({len(set(fam[y]))}), benign always trained on (one fold held out) ...")
-    att, ben = heldout.loso_attack_scores(x, y, fam, fit_rows, balance, seed=seed, boost=boost)
-    t_att = heldout.threshold_at(ben, fp_cap)
-    report["loso_attack"] = heldout.table(att, y, fam, t_att, _prob)
-    report["loso_attack"]["fp"] = float((ben >= t_att).mean())
-    log("in-distribution 5-fold ...")
-    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, seed=seed, boost=boost)
-    report["in_distribution"] = heldout.table(kf, y, fam, heldout.threshold_at(kf[~y], fp_cap), _prob)
-    if dev is not None:
-        thresholds = (t, t_att)
-        report.update(_dev_tables(x, y, fam, fit_rows, dev, thresholds, balance, seed, fp_cap, final, boost, log))
-    return report, t
+def training_set(
+    rows: Sequence[Row], dev: Sequence[Row], train_on_dev: bool, dev_weight: float
+) -> tuple[list[Row], np.ndarray, np.ndarray, dict[str, float] | None]:
+    """The rows every stage fits (the train file, then the dev file when trained on), their labels,
+    families, and the families boosted in the sample weights (the dev file's)."""
+    fitted = [*rows, *dev] if train_on_dev else list(rows)
+    boost = {r.family: dev_weight for r in dev} if dev and dev_weight != 1.0 else None
+    return fitted, np.array([r.attack for r in fitted]), np.array([r.family for r in fitted]), boost
 
 
-def _dev_tables(
-    x, y, fam, fit_rows, dev: DevFile, thresholds, balance, seed, fp_cap, final, boost, log
-) -> dict[str, Any]:
-    """The dev split in distribution (k-fold over the dev file, the train file always trained on),
-    and the dev file at the LOSO and attack-held-out thresholds."""
-    n = len(dev.rows)
-    yd, fd = np.array([r.attack for r in dev.rows]), np.array([r.family for r in dev.rows])
-    if not dev.in_training:
-        x, y, fam = Data.stack(x, dev.x), np.r_[y, yd], np.r_[fam, fd]
-    folded = np.arange(len(y)) >= len(y) - n
-    log(f"dev split in distribution: {DEV_FOLDS}-fold over the dev file, the train file in every fold ...")
-    kf = heldout.kfold_scores(x, y, fam, fit_rows, balance, k=DEV_FOLDS, seed=seed, folded=folded, boost=boost)
-    kf = kf[folded]
-    scores = kf if dev.in_training or final is None else final(dev.x)
-    t, t_att = thresholds
-    return {
-        "dev_split": heldout.dev_split(kf, yd, fd, dev.rules, fp_cap, _prob),
-        "dev": heldout.table(scores, yd, fd, t, _prob),
-        "dev_at_attack_threshold": heldout.table(scores, yd, fd, t_att, _prob),
-        "dev_scored_by": "dev k-fold models" if scores is kf else "final model",
-    }
+def dev_rows(dev: Sequence[Row], x, in_training: bool, rules: np.ndarray | None = None) -> protocols.DevRows:
+    """The dev file for the protocols (``x``: its rows' features in the stage's form)."""
+    return protocols.DevRows(
+        x,
+        np.array([r.attack for r in dev]),
+        np.array([r.family for r in dev]),
+        rules if rules is not None else rules_flag(dev),
+        in_training,
+    )
 
 
 class Trained(NamedTuple):
-    """What :func:`train` fits: the linear weights and bias, the artifact's metadata, the memory."""
+    """What :func:`train` fits: the linear weights and bias, the artifact's metadata, the memory,
+    and the held-out scores under every protocol (None without ``evaluate_heldout``)."""
 
     weights: np.ndarray
     bias: float
     meta: dict[str, Any]
     memory: Memory | None
+    heldout: protocols.HeldOut | None = None
+    reference: np.ndarray | None = None  # benign logits, held out (LOSO) or in sample: the calibration
 
 
 def train(
@@ -343,18 +291,16 @@ def train(
     dev_weight: float = DEV_WEIGHT,
     memory_weight: float = MEMORY_WEIGHT,
     fp_cap: float = FP_CAP,
+    rules: np.ndarray | None = None,
     log: Callable[[str], None] = print,
 ) -> Trained:
     """Fit on ``rows`` (and ``dev`` with ``train_on_dev``, each dev family weighing ``dev_weight``
     train families); with ``evaluate_heldout``, also the held-out figures. ``memory_weight`` 0:
     no known-attack memory."""
-    fitted = [*rows, *dev] if train_on_dev else list(rows)
-    y = np.array([r.attack for r in fitted])
-    fam = np.array([r.family for r in fitted])
+    fitted, y, fam, boost = training_set(rows, dev, train_on_dev, dev_weight)
     names = view_names(word_orders, cues)
     x_all = data([*rows, *dev], bits, char_orders, word_orders, cues)
     x = x_all[np.arange(len(fitted))]
-    boost = {r.family: dev_weight for r in dev} if dev and dev_weight != 1.0 else None
     w, b = fit_views(x.views, y, c, seed, heldout.family_weights(y, fam, balance, boost), bits, names)
     memory = build_memory(x, y, memory_weight) if memory_weight else None
     final = _scorer(w, b, memory)
@@ -366,22 +312,12 @@ def train(
         "dev_in_training": bool(train_on_dev and dev),
         "dev_weight": dev_weight,
     }
+    held = None
     if evaluate_heldout:
-        dev_file = DevFile(dev, x_all[np.arange(len(rows), len(x_all))], rules_flag(dev), train_on_dev) if dev else None
-        fitter = _fitter(c, seed, bits, names, memory_weight)
-        held, t = evaluate(
-            fitted,
-            x,
-            fitter,
-            balance=balance,
-            seed=seed,
-            fp_cap=fp_cap,
-            dev=dev_file,
-            final=final,
-            boost=boost,
-            log=log,
-        )
-        report.update(held)
+        dev_file = dev_rows(dev, x_all[np.arange(len(rows), len(x_all))], train_on_dev, rules) if dev else None
+        setup = protocols.Setup(y, fam, balance, seed, boost, dev_file, fp_cap, log)
+        held, tables, t = protocols.evaluate(x, _fitter(c, seed, bits, names, memory_weight), setup, final, Data.stack)
+        report.update(tables)
     else:  # quick runs (tests, small subsets): the in-sample threshold, marked as such
         t = heldout.threshold_at(final(x)[~y], fp_cap)
     report["threshold_from"] = "loso" if evaluate_heldout else "in-sample"
@@ -410,40 +346,17 @@ def train(
         meta["cues"] = {"version": CUES_VERSION, "names": list(CUE_NAMES)}
     if memory is not None:
         meta["memory"] = memory.meta()
-    return Trained(w, b, meta, memory)
+    reference = held.loso[~y] if held is not None else final(x)[~y]
+    return Trained(w, b, meta, memory, held, reference)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``arena filter-train [--train FILE] [--dev FILE] [--[no-]train-on-dev] [--out PATH] [--seed N] [--limit N]
-    [--no-eval]``."""
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="arena filter-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", default=str(TRAIN_FILE), help="labelled JSONL: {text, label, source}")
-    p.add_argument("--dev", default=str(DEV_FILE), help="dev file: k-fold in distribution, per family ('' to skip)")
-    p.add_argument(
-        "--train-on-dev",
-        action=argparse.BooleanOptionalAction,
-        default=TRAIN_ON_DEV,
-        help="fit the final model (and the held-out protocols) on the train and dev files",
-    )
-    p.add_argument(
-        "--dev-weight", type=float, default=DEV_WEIGHT, help="weight of a dev family relative to a train family"
-    )
-    p.add_argument("--out", default=str(DEFAULT_ARTIFACT), help="artifact path (.npz)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
-    p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
-    p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
-    p.add_argument("--words", action="store_true", help="add the word 1-2-gram view (slower to serve)")
-    p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
-    p.add_argument(
-        "--memory-weight",
-        type=float,
-        default=MEMORY_WEIGHT,
-        help="logit added at full containment of a known training attack (0: no memory)",
-    )
-    p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
-    p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
-    args = p.parse_args(argv)
+    [--no-eval] [--no-word-stage]``: the character stage, the word stage and their ensemble's manifest."""
+    args = _parser().parse_args(argv)
+    # beside the character stage unless told: a run with --out elsewhere leaves the committed artifacts alone
+    args.words_out = args.words_out or str(Path(args.out).with_name("prompt-words.npz"))
+    args.ensemble_out = args.ensemble_out or str(Path(args.out).with_name("ensemble.json"))
     try:
         rows = load_rows(args.train, args.limit)
         wanted = args.train_on_dev or not args.no_eval
@@ -452,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    w, b, meta, memory = train(
+    rules = rules_flag(dev) if dev else None
+    log(f"character stage (n-grams, cues, memory) on {len(rows)} + {len(dev)} rows ...")
+    chars = train(
         rows,
         bits=args.bits,
         c=args.c,
@@ -465,13 +380,97 @@ def main(argv: list[str] | None = None) -> int:
         train_on_dev=args.train_on_dev,
         dev_weight=args.dev_weight,
         memory_weight=args.memory_weight,
+        rules=rules,
     )
-    save_linear(args.out, w, b, meta, memory)
-    size = Path(args.out).stat().st_size
-    print(f"wrote {args.out} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
+    save_linear(args.out, chars.weights, chars.bias, chars.meta, chars.memory, chars.reference)
+    _wrote(args.out, chars.meta)
+    if not args.no_word_stage:
+        from consumers.filter.train_ensemble import build  # noqa: PLC0415 - it imports this module
+
+        fitted, y, fam, boost = training_set(rows, dev, args.train_on_dev, args.dev_weight)
+        dev_file = dev_rows(dev, None, args.train_on_dev, rules) if dev else None
+        built = build(
+            chars,
+            Path(args.out),
+            fitted,
+            y,
+            fam,
+            boost,
+            words_path=Path(args.words_out),
+            manifest_path=Path(args.ensemble_out),
+            dev=dev_file,
+            dev_texts=dev,
+            word_options={
+                "orders": _orders(args.word_orders),
+                "bits": args.word_bits,
+                "c": args.word_c,
+                "seed": args.seed,
+            },
+            evaluate_heldout=not args.no_eval,
+            fp_cap=FP_CAP,
+        )
+        print(f"wrote {args.words_out}, version {built['words']}")
+        both = next(p for p in built["points"] if len(p["enforced"]) == 2)
+        print(
+            f"wrote {args.ensemble_out}, version {built['version']}: both stages enforced at benign quantile"
+            f" {both['quantile']:.5f}, thresholds " + ", ".join(f"{k} {v:.4f}" for k, v in both["thresholds"].items())
+        )
     took = time.perf_counter() - start
-    print(f"trained on {meta['report']['rows']} rows in {took:.0f} s; `arena filter-eval` prints the tables")
+    print(f"trained on {chars.meta['report']['rows']} rows in {took:.0f} s; `arena filter-eval` prints the tables")
     return 0
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _wrote(path: str, meta: dict[str, Any]) -> None:
+    size = Path(path).stat().st_size
+    print(f"wrote {path} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
+
+
+def _orders(text: str) -> tuple[int, ...]:
+    lo, _, hi = text.partition("-")
+    return tuple(range(int(lo), int(hi or lo) + 1))
+
+
+def _parser() -> argparse.ArgumentParser:
+    from consumers.filter import train_words, words  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="arena filter-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--train", default=str(TRAIN_FILE), help="labelled JSONL: {text, label, source}")
+    p.add_argument("--dev", default=str(DEV_FILE), help="dev file: k-fold in distribution, per family ('' to skip)")
+    p.add_argument(
+        "--train-on-dev",
+        action=argparse.BooleanOptionalAction,
+        default=TRAIN_ON_DEV,
+        help="fit the final model (and the held-out protocols) on the train and dev files",
+    )
+    p.add_argument(
+        "--dev-weight", type=float, default=DEV_WEIGHT, help="weight of a dev family relative to a train family"
+    )
+    p.add_argument("--out", default=str(DEFAULT_ARTIFACT), help="character stage artifact path (.npz)")
+    p.add_argument("--words-out", default=None, help="word stage artifact (default: prompt-words.npz beside --out)")
+    p.add_argument("--ensemble-out", default=None, help="the ensemble's manifest (default: ensemble.json beside --out)")
+    p.add_argument("--no-word-stage", action="store_true", help="the character stage only (no word stage, no manifest)")
+    p.add_argument("--word-orders", default="1-4", help="word n-gram orders of the word stage, e.g. 1-2 or 1-4")
+    p.add_argument("--word-bits", type=int, default=words.BITS, help="log2 of the word stage's hashed space")
+    p.add_argument("--word-C", type=float, default=train_words.C, dest="word_c", help="the word stage's C")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
+    p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
+    p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
+    p.add_argument("--words", action="store_true", help="add the word 1-2-gram view to the character stage's sum")
+    p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
+    p.add_argument(
+        "--memory-weight",
+        type=float,
+        default=MEMORY_WEIGHT,
+        help="logit added at full containment of a known training attack (0: no memory)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
+    p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
+    return p
 
 
 if __name__ == "__main__":

@@ -47,15 +47,15 @@ def test_features_are_stable_and_explainable():
 
 def test_training_is_reproducible():
     rows = _tiny_rows()
-    w1, b1, m1, mem1 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
-    w2, b2, m2, mem2 = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
+    w1, b1, m1, mem1, *_ = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
+    w2, b2, m2, mem2, *_ = train(rows, bits=14, seed=3, evaluate_heldout=False, log=lambda _: None)
     assert np.array_equal(w1, w2) and b1 == b2
     assert mem1 is not None and mem2 is not None and np.array_equal(mem1.sketches, mem2.sketches)
     assert m1["version"] == m2["version"] and m1["threshold"] == m2["threshold"]
 
 
 def test_artifact_round_trip_without_pickle(tmp_path, monkeypatch):
-    w, b, meta, memory = train(_tiny_rows(), bits=14, evaluate_heldout=False, log=lambda _: None)
+    w, b, meta, memory, *_ = train(_tiny_rows(), bits=14, evaluate_heldout=False, log=lambda _: None)
     path = tmp_path / "clf.npz"
     save_linear(path, w, b, meta, memory)
 
@@ -103,7 +103,7 @@ def test_committed_artifact_scores_known_attacks_and_benign():
 def test_hot_reload_swaps_on_a_new_artifact_and_keeps_the_old_on_a_bad_one(tmp_path):
     rows = _tiny_rows()
     path = tmp_path / "clf.npz"
-    w, b, meta, _ = train(rows, bits=14, seed=0, evaluate_heldout=False, log=lambda _: None)
+    w, b, meta, _, *_ = train(rows, bits=14, seed=0, evaluate_heldout=False, log=lambda _: None)
     save_linear(path, w, b, meta)
     now = [0.0]
     slot = ClassifierSlot(path, check_s=1.0, clock=lambda: now[0])
@@ -166,7 +166,7 @@ def test_filter_train_writes_an_artifact_filter_eval_reads(tmp_path, capsys):
         main(["filter-train", "--train", str(corpus), "--out", str(out), "--limit", "50", "--no-eval", "--bits", "14"])
         == 0
     )
-    assert out.is_file()
+    assert out.is_file() and {p.name for p in out.parent.iterdir()} == {"clf.npz", "prompt-words.npz", "ensemble.json"}
     assert main(["filter-eval", str(corpus), "--classifier", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "classifier" in printed and load_classifier(out).version in printed
@@ -188,7 +188,7 @@ def test_training_records_every_held_out_table():
             (BENIGN[2], False, "ben-two:x"),
         )
     ]
-    _, _, meta, _ = train(rows, bits=12, dev=rows[:20], train_on_dev=False, log=lambda _: None)
+    _, _, meta, _, *_ = train(rows, bits=12, dev=rows[:20], train_on_dev=False, log=lambda _: None)
     report = meta["report"]
     assert {"loso", "loso_attack", "in_distribution", "dev", "dev_at_attack_threshold", "dev_split"} <= set(report)
     assert set(report["dev_split"]) == {"classifier", "filter"} and report["dev_scored_by"] == "final model"
@@ -209,7 +209,7 @@ def test_training_on_the_dev_file_scores_it_only_out_of_fold():
         for i in range(10)
         for t, a, src in ((ATTACKS[i % 2], True, "atk-dev:x"), (BENIGN[i % 2], False, "ben-dev:x"))
     ]
-    w_dev, _, meta, _ = train(rows, bits=12, dev=dev, train_on_dev=True, log=lambda _: None)
+    w_dev, _, meta, _, *_ = train(rows, bits=12, dev=dev, train_on_dev=True, log=lambda _: None)
     w_train, *_ = train(rows, bits=12, dev=dev, train_on_dev=False, evaluate_heldout=False, log=lambda _: None)
     report = meta["report"]
     assert report["dev_in_training"] and report["rows"] == len(rows) + len(dev)
@@ -230,7 +230,7 @@ def test_training_on_the_dev_file_scores_it_only_out_of_fold():
 )
 def test_every_view_layout_round_trips(tmp_path, word_orders, cues, views, memory_weight):
     rows = _tiny_rows()
-    w, b, meta, memory = train(
+    w, b, meta, memory, *_ = train(
         rows,
         bits=12,
         word_orders=word_orders,
@@ -285,7 +285,7 @@ def test_the_memory_keeps_what_is_an_attacks_own():
 
 
 def test_an_artifact_with_a_damaged_memory_is_refused(tmp_path):
-    w, b, meta, memory = train(_tiny_rows(), bits=12, evaluate_heldout=False, log=lambda _: None)
+    w, b, meta, memory, *_ = train(_tiny_rows(), bits=12, evaluate_heldout=False, log=lambda _: None)
     assert memory is not None
     broken = Memory(memory.sketches[:, :5], memory.sizes)
     save_linear(tmp_path / "clf.npz", w, b, meta, broken)
@@ -294,7 +294,7 @@ def test_an_artifact_with_a_damaged_memory_is_refused(tmp_path):
 
 
 def test_a_v3_artifact_without_views_still_loads(tmp_path):
-    w, b, meta, _ = train(
+    w, b, meta, _, *_ = train(
         _tiny_rows(), bits=12, cues=False, memory_weight=0, evaluate_heldout=False, log=lambda _: None
     )
     del meta["views"]  # v3 artifacts predate views: one n-gram view of their orders
