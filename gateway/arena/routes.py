@@ -92,7 +92,11 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     async def leaderboard(
         format: str = Query("json", pattern="^(json|csv)$"),
         style_control: bool = Query(False, description="The style-controlled board (length and markdown out)."),
-        category: str | None = Query(None, description=f"The board of one category: {', '.join(CATEGORIES)}."),
+        category: str | None = Query(
+            None,
+            description=f"The board of one category: {', '.join(CATEGORIES)}.",
+            json_schema_extra={"enum": list(CATEGORIES)},
+        ),
     ):
         """The current leaderboard (kept live by the leaderboard consumer); `?format=csv` for CSV,
         `?style_control=true` for ratings with the answers' style taken out, `?category=coding`

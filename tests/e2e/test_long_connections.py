@@ -64,23 +64,23 @@ async def test_a_socket_idle_for_45_s_carries_on_its_conversation(up):
 
 @pytest.mark.timeout(150)
 async def test_a_turn_streams_across_the_ten_second_mark(up):
-    async with websockets.connect(ws_url(up)) as sock:
-        opened = time.monotonic()
-        await recv(sock)
-        await asyncio.sleep(8.5)
-        spanned = None
-        while spanned is None and time.monotonic() - opened < 40:
+    for _ in range(3):  # a turn that ends on its own before the mark is tried again on a new socket
+        async with websockets.connect(ws_url(up)) as sock:
+            opened = time.monotonic()
+            await recv(sock)
+            await asyncio.sleep(9.3)
             chunks, end, ended = await turn(sock, "Once upon a time", max_tokens=400)
             assert end["type"] == "done", end
             assert "".join(f["text"] for _, f in chunks) == end["text"]
             if chunks and chunks[0][0] - opened < 10.0 < ended - opened:
-                spanned = (chunks[0][0] - opened, ended - opened, len(chunks))
-        assert spanned is not None, "no turn was in flight at the 10 s mark"
-        print(
-            f"\nturn streamed from {spanned[0]:.2f} to {spanned[1]:.2f} s after the socket opened, {spanned[2]} chunks"
-        )
-        _, after, _ = await turn(sock, "The end", max_tokens=8)  # and the socket carries on
-        assert after["type"] == "done"
+                print(
+                    f"\nturn streamed from {chunks[0][0] - opened:.2f} to {ended - opened:.2f} s after the socket "
+                    f"opened, {len(chunks)} chunks"
+                )
+                _, after, _ = await turn(sock, "The end", max_tokens=8)  # and the socket carries on
+                assert after["type"] == "done", after
+                return
+    raise AssertionError("no turn was in flight at the 10 s mark in three tries")
 
 
 def gateway_process(up) -> psutil.Process:

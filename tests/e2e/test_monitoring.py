@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from events import topology
 from infra.monitoring import dashboard, scrape, series
+from infra.supervisor import DEFAULT_MODEL
 from runtime.net import free_port
 from tests.arena_up import ArenaUp, arena
 from tests.prometheus import active_targets, query, run_prometheus, wait_for
@@ -106,13 +107,13 @@ def test_prometheus_holds_requests_batches_and_consumer_lag(up, prometheus, traf
     )
     assert float(answered[0]["value"][1]) >= REQUESTS
     steps = wait_for(lambda: query(prometheus, "sum by (model) (arena_batch_size_count)"), 30, "arena_batch_size")
-    assert {r["metric"]["model"] for r in steps} == {"stories-260k"}
+    assert {r["metric"]["model"] for r in steps} == {DEFAULT_MODEL}  # what a request naming none gets
     for lag in ("arena_consumer_pending", "arena_consumer_ack_pending", "arena_consumer_redelivered"):
         seen = wait_for(lambda lag=lag: query(prometheus, lag), 30, lag)
         assert {r["metric"]["durable"] for r in seen} == {r.durable for r in topology.consumers()}
         assert all(r["metric"]["role"] == "gateway" for r in seen)
     workers = query(prometheus, "arena_model_resident_workers")
-    assert {r["metric"]["model"]: r["value"][1] for r in workers}["stories-260k"] == "1"
+    assert {r["metric"]["model"]: r["value"][1] for r in workers}[DEFAULT_MODEL] == "1"
 
 
 def test_dashboard_and_alerts_query_only_series_the_processes_export(up, traffic):
