@@ -74,11 +74,6 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def converted_dir(source: str, cache: Path) -> Path:
-    """Where ``source``'s conversion lives (whether or not it is there yet)."""
-    return cache / f"gguf-{digest(gguf_file(source))[:16]}"
-
-
 def checkpoint(source: str, cache: str | Path, say: Callable[[str], None] = log.info) -> str:
     """A checkpoint directory for ``source``: itself when it is one; for a GGUF, its
     conversion in ``cache``, made now when absent (tens of seconds; ``say`` tells the stages)."""
@@ -88,7 +83,8 @@ def checkpoint(source: str, cache: str | Path, say: Callable[[str], None] = log.
     cache = Path(cache).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    dest = converted_dir(source, cache)
+    sha256 = digest(gguf)
+    dest = cache / f"gguf-{sha256[:16]}"  # where its conversion lives, whether or not it is there yet
     if (dest / SOURCE_FILE).is_file():
         return str(dest)
     with (cache / f"{dest.name}.lock").open("w") as lock:
@@ -96,12 +92,12 @@ def checkpoint(source: str, cache: str | Path, say: Callable[[str], None] = log.
         if not (dest / SOURCE_FILE).is_file():
             size_mb = gguf.stat().st_size / 1e6
             say(f"converting {gguf.name} ({size_mb:.0f} MB, hashed in {time.perf_counter() - t0:.1f} s)")
-            _convert(gguf, dest, say)
+            _convert(gguf, sha256, dest, say)
     say(f"{gguf.name}: checkpoint {dest} ready in {time.perf_counter() - t0:.1f} s")
     return str(dest)
 
 
-def _convert(gguf: Path, dest: Path, say: Callable[[str], None]) -> None:
+def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) -> None:
     import torch  # noqa: PLC0415 - heavy: only a conversion needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
@@ -127,7 +123,7 @@ def _convert(gguf: Path, dest: Path, say: Callable[[str], None]) -> None:
     say(f"writing the checkpoint ({time.perf_counter() - t0:.1f} s so far)")
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    source = {"gguf": str(gguf), "sha256": digest(gguf), "converted_s": round(time.perf_counter() - t0, 1)}
+    source = {"gguf": str(gguf), "sha256": sha256, "converted_s": round(time.perf_counter() - t0, 1)}
     (partial / SOURCE_FILE).write_text(json.dumps(source))
     shutil.rmtree(dest, ignore_errors=True)
     partial.rename(dest)
