@@ -24,6 +24,7 @@ from gateway.access import Access, KeyGuard
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, ServerTiming, WebSocketProtocol, head_timeout_protocol
 from gateway.fleet import FLEET
+from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from gateway.shed import EarlyAdmission, EarlyGate
@@ -174,6 +175,7 @@ def raise_open_files() -> int:
 def main() -> None:
     settings = GatewaySettings()
     app = build_app(settings)
+    METRICS.websockets.set_function(lambda: WebSocketProtocol.open)  # the protocol counts them
     files = raise_open_files()
     if files < settings.max_websockets + settings.max_connections:
         log.warning(

@@ -335,7 +335,6 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     @r.websocket("/v1/ws")
     async def chat_ws(ws: WebSocket) -> None:
         await ws.accept()
-        METRICS.websockets.inc()
         try:
             if WebSocketProtocol.open > settings.max_websockets:
                 await _refuse(ws, too_many_websockets(settings.max_websockets), code=1013)
@@ -360,7 +359,5 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
             await session.run(first)
         except Gone:
             pass
-        finally:
-            METRICS.websockets.dec()
 
     return r
