@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import sys
 import time
@@ -200,3 +202,16 @@ def module_stack_factory(tmp_path_factory):
     stacks.stop()
     nats_srv.stop()
     redis_srv.stop()
+
+
+async def until(check, timeout: float = 5.0, what=lambda: "timed out") -> None:
+    """Wait until `check()` (or the awaitable it returns) is true, polling every 20 ms;
+    `what()` (or its awaitable) says what was seen when it is not within `timeout` s."""
+    end = time.monotonic() + timeout
+    while not await _value(check()):
+        assert time.monotonic() < end, await _value(what())
+        await asyncio.sleep(0.02)
+
+
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result

@@ -56,15 +56,6 @@ async def stream_one(
     return out
 
 
-async def until(condition, timeout_s: float, every_s: float = 0.02) -> None:
-    """Wait until ``condition()`` holds (the clients fill their records as chunks arrive)."""
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"not within {timeout_s} s")
-        await asyncio.sleep(every_s)
-
-
 async def post_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> httpx.Response:
     try:
         return await client.post(f"{url}/v1/chat/completions", json=body, headers=headers or {})

@@ -20,8 +20,8 @@ import pytest
 from events import subjects
 from infra.servers import start_nats, start_redis
 from tests.arena_up import ArenaUp
-from tests.conftest import stored_events
-from tests.streams import Stream, audit_of, post_one, prompt, stream_one, until
+from tests.conftest import stored_events, until
+from tests.streams import Stream, audit_of, post_one, prompt, stream_one
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

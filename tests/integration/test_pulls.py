@@ -5,7 +5,6 @@ back, and the pull loop settles each message as its handler says."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from contextlib import suppress
 
@@ -18,6 +17,7 @@ from events import subjects
 from events.topology import Role
 from runtime.consume import DurableConsumer
 from runtime.pulls import fetch_available
+from tests.conftest import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -77,18 +77,6 @@ async def _consumer_on(url: str, durable: str = "d", ack_wait: float = 30.0):
     return nc, js, Role(name=durable, entry="tests:none", reads="arena.>")
 
 
-async def _until(check, timeout: float = 5.0, what=lambda: "timed out") -> None:
-    """Wait until `check()` (or the awaitable it returns) is true; `what()` says what was seen."""
-    end = time.monotonic() + timeout
-    while not await _value(check()):
-        assert time.monotonic() < end, await _value(what())
-        await asyncio.sleep(0.02)
-
-
-async def _value(result):
-    return await result if inspect.isawaitable(result) else result
-
-
 async def _pending(js, durable: str = "d") -> tuple[int, int]:
     info = await js.consumer_info(subjects.STREAM, durable)
     return info.num_pending, info.num_ack_pending
@@ -113,8 +101,8 @@ async def test_auto_ack_settles_each_message_as_its_handler_says(nats_server):
         for kind in ("ok", "nak", "boom", "reject"):
             await js.publish(f"arena.t.{kind}", b"x")
         await consumer.start(js)
-        await _until(lambda: seen.get("nak") == 2 and seen.get("boom") == 2 and "ok" in seen and "reject" in seen)
-        await _until(lambda: _settled(js), what=lambda: _pending(js))
+        await until(lambda: seen.get("nak") == 2 and seen.get("boom") == 2 and "ok" in seen and "reject" in seen)
+        await until(lambda: _settled(js), what=lambda: _pending(js))
         assert seen == {"ok": 1, "nak": 2, "boom": 2, "reject": 1}  # acked, terminated: none comes back
     finally:
         await consumer.stop()
@@ -139,7 +127,7 @@ async def test_one_worker_handles_messages_in_stream_order(nats_server):
         for i in range(20):
             await js.publish(f"arena.o.{i}", str(i).encode())
         await consumer.start(js)
-        await _until(lambda: len(order) == 20)
+        await until(lambda: len(order) == 20)
         assert order == list(range(20))
     finally:
         await consumer.stop()
@@ -160,7 +148,7 @@ async def test_stop_gives_back_what_was_fetched_and_not_started(nats_server):
     for i in range(5):
         await js.publish(f"arena.s.{i}", str(i).encode())
     await consumer.start(js)
-    await _until(lambda: len(started) == 1)
+    await until(lambda: len(started) == 1)
     stopping = asyncio.create_task(consumer.stop())
     await asyncio.sleep(0.2)
     release.set()  # the running handler finishes; the four waiting were naked, not held to AckWait
@@ -186,7 +174,7 @@ async def test_fetches_while_nats_is_down_are_counted(nats_server):
     failed = PULL_ERRORS.labels(role.name)._value.get()
     try:
         nats_server.stop()  # a real outage: the server process is gone
-        await _until(lambda: PULL_ERRORS.labels(role.name)._value.get() >= failed + 2, timeout=10)
+        await until(lambda: PULL_ERRORS.labels(role.name)._value.get() >= failed + 2, timeout=10)
     finally:
         await consumer.stop()
         with suppress(Exception):  # the server is gone
