@@ -215,3 +215,14 @@ async def until(check, timeout: float = 5.0, what=lambda: "timed out") -> None:
 
 async def _value(result):
     return await result if inspect.isawaitable(result) else result
+
+
+def ask(url: str, content: str, **fields) -> dict:
+    """One greedy chat turn to the stack (its default model unless `model` is given): the 200's body."""
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": content}], "temperature": 0, **fields},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()

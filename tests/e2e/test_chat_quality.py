@@ -7,9 +7,10 @@ shows in the text, in JSON and in SSE alike, and the engine runs in its own proc
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from openai import OpenAI
+
+from tests.conftest import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -34,13 +35,7 @@ def stack(module_stack_factory, tmp_path_factory):
 
 @pytest.mark.parametrize(("question", "expected"), FACTS)
 def test_factual_questions_are_answered_right_at_temperature_0(stack, question, expected):
-    r = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 32},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = ask(stack.url, question, max_tokens=32)
     text, finish = body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
     assert body["model"] == MODEL and expected in text.lower(), text
     assert finish == "stop" and "<|im_end|>" not in text and "\ufffd" not in text, (finish, text)

@@ -12,6 +12,7 @@ import pytest
 from openai import OpenAI
 
 from tests.arena_up import ArenaUp
+from tests.conftest import ask
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -26,13 +27,7 @@ def up(tmp_path_factory):
 
 
 def test_the_readmes_first_request_is_answered_by_a_real_chat_model(up):
-    r = httpx.post(
-        f"{up.url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = ask(up.url, "What is the capital of France?")
     assert body["model"] == "smollm2-135m" and "Paris" in body["choices"][0]["message"]["content"], body
     assert {m["id"] for m in httpx.get(f"{up.url}/v1/models").json()["data"]} == set(BASES)
 
