@@ -14,7 +14,7 @@ from consumers.inference.models import ModelSpec, resolve_source
 log = logging.getLogger(__name__)
 
 
-async def apply(pool, command: dict, models_dir: str = ".") -> dict:
+async def apply(pool, command: dict, models_dir: str = ".", default_model: str | None = None) -> dict:
     op = command.get("op")
     if op == "list":
         return {"ok": True, **served(pool), "details": [describe(pool, spec) for spec in pool.specs()]}
@@ -33,6 +33,11 @@ async def apply(pool, command: dict, models_dir: str = ".") -> dict:
         loaded = await pool.reload(command["name"], new_spec)
         log.info("reloaded %s as version %d", loaded.spec.name, loaded.version, extra={"model": loaded.spec.name})
     elif op == "remove":
+        if command["name"] == default_model:
+            raise ValueError(
+                f"model {default_model!r} is the default model (ARENA_DEFAULT_MODEL): every request that names "
+                "no model goes to it, and /readyz waits for it; start the stack with another default first"
+            )
         await pool.remove(command["name"])
     else:
         raise ValueError(f"op must be list, add, reload or remove; got {op!r}")
@@ -63,10 +68,10 @@ def served(pool) -> dict:
     return {"models": [s.name for s in pool.specs()], "resident": pool.resident()}
 
 
-def handler(pool, instance: str, models_dir: str = "."):
+def handler(pool, instance: str, models_dir: str = ".", default_model: str | None = None):
     async def on_admin(msg) -> None:
         try:
-            reply = await apply(pool, json.loads(msg.data), models_dir)
+            reply = await apply(pool, json.loads(msg.data), models_dir, default_model)
         except Exception as exc:  # noqa: BLE001 - every command gets an answer, with the cause
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", **served(pool)}
         reply["instance"] = instance

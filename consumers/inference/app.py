@@ -96,7 +96,8 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         await runtime.start()
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
         await runtime.connection().subscribe(
-            subjects.ADMIN_MODELS, cb=admin.handler(pool, settings.instance_id, settings.models_dir)
+            subjects.ADMIN_MODELS,
+            cb=admin.handler(pool, settings.instance_id, settings.models_dir, settings.default_model),
         )
         service.start()
         warm = settings.warm_models or [settings.default_model]

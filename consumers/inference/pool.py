@@ -222,6 +222,11 @@ class ModelPool:
         """Unregister ``name``; its model is dropped once no one borrows it."""
         if name not in self._specs:
             raise UnknownModel(name, sorted(self._specs))
+        if variants := sorted(s.name for s in self._specs.values() if s.base == name):
+            raise ValueError(
+                f"model {name!r} is the base of {', '.join(variants)}, which would stop working: "
+                f"remove {'them' if len(variants) > 1 else 'it'} first"
+            )
         await self._settle(name)
         del self._specs[name]
         self._contexts.pop(name, None)

@@ -211,6 +211,9 @@ def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
     assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 200
     rc, answers = models("remove", "--name", "stories-b")
     assert rc == 0 and "stories-b" not in answers[0]["models"]
+    rc, (answer,) = models("remove", "--name", "stories-260k")  # the default model: refused, still served
+    assert rc == 1 and "is the default model (ARENA_DEFAULT_MODEL)" in answer["error"], answer
+    assert "stories-260k" in answer["models"] and httpx.get(f"{s.url}/readyz").status_code == 200
     time.sleep(1.5)  # the gateway learns the fleet's models from heartbeats
     assert ask(s.url, "Once upon a time", model="stories-b", max_tokens=8).status_code == 404
     assert ask(s.url, "Once upon a time", max_tokens=8).status_code == 200

@@ -181,6 +181,21 @@ async def test_add_and_remove(one_model_bytes):
         await pool.add(ModelSpec(name="a", path=str(STORIES)))
 
 
+async def test_a_base_with_variants_is_not_removed(one_model_bytes):
+    """Removing a base would leave its variants naming weights that are gone (and /readyz
+    false when one is the default): refused, naming them, until they are removed."""
+    pool = make_pool(one_model_bytes)
+    await pool.add(ModelSpec(name="v2", path=str(STORIES), base="a"))
+    await pool.add(ModelSpec(name="v1", path=str(STORIES), base="a"))
+    with pytest.raises(ValueError, match="model 'a' is the base of v1, v2, which would stop working: remove them"):
+        await pool.remove("a")
+    assert {"a", "v1", "v2"} <= {s.name for s in pool.specs()}
+    await pool.remove("v1")
+    await pool.remove("v2")
+    await pool.remove("a")
+    assert "a" not in {s.name for s in pool.specs()}
+
+
 async def test_context_lengths_from_the_config_then_as_loaded(one_model_bytes, tmp_path):
     """What the heartbeats tell the gateway: known before a load (the checkpoint's config),
     a variant's its base's, a model whose config cannot be read left out until loaded."""
