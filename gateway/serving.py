@@ -102,8 +102,9 @@ def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return APIError(
         400,
-        f"{field}: {req.token_limit()} tokens asked for, but the model's context is {context} tokens, "
-        f"prompt included; ask for at most {context - 1} minus the prompt's tokens",
+        f"{field}: {req.token_limit()} tokens asked for, but the model takes {context} tokens a request, "
+        f"prompt included (its context, or what a worker's KV cache budget holds); ask for at most "
+        f"{context - 1} minus the prompt's tokens",
         "context_length_exceeded",
         field,
     )

@@ -140,6 +140,12 @@ class InferenceSettings(CommonSettings):
     )
     chunk_tokens: int = Field(4, ge=1, le=256, description="Tokens per TokensGenerated event.")
     memory_budget_mb: float | None = Field(None, gt=0, description="Model pool budget; default: 60% of RAM.")
+    kv_cache_mb: float = Field(
+        4096,
+        gt=0,
+        description="Each model engine's KV cache budget (vLLM's CPU default): a request joins a batch only while "
+        "every row at its longest fits; one that alone cannot is a 400.",
+    )
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")

@@ -49,7 +49,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "models": [s.name for s in pool.specs()],
             "resident": pool.resident(),
             "resident_bytes": pool.stats.resident_bytes,
-            "context": pool.contexts(),
+            "context": service.token_rooms(),
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
             "jobs": len(service.jobs),
             "held": len(service.holding),

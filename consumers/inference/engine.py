@@ -36,8 +36,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from consumers.inference import packed
-from consumers.inference.errors import ContextExceeded, PermanentError, PromptTooLong
-from consumers.inference.kvcache import KV, KVSlab
+from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
+from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
 from consumers.inference.models import LoadedModel
 from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
 
@@ -123,6 +123,21 @@ def check_room(req: GenRequest, context_len: int) -> None:
         raise ContextExceeded(len(req.prompt_ids), req.params.max_tokens, context_len)
 
 
+def kv_room(loaded: LoadedModel, budget_bytes: int | None) -> int | None:
+    """The tokens (prompt and completion) one request's keys and values may take in a KV
+    cache of ``budget_bytes`` (None: no budget), at most the model's context."""
+    if budget_bytes is None:
+        return None
+    return min(loaded.context_len, budget_bytes // bytes_per_token(loaded.model))
+
+
+def check_kv(req: GenRequest, loaded: LoadedModel, budget_bytes: int | None) -> None:
+    """Raise ``KVBudgetExceeded`` if ``req`` alone could never fit the KV cache budget."""
+    room = kv_room(loaded, budget_bytes)
+    if room is not None and room < loaded.context_len and len(req.prompt_ids) + req.params.max_tokens > room:
+        raise KVBudgetExceeded(len(req.prompt_ids), req.params.max_tokens, room, (budget_bytes or 0) / 2**20)
+
+
 class BatchEngine:
     """Generates for many requests of one model, one token per request per step.
 
@@ -133,6 +148,11 @@ class BatchEngine:
     A prompt that leaves no room in the context raises :class:`PromptTooLong` at
     :meth:`add`; otherwise ``max_tokens`` is clamped to the room left in the context
     (the request then finishes with ``"length"``).
+
+    ``kv_budget_bytes`` bounds the KV slab: a waiting request joins the batch only while
+    every row at its longest (prompt and whole token budget, the slab being left-padded to
+    its longest row) fits the budget; a lone request always runs (:func:`check_kv` refuses
+    one that could never fit before it is queued).
     """
 
     def __init__(
@@ -142,6 +162,7 @@ class BatchEngine:
         max_batch_size: int = 32,
         clock: Callable[[], float] = time.time,
         pack: bool | None = None,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         if mode not in ("static", "continuous"):
             raise ValueError(f"mode must be 'static' or 'continuous', got {mode!r}")
@@ -170,6 +191,8 @@ class BatchEngine:
         self._active: dict[str, GenRequest] = {}  # added and not yet finished, wherever they are
         self._seqs: list[_Seq] = []  # the running batch, in the KV cache's row order
         self._kv = KVSlab(max_batch_size)
+        self._kv_budget = kv_budget_bytes
+        self._token_bytes = bytes_per_token(self._model) if kv_budget_bytes is not None else 0
 
     # ---- thread-safe producer side -------------------------------------------------
 
@@ -297,12 +320,24 @@ class BatchEngine:
         if self.mode == "static" and self._seqs:
             return []
         room = self.max_batch_size - len(self._seqs)
+        longest = max((len(s.req.prompt_ids) + s.max_tokens for s in self._seqs), default=0)
+        taken: list[GenRequest] = []
         with self._lock:
-            taken = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            while self._waiting and len(taken) < room:
+                req = self._waiting[0]
+                longest_then = max(longest, min(len(req.prompt_ids) + req.params.max_tokens, self.loaded.context_len))
+                if not self._kv_fits(len(self._seqs) + len(taken) + 1, longest_then):
+                    break  # it waits for rows to finish (in order: a long one is not passed over)
+                taken.append(self._waiting.popleft())
+                longest = longest_then
         now = self._clock()
         for req in taken:
             req.admitted_at = now
         return taken
+
+    def _kv_fits(self, rows: int, longest: int) -> bool:
+        """Whether ``rows`` rows of ``longest`` tokens fit the KV budget (one always does)."""
+        return self._kv_budget is None or rows == 1 or rows * longest * self._token_bytes <= self._kv_budget
 
     def _new_seq(self, req: GenRequest) -> _Seq:
         room = self.loaded.context_len - len(req.prompt_ids)

@@ -83,7 +83,14 @@ def _die_with_parent() -> None:
 
 
 def _child(
-    loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int, conn: Any, consumer: int
+    loaded: LoadedModel,
+    mode: str,
+    max_batch: int,
+    max_wait_s: float,
+    threads: int,
+    kv_budget: int | None,
+    conn: Any,
+    consumer: int,
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes."""
     with suppress(OSError):
@@ -92,7 +99,7 @@ def _child(
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
-    engine = BatchEngine(loaded, mode, max_batch)  # type: ignore[arg-type]
+    engine = BatchEngine(loaded, mode, max_batch, kv_budget_bytes=kv_budget)  # type: ignore[arg-type]
     send_lock = threading.Lock()
     steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
     unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
@@ -215,7 +222,9 @@ def storages(model: torch.nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in _tensors(model)}
 
 
-def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int) -> EngineChild:
+def spawn(
+    loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int, kv_budget: int | None = None
+) -> EngineChild:
     """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`)."""
     forks.start()
     share(loaded)
@@ -223,7 +232,7 @@ def spawn(loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, thr
     parent, child = ctx.Pipe()
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(loaded, mode, max_batch, max_wait_s, threads, child, os.getpid()),
+        args=(loaded, mode, max_batch, max_wait_s, threads, kv_budget, child, os.getpid()),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
     )
@@ -246,8 +255,10 @@ class ProcessRunner:
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
         threads: int = 0,
+        kv_budget: int | None = None,
     ):
         self.loaded = loaded
+        self.kv_budget = kv_budget
         self.name = loaded.spec.name
         self.mode = mode
         self.max_batch_size = max_batch_size
@@ -271,7 +282,7 @@ class ProcessRunner:
     # ---- the child -----------------------------------------------------------------
 
     def _start(self) -> None:
-        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads)
+        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.kv_budget)
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()

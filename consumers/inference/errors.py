@@ -57,6 +57,21 @@ class ContextExceeded(PromptTooLong):
         )
 
 
+class KVBudgetExceeded(PromptTooLong):
+    """The request fits the context, but its keys and values alone would be over the
+    worker's KV cache budget: it could never join a batch."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, room: int, budget_mb: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_len = room
+        PermanentError.__init__(
+            self,
+            f"max_tokens: the prompt's {prompt_tokens} tokens and max_tokens {max_tokens} are over the "
+            f"{room} tokens a request's keys and values may take in this worker's KV cache "
+            f"(ARENA_KV_CACHE_MB={budget_mb:g}); ask for at most {room - prompt_tokens} or shorten the conversation",
+        )
+
+
 class PoolExhausted(RetryableError):
     """No model can be evicted to make room: every resident model is in use.
 

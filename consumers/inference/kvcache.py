@@ -35,6 +35,14 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [rows, he
 HEADROOM = 64
 
 
+def bytes_per_token(model: Any) -> int:
+    """What one token of one row costs in the slab: keys and values of every layer."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
 class KVSlab:
     """Preallocated KV cache of a running batch (see the module docstring)."""
 

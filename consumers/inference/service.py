@@ -33,7 +33,15 @@ from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt, check_room
+from consumers.inference.engine import (
+    BatchEngine,
+    GenRequest,
+    StepOutput,
+    check_kv,
+    check_prompt,
+    check_room,
+    kv_room,
+)
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.metrics import METRICS
@@ -108,6 +116,7 @@ class InferenceService:
         ``recorded``: a request's output events in the stream (chunks, terminal), read
         when a message comes back from another worker, to continue where it was."""
         self.settings = settings
+        self.kv_budget = int(settings.kv_cache_mb * 2**20)
         self.watchdog_margin_s = watchdog_margin_s
         self.watchdog_period_s = watchdog_period_s
         self.pool = pool
@@ -180,6 +189,15 @@ class InferenceService:
         (infra.takeover)."""
         return [m.reply for m in self.held_messages() if m.reply]
 
+    def token_rooms(self) -> dict[str, int]:
+        """What the heartbeats tell the gateway each model can take a request of (prompt
+        and completion): its context, or for a resident model what the KV budget holds."""
+        rooms = {}
+        for name, context in self.pool.contexts().items():
+            loaded = self.pool.resident_model(name)
+            rooms[name] = min(context, kv_room(loaded, self.kv_budget) or context) if loaded else context
+        return rooms
+
     def limit(self) -> int:
         """Hold no more than two batches' worth, so other workers get the rest."""
         return 2 * self.settings.max_batch_size
@@ -241,6 +259,7 @@ class InferenceService:
             check_prompt(gen, loaded.context_len)
             if not resume_ids:
                 check_room(gen, loaded.context_len)
+                check_kv(gen, loaded, self.kv_budget)
             runner = self._runner_for(loaded)
             late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
             if late and msg.metadata.num_delivered == 1:
@@ -345,9 +364,10 @@ class InferenceService:
                     self.on_outputs,
                     s.max_wait_ms / 1000,
                     s.torch_threads,
+                    self.kv_budget,
                 )
             else:
-                engine = BatchEngine(loaded, s.engine, s.max_batch_size)
+                engine = BatchEngine(loaded, s.engine, s.max_batch_size, kv_budget_bytes=self.kv_budget)
                 runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner

@@ -78,3 +78,22 @@ def test_an_arena_turn_over_the_context_is_a_400(stack):
         r = client.post(f"/arena/battles/{battle}/turns", json={"prompt": PROMPT, "max_tokens": 4096})
         assert r.status_code == 400, r.text
         assert_context_error(r.json()["error"])
+
+
+def test_a_request_over_the_kv_cache_budget_is_a_400(stack_factory):
+    """A worker's KV cache budget (ARENA_KV_CACHE_MB) bounds a request as the context
+    does: 0.1 MB holds 81 tokens of stories260K (1,280 bytes a token), so its heartbeats
+    report 81, the gateway refuses a budget of 81 or more at once, and the worker refuses
+    one that fits only without the prompt; one that fits is served. (Its own servers: the
+    module's stack's workers would take its requests from a shared stream.)"""
+    stack = stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml", ARENA_KV_CACHE_MB="0.1").start()
+    for max_tokens in (100, 78):  # the gateway's check, then the worker's (5 + 78 > 81)
+        r = httpx.post(
+            f"{stack.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": max_tokens}, timeout=60
+        )
+        assert r.status_code == 400, (max_tokens, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens", error
+        assert "81 tokens" in error["message"], error
+    fits = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 70}, timeout=60)
+    assert fits.status_code == 200, fits.text

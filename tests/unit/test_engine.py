@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_room
-from consumers.inference.errors import ContextExceeded, PermanentError, PromptTooLong
+from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
+from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
+from consumers.inference.kvcache import bytes_per_token
 from consumers.inference.models import ModelSpec, load_model
 from consumers.inference.sampling import SamplingParams
 
@@ -401,3 +402,37 @@ def test_static_batches_never_pack_and_a_tiny_model_only_when_asked(loaded):
     assert not BatchEngine(loaded, "static", pack=True).packed
     assert not BatchEngine(loaded, "continuous").packed  # stories260K: a pass is Python's time
     assert BatchEngine(loaded, "continuous", pack=True).packed
+
+
+def test_the_kv_budget_holds_back_newcomers_and_changes_no_token(loaded):
+    """A waiting request joins only while every row at its longest (prompt and whole
+    budget: the slab is left-padded to its longest row) fits the budget; the others wait
+    their turn, in order, and every request's tokens are those of an unbounded run."""
+    reqs = _requests(loaded, sampled=False)
+    per_token = bytes_per_token(loaded.model)
+    assert per_token == 2 * 5 * 4 * 8 * 4  # layers, K and V, kv heads, head dim, float32
+    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in reqs)
+    budget = 3 * longest * per_token  # three rows of the longest; more of shorter ones
+    unbounded = run(BatchEngine(loaded, "continuous", max_batch_size=8), {0: reqs})
+    engine = BatchEngine(loaded, "continuous", max_batch_size=8, kv_budget_bytes=budget)
+    for r in _requests(loaded, sampled=False):
+        engine.add(r)
+    most, outs = 0, {}
+    while engine.has_work():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        most = max(most, engine.running)
+        rows = engine._seqs
+        assert len(rows) * max((len(s.req.prompt_ids) + s.max_tokens for s in rows), default=0) * per_token <= budget
+    assert 1 < most < len(reqs)  # batched, but not all eight at once as without a budget
+    assert {rid: tokens(o) for rid, o in outs.items()} == {rid: tokens(o) for rid, o in unbounded.items()}
+
+
+def test_a_request_that_alone_is_over_the_kv_budget_is_refused(loaded):
+    budget = 100 * bytes_per_token(loaded.model)  # 100 tokens a request at most
+    assert kv_room(loaded, budget) == 100 and kv_room(loaded, None) is None
+    assert kv_room(loaded, 10**12) == loaded.context_len
+    prompt = ids(loaded, PROMPTS[0])
+    check_kv(GenRequest("fits", prompt, SamplingParams(max_tokens=100 - len(prompt))), loaded, budget)
+    with pytest.raises(KVBudgetExceeded, match=r"^max_tokens: .* over the 100 tokens .*ARENA_KV_CACHE_MB"):
+        check_kv(GenRequest("over", prompt, SamplingParams(max_tokens=101 - len(prompt))), loaded, budget)
