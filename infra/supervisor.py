@@ -377,8 +377,9 @@ async def create_topology(url: str, replicas: int = 1) -> None:
 def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
     """Wait for /readyz from this stack's own gateway (another server on its port does
     not count); a child that exits before the stack is ready fails the start."""
-    end = time.monotonic() + timeout
-    last = ""
+    start = time.monotonic()
+    end = start + timeout
+    last, said = "", start
     port = urlparse(url).port
     while time.monotonic() < end:
         for name, proc in stack.procs.items():
@@ -391,16 +392,25 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
             body = r.json()
             if r.status_code == 200 and _own_gateway_listens(stack, port):
                 return True
-            counts = " ".join(f"{role}={body.get(role)}" for role in topology.required())
-            line = f"waiting: {counts} models={list(body.get('models', {}))}"
+            line = waiting_line(body)
         except (httpx.HTTPError, ValueError):
             line = "waiting: gateway starting"
-        if line != last:
-            print_fn(line)
-            last = line
+        now = time.monotonic()
+        if line != last or now - said >= 10:  # what changed, and a sign of life while a model loads
+            print_fn(f"{line} ({now - start:.0f} s)")
+            last, said = line, now
         time.sleep(0.3)
     print_fn(f"not ready after {timeout}s")
     return False
+
+
+def waiting_line(ready: dict) -> str:
+    """What `arena up` says while the stack starts, from the gateway's /readyz: the ready
+    processes per role, and each model the workers list as loading or resident."""
+    counts = " ".join(f"{role}={ready.get(role)}" for role in topology.required())
+    models = ready.get("models", {})
+    states = ", ".join(f"{name} {'resident' if holders else 'loading'}" for name, holders in models.items())
+    return f"waiting: {counts}; models: {states or 'none listed yet'}"
 
 
 def _own_gateway_listens(stack: Stack, port: int | None) -> bool:

@@ -24,8 +24,10 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from consumers.inference.errors import PermanentError
@@ -37,6 +39,8 @@ PKG = "pkg:"
 DEFAULT_CACHE = Path.home() / ".cache" / "arenaflow" / "models"
 #: Written last into a converted directory: what it was made from.
 SOURCE_FILE = "arenaflow-source.json"
+#: Seconds between the lines that say a long conversion step is still running.
+TICK_S = 10.0
 
 
 def is_converted_source(path: str) -> bool:
@@ -97,6 +101,26 @@ def checkpoint(source: str, cache: str | Path, say: Callable[[str], None] = log.
     return str(dest)
 
 
+@contextmanager
+def ticking(say: Callable[[str], None], what: str, every: float = TICK_S) -> Iterator[None]:
+    """Say ``what`` is still running every ``every`` seconds until the block ends: the
+    GGUF's weights map and dequantization run tens of seconds inside transformers with no
+    progress of their own (the map is built before its tensor bar starts)."""
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every):
+            say(f"{what}: {time.perf_counter() - t0:.0f} s")
+
+    ticker = threading.Thread(target=tick, name="convert-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
 def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) -> None:
     import torch  # noqa: PLC0415 - heavy: only a conversion needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
@@ -108,7 +132,8 @@ def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) ->
         say("reading the GGUF's tokenizer and chat template")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         say("dequantizing its weights to float32")
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with ticking(say, "still dequantizing"):
+            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:
         raise PermanentError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
     # transformers refuses to save a model loaded from a GGUF (its config names the
