@@ -423,6 +423,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`arena`: a command whose reader went away (`arena audit | head`) ends quietly, as
+    a Unix tool does, instead of with a BrokenPipeError traceback."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at /dev/null so the interpreter's final
+        # flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by a closed pipe
+    return rc
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["filter-train"]:
         from consumers.filter.train import main as filter_train  # noqa: PLC0415

@@ -23,6 +23,13 @@ def _default_models_dir() -> str:
     return str(REPO.parent / "shared" / "models")
 
 
+def _default_state_dir() -> str:
+    """The project's `.arena` (the checkout this code runs from), so the operator commands
+    find `arena up`'s state from any directory; where the code is not a checkout (an
+    installed wheel), `.arena` in the working directory."""
+    return str(REPO / ".arena") if (REPO / "pyproject.toml").is_file() else ".arena"
+
+
 class NatsClient(BaseSettings):
     """How a process, or the `arena` command, authenticates to NATS (read by
     `runtime.jetstream.connect_options`)."""
@@ -274,7 +281,11 @@ class OperatorSettings(NatsClient):
 
     model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore")
 
-    state_dir: str = Field(".arena", description="NATS store, logs and endpoints of `arena up`.")
+    state_dir: str = Field(
+        default_factory=_default_state_dir,
+        description="NATS store, logs and endpoints of `arena up` (`--state-dir`, else this, else the project's "
+        "`.arena`, from any directory).",
+    )
     nats_url: str | None = Field(
         None,
         validation_alias=AliasChoices("NATS_URL", "ARENA_NATS_URL"),

@@ -4,6 +4,7 @@ and when a panel queries a series no process exports)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -199,7 +200,10 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m infra.monitoring.dashboard", description=f"Write the Grafana dashboard, generated, to {PATH}."
+    ).parse_args(argv)
     PATH.parent.mkdir(exist_ok=True)
     PATH.write_text(render())
     print(f"wrote {PATH}", file=sys.stderr)

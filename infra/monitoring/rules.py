@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def render() -> str:
     return HEAD + yaml.safe_dump(prometheus_rule(), sort_keys=False, width=120)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m infra.monitoring.rules",
+        description=f"Write the PrometheusRule of the alert rules, generated, to {PATH}.",
+    ).parse_args(argv)
     PATH.write_text(render())
     print(f"wrote {PATH}", file=sys.stderr)
     return 0
