@@ -156,6 +156,12 @@ class InferenceSettings(CommonSettings):
     cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    prefix_cache_mb: float = Field(
+        256.0,
+        ge=0,
+        description="Per model engine: MB of finished sequences' keys and values kept, so a conversation's next "
+        "turn on this worker prefills only its new tokens (least recently used out first; 0: off).",
+    )
     engine_process: bool = Field(
         True,
         description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "

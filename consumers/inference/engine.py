@@ -39,6 +39,7 @@ from consumers.inference import packed
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
 from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
 from consumers.inference.models import LoadedModel
+from consumers.inference.prefix import Hit, PrefixCache
 from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class _Seq:
     tracker: TextTracker
     tokens: list[int]
     next_pos: int  # position id of the next token fed to the model
+    prefix: Hit | None = None  # keys and values of its first tokens, from the prefix cache
 
     def output(self, new: list[int], text: str, reason: FinishReason | None) -> StepOutput:
         if reason is not None and reason != "error":  # a failed row's tracker may be what broke
@@ -153,6 +155,11 @@ class BatchEngine:
     every row at its longest (prompt and whole token budget, the slab being left-padded to
     its longest row) fits the budget; a lone request always runs (:func:`check_kv` refuses
     one that could never fit before it is queued).
+
+    ``prefix_cache_bytes`` > 0: finished sequences' keys and values are kept (up to that
+    many bytes, :mod:`~consumers.inference.prefix`), and a new request whose prompt
+    starts with one's tokens prefills only the rest, in a pass of its own. A request
+    resumed from another worker's chunks prefills cold, as before.
     """
 
     def __init__(
@@ -163,6 +170,7 @@ class BatchEngine:
         clock: Callable[[], float] = time.time,
         pack: bool | None = None,
         kv_budget_bytes: int | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         if mode not in ("static", "continuous"):
             raise ValueError(f"mode must be 'static' or 'continuous', got {mode!r}")
@@ -193,6 +201,8 @@ class BatchEngine:
         self._kv = KVSlab(max_batch_size)
         self._kv_budget = kv_budget_bytes
         self._token_bytes = bytes_per_token(self._model) if kv_budget_bytes is not None else 0
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._hits: dict[str, Hit] = {}  # admitted requests' prefix hits, until their prefill
 
     # ---- thread-safe producer side -------------------------------------------------
 
@@ -273,6 +283,9 @@ class BatchEngine:
             self._cancelled.clear()
         running = {s.req.request_id: s for s in self._seqs}
         self._seqs, self._kv = [], KVSlab(self.max_batch_size)
+        self._hits.clear()
+        if self.prefix is not None:  # what a broken step stored is not trusted
+            self.prefix.clear()
         return [
             running[rid].output([], "", "error")
             if rid in running
@@ -333,6 +346,9 @@ class BatchEngine:
         now = self._clock()
         for req in taken:
             req.admitted_at = now
+            fresh = self.prefix is not None and not req.resume_ids  # one taken over prefills cold
+            if fresh and (hit := self.prefix.lookup(req.input_ids)) is not None:  # type: ignore[union-attr]
+                self._hits[req.request_id] = hit
         return taken
 
     def _kv_fits(self, rows: int, longest: int) -> bool:
@@ -348,6 +364,7 @@ class BatchEngine:
             tracker=TextTracker(self.loaded.tokenizer, req.prompt_ids, req.params.stop),
             tokens=list(req.resume_ids),
             next_pos=len(req.input_ids),
+            prefix=self._hits.pop(req.request_id, None),
         )
         # Where the first worker was: one draw per token taken, the text already emitted.
         for tok in req.resume_ids:
@@ -450,6 +467,7 @@ class BatchEngine:
         logits = parts[0][1][0] if len(parts) == 1 else torch.cat([logits for _, (logits, _) in parts])
         more, alive = self._advance(self._seqs, logits)
         if len(alive) < len(self._seqs):
+            self._remember(self._seqs, more)
             self._keep_rows(alive)
         return outputs + more
 
@@ -466,13 +484,15 @@ class BatchEngine:
         """The running rows' decode step and the newcomers' prefill in one packed pass
         (packed.py); apart, as two passes that isolate a failing row, if it fails."""
         seqs, outputs = self._newcomers(reqs)
+        hits = [seq for seq in seqs if seq.prefix is not None]  # prefilled after, in passes of their own
+        seqs = [seq for seq in seqs if seq.prefix is None]
         if not seqs:
-            return outputs + self._decode()
+            return outputs + self._decode() + self._prefill_hits(hits)
         try:
             logits, layout = self._packed_forward(seqs)
         except Exception:
             log.exception("packed step failed (%d + %d rows); decoding and prefilling apart", self.running, len(seqs))
-            return outputs + self._decode() + self._prefill([seq.req for seq in seqs])
+            return outputs + self._decode() + self._prefill([seq.req for seq in seqs]) + self._prefill_hits(hits)
         running = self._seqs
         n = len(running)
         self._kv.commit()
@@ -481,12 +501,13 @@ class BatchEngine:
         more, alive = self._advance(running, logits[:n])
         outputs += more
         if len(alive) < n:
+            self._remember(running, more)
             self._keep_rows(alive)
         more, alive = self._advance(seqs, logits[n:])
         outputs += more
         if alive:
             self._join(seqs, layout, alive)
-        return outputs
+        return outputs + self._prefill_hits(hits)
 
     def _packed_forward(self, seqs: list[_Seq]) -> tuple[torch.Tensor, packed.Layout]:
         running, dev = self._seqs, self._device
@@ -529,6 +550,9 @@ class BatchEngine:
 
     def _prefill(self, reqs: list[GenRequest]) -> list[StepOutput]:
         seqs, done_outputs = self._newcomers(reqs)
+        hits = [seq for seq in seqs if seq.prefix is not None]
+        seqs = [seq for seq in seqs if seq.prefix is None]
+        done_outputs += self._prefill_hits(hits)
         reqs = [seq.req for seq in seqs]
         if not seqs:
             return done_outputs
@@ -556,6 +580,48 @@ class BatchEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         return self._forward(ids, mask, pos, cache), cache, mask
+
+    # ---- the prefix cache -------------------------------------------------------------
+
+    def _prefill_hits(self, seqs: list[_Seq]) -> list[StepOutput]:
+        """Each request with a prefix hit: its prompt's new tokens in a pass over its
+        cached keys and values (batch 1; a failure ends only that request)."""
+        outputs = []
+        for seq in seqs:
+            try:
+                logits, layers, mask = self._extend(seq)
+            except Exception:
+                log.exception("prefill over a cached prefix failed; ending the request with an error")
+                outputs.append(seq.output([], "", "error"))
+                continue
+            more, alive = self._advance([seq], logits)
+            outputs += more
+            if alive:
+                self._merge([seq], layers, mask, alive)
+        return outputs
+
+    def _extend(self, seq: _Seq) -> tuple[torch.Tensor, list[KV], torch.Tensor]:
+        """Last logits, keys and values, and mask of ``seq``'s input after its cached prefix."""
+        assert seq.prefix is not None
+        ids, reused, dev = seq.req.input_ids, seq.prefix.tokens, self._device
+        cache = DynamicCache([(k[:, :, :reused], v[:, :, :reused]) for k, v in seq.prefix.value])
+        mask = torch.ones((1, len(ids)), dtype=torch.long, device=dev)
+        pos = torch.arange(reused, len(ids), device=dev)[None]
+        logits = self._forward(torch.tensor([ids[reused:]], device=dev), mask, pos, cache)
+        seq.prefix = None  # the entry's tensors are not this request's to hold
+        return logits, [(layer.keys, layer.values) for layer in _layers(cache)], mask
+
+    def _remember(self, seqs: list[_Seq], outputs: list[StepOutput]) -> None:
+        """Store the keys and values of the running rows that just ended (``outputs`` are
+        the rows', in order) in the prefix cache: the tokens fed, every one but the last."""
+        if self.prefix is None:
+            return
+        for row, (seq, out) in enumerate(zip(seqs, outputs, strict=True)):
+            if out.finish_reason in ("stop", "length"):
+                ids = seq.req.prompt_ids + seq.tokens[:-1]  # tokens holds the resumed ones too
+                layers = self._kv.row(row, len(ids))
+                if layers is not None:
+                    self.prefix.store(ids, layers, sum(k.nbytes + v.nbytes for k, v in layers))
 
     # ---- the running batch's rows ------------------------------------------------------
 

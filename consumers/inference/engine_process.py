@@ -46,6 +46,7 @@ import torch
 from consumers.inference import forks
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
+from consumers.inference.metrics import PrefixCounts
 from consumers.inference.models import LoadedModel
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 
@@ -89,6 +90,7 @@ def _child(
     max_wait_s: float,
     threads: int,
     kv_budget: int | None,
+    prefix_bytes: int,
     conn: Any,
     consumer: int,
 ) -> None:
@@ -99,7 +101,13 @@ def _child(
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
-    engine = BatchEngine(loaded, mode, max_batch, kv_budget_bytes=kv_budget)  # type: ignore[arg-type]
+    engine = BatchEngine(
+        loaded,
+        mode,  # type: ignore[arg-type]
+        max_batch,
+        kv_budget_bytes=kv_budget,
+        prefix_cache_bytes=prefix_bytes,
+    )
     send_lock = threading.Lock()
     steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
     unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
@@ -145,7 +153,14 @@ def _child(
 
 def _state(runner: EngineRunner) -> dict:
     small, full = runner.samples()
-    return {"budgets": runner.engine.budgets(), "load": runner.load(), "small_samples": small, "full_samples": full}
+    prefix = runner.engine.prefix
+    return {
+        "budgets": runner.engine.budgets(),
+        "load": runner.load(),
+        "small_samples": small,
+        "full_samples": full,
+        "prefix": prefix.stats if prefix is not None else None,
+    }
 
 
 @dataclass
@@ -223,7 +238,13 @@ def storages(model: torch.nn.Module) -> set[int]:
 
 
 def spawn(
-    loaded: LoadedModel, mode: str, max_batch: int, max_wait_s: float, threads: int, kv_budget: int | None = None
+    loaded: LoadedModel,
+    mode: str,
+    max_batch: int,
+    max_wait_s: float,
+    threads: int,
+    kv_budget: int | None = None,
+    prefix_bytes: int = 0,
 ) -> EngineChild:
     """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`)."""
     forks.start()
@@ -232,7 +253,7 @@ def spawn(
     parent, child = ctx.Pipe()
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(loaded, mode, max_batch, max_wait_s, threads, kv_budget, child, os.getpid()),
+        args=(loaded, mode, max_batch, max_wait_s, threads, kv_budget, prefix_bytes, child, os.getpid()),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
     )
@@ -256,6 +277,7 @@ class ProcessRunner:
         max_wait_s: float = 0.0,
         threads: int = 0,
         kv_budget: int | None = None,
+        prefix_bytes: int = 0,
     ):
         self.loaded = loaded
         self.kv_budget = kv_budget
@@ -264,6 +286,8 @@ class ProcessRunner:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.threads = threads
+        self.prefix_bytes = prefix_bytes
+        self.prefix_counts = PrefixCounts(loaded.spec.name)
         self.loop = loop
         self.on_outputs = on_outputs
         self._active: dict[str, GenRequest] = {}
@@ -282,7 +306,15 @@ class ProcessRunner:
     # ---- the child -----------------------------------------------------------------
 
     def _start(self) -> None:
-        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.kv_budget)
+        child = spawn(
+            self.loaded,
+            self.mode,
+            self.max_batch_size,
+            self.max_wait_s,
+            self.threads,
+            self.kv_budget,
+            self.prefix_bytes,
+        )
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()
@@ -299,20 +331,21 @@ class ProcessRunner:
             if kind == "ready":
                 self.ready.set()
             elif outputs:
-                self.loop.call_soon_threadsafe(self._deliver, outputs, state.get("steps", ()), state.get("joined", {}))
+                self.loop.call_soon_threadsafe(self._deliver, outputs, state)
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
 
-    def _deliver(self, outputs: list[StepOutput], steps, joined: dict[str, float]) -> None:
+    def _deliver(self, outputs: list[StepOutput], state: dict) -> None:
         with self._lock:
-            for rid, at in joined.items():
+            for rid, at in state.get("joined", {}).items():
                 if (req := self._active.get(rid)) is not None:
                     req.admitted_at = at
             for out in outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)
-        for batch, running, waiting in steps:
+        for batch, running, waiting in state.get("steps", ()):
             record_step(self.name, batch, running, waiting)
+        self.prefix_counts.update(state.get("prefix"))
         self.on_outputs(outputs)
 
     def _lost(self) -> None:

@@ -148,6 +148,18 @@ class KVSlab:
         """Copies of ``rows``' cached keys and values (to run part of the batch on its own)."""
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in map(self.window, range(len(self.keys)))]
 
+    def row(self, row: int, n: int) -> list[KV] | None:
+        """Copies of ``row``'s keys and values, ``[1, heads, n, head_dim]`` per layer: its
+        last ``n`` columns, which are its tokens when it has ``n`` (else None)."""
+        assert self.mask_buf is not None
+        if n > self.width or int(self.mask_buf[row, self.start : self.end].sum()) != n:
+            return None
+        cols = slice(self.end - n, self.end)
+        return [
+            (k[row : row + 1, :, cols].clone(), v[row : row + 1, :, cols].clone())
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
+
     # ---- buffers -------------------------------------------------------------------
 
     @property

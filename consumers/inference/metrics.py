@@ -3,6 +3,8 @@
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
+from consumers.inference.prefix import PrefixStats
+
 _TIME = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 
 
@@ -34,12 +36,53 @@ class InferenceMetrics:
             "arena_resumed_tokens_total", "Tokens a taken-over request did not regenerate (already delivered)"
         )
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
+        self.prefix_hits = Counter(
+            "arena_prefix_cache_hits_total", "Prompts that reused a cached prefix's keys and values", ["model"]
+        )
+        self.prefix_misses = Counter(
+            "arena_prefix_cache_misses_total",
+            "Prompts prefilled whole (no cached prefix of a block or more)",
+            ["model"],
+        )
+        self.prefix_reused_tokens = Counter(
+            "arena_prefix_cache_reused_tokens_total",
+            "Prompt tokens not prefilled: their keys and values were cached",
+            ["model"],
+        )
+        self.prefix_evictions = Counter(
+            "arena_prefix_cache_evictions_total", "Cached sequences dropped for the budget", ["model"]
+        )
+        self.prefix_bytes = Gauge("arena_prefix_cache_bytes", "Bytes of keys and values in the prefix cache", ["model"])
         self.watchdog_reaped = Counter(
             "arena_watchdog_reaped_total", "Jobs failed by the watchdog: still open past their deadline", ["model"]
         )
 
 
 METRICS = InferenceMetrics()
+
+
+class PrefixCounts:
+    """An engine's prefix-cache totals (:class:`~consumers.inference.prefix.PrefixStats`,
+    read after its steps, or sent up by its engine process) into the counters: what grew
+    since the last reading. A new engine process starts from zero, and so does this."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.seen = PrefixStats()
+
+    def update(self, stats: PrefixStats | None) -> None:
+        if stats is None:
+            return
+        seen = self.seen
+        if stats.hits + stats.misses < seen.hits + seen.misses:  # a new engine: counted from zero again
+            seen = PrefixStats()
+        m = self.model
+        METRICS.prefix_hits.labels(m).inc(max(0, stats.hits - seen.hits))
+        METRICS.prefix_misses.labels(m).inc(max(0, stats.misses - seen.misses))
+        METRICS.prefix_reused_tokens.labels(m).inc(max(0, stats.reused_tokens - seen.reused_tokens))
+        METRICS.prefix_evictions.labels(m).inc(max(0, stats.evictions - seen.evictions))
+        METRICS.prefix_bytes.labels(m).set(stats.bytes)
+        self.seen = stats
 
 
 class PoolCollector:

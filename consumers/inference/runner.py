@@ -10,10 +10,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
-from consumers.inference.metrics import METRICS
+from consumers.inference.metrics import METRICS, PrefixCounts
 from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
@@ -99,7 +98,8 @@ class EngineRunner:
         self.loop = loop
         self.on_outputs = on_outputs
         self.name = engine.loaded.spec.name
-        self.on_step = on_step or partial(record_step, self.name)
+        self.prefix_counts = PrefixCounts(self.name)
+        self.on_step = on_step or self._record
         self._wake = threading.Event()
         self._stop = False
         # Outputs on their way to the loop: one wake-up carries every step's outputs that
@@ -162,6 +162,12 @@ class EngineRunner:
             self.on_step(batch, self.engine.running, self.engine.waiting)
             if outputs:
                 self._post(outputs)
+
+    def _record(self, batch: int, running: int, waiting: int) -> None:
+        """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""
+        record_step(self.name, batch, running, waiting)
+        if self.engine.prefix is not None:
+            self.prefix_counts.update(self.engine.prefix.stats)
 
     def _post(self, outputs: list[StepOutput]) -> None:
         with self._handoff_lock:

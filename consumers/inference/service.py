@@ -365,9 +365,16 @@ class InferenceService:
                     s.max_wait_ms / 1000,
                     s.torch_threads,
                     self.kv_budget,
+                    prefix_cache_bytes(s),
                 )
             else:
-                engine = BatchEngine(loaded, s.engine, s.max_batch_size, kv_budget_bytes=self.kv_budget)
+                engine = BatchEngine(
+                    loaded,
+                    s.engine,
+                    s.max_batch_size,
+                    kv_budget_bytes=self.kv_budget,
+                    prefix_cache_bytes=prefix_cache_bytes(s),
+                )
                 runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner
@@ -626,6 +633,11 @@ class InferenceService:
             failed = ChatFailed(**job.ids, code="deadline_exceeded", message=message, chunks=job.seq)
             self.outbox.put_nowait(("reaped", job, failed))
         return len(late)
+
+
+def prefix_cache_bytes(settings) -> int:
+    """The prefix cache's budget per engine, in bytes (0: off)."""
+    return int(settings.prefix_cache_mb * (1 << 20))
 
 
 def engine_params(event: PromptAccepted) -> EngineParams:
