@@ -7,11 +7,17 @@ hit that reuses the history."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
+from consumers.inference.pool import ModelPool
+from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams
+from consumers.inference.service import InferenceService
+from runtime.settings import InferenceSettings
 from tests.conftest import STORIES, STORY_PROMPTS
 from tests.unit.test_engine import run, tokens
 
@@ -80,3 +86,24 @@ def test_a_conversation_with_the_prefix_cache_is_token_identical_to_cold_prefill
     # a shared prefix of the first prompt's few tokens, under a block.)
     assert stats.hits >= len(TURNS) - 2, stats
     assert stats.reused_tokens >= sum(lengths[1:]) // 2, (stats, lengths)
+
+
+async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
+    """The cache is its engine's, and an engine its model version's: a reload (new
+    weights) gets a new engine with nothing cached, and the old one goes with its model."""
+    pool = ModelPool([ModelSpec(name="stories-260k", path=str(STORIES))], budget_bytes=1 << 30)
+    service = InferenceService(InferenceSettings(engine_process=False, prefix_cache_mb=1), pool, publish=None)
+    service.loop = asyncio.get_running_loop()
+    async with pool.use("stories-260k") as old:
+        first = service._runner_for(old)
+        assert isinstance(first, EngineRunner) and first.engine.prefix is not None
+        assert first.engine.prefix.budget_bytes == 1 << 20
+        first.engine.prefix.store(list(range(40)), "kv", 100)
+    await pool.reload("stories-260k")
+    assert service.prune_runners() == [first]
+    first.stop()
+    async with pool.use("stories-260k") as new:
+        second = service._runner_for(new)
+        assert second is not first and second.engine.prefix is not None
+        assert second.engine.prefix.stats.entries == 0
+    second.stop()
