@@ -10,14 +10,20 @@ weights, in one process, one after the other (the order alternating by turn): on
 that keeps finished sequences' keys and values (``prefix_cache_bytes``, what
 ``ARENA_PREFIX_CACHE_MB`` sets) and one that prefills every prompt whole, as before.
 TTFT is the engine's own: from ``add`` to the step that returns the turn's first token
-(what the gateway and the hops add is the same for both). The history takes the cached
-engine's answers, so both engines see the same prompts.
+(what the gateway and the hops add is the same for both), as wall time and as the CPU
+time of the stepping thread (with one torch thread, the model's own time: on a loaded
+machine the wall time also holds the time the OS gave other processes). Each engine
+answers each turn's prompt ``--repeats`` times up to its first token (then cancelled,
+which stores nothing), interleaved, the medians reported; then the cached engine answers
+it whole, which keeps it for the next turn and gives the history its answer, so both
+engines see the same prompts. The table says whether the first tokens were the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -43,66 +49,74 @@ QUESTIONS = [
 ]
 
 
-def answer(engine: BatchEngine, req: GenRequest) -> tuple[float, list[int]]:
-    """Seconds from add to the first token, and the whole answer's tokens."""
-    started = time.perf_counter()
+def answer(engine: BatchEngine, req: GenRequest, whole: bool) -> tuple[float, float, list[int]]:
+    """Wall and CPU seconds (this thread's: the model's time with one torch thread, not the
+    time the OS gave others) from add to the first token, and the answer's tokens: the
+    first alone unless ``whole`` (the rest is cancelled, and a cancelled request stores
+    nothing in the cache)."""
+    started, cpu = time.perf_counter(), time.thread_time()
     engine.add(req)
-    ttft, out = None, []
+    first, out = None, []
     while engine.has_work():
         for o in engine.step():
             if o.request_id != req.request_id:
                 continue
-            if ttft is None and o.new_token_ids:
-                ttft = time.perf_counter() - started
+            if first is None and o.new_token_ids:
+                first = (time.perf_counter() - started, time.thread_time() - cpu)
+                if not whole:
+                    engine.cancel(req.request_id)
             out += o.new_token_ids
-    assert ttft is not None, "no token came"
-    return ttft, out
+    assert first is not None, "no token came"
+    return first[0], first[1], out
 
 
-def converse(loaded: LoadedModel, turns: int, max_tokens: int, budget_mb: float) -> list[dict]:
+def converse(loaded: LoadedModel, turns: int, max_tokens: int, budget_mb: float, repeats: int) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     cached = BatchEngine(loaded, "continuous", prefix_cache_bytes=int(budget_mb * (1 << 20)))
     cold = BatchEngine(loaded, "continuous")
+    engines = {"cached": cached, "cold": cold}
+    assert cached.prefix is not None
     messages: list[dict] = []
     rows = []
     for turn in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
         prompt = encode_prompt(loaded, messages)
-        assert cached.prefix is not None
         reused = cached.prefix.stats.reused_tokens
-        runs = {}
-        for name in ("cached", "cold") if turn % 2 == 0 else ("cold", "cached"):
-            engine = cached if name == "cached" else cold
-            runs[name] = answer(engine, GenRequest(f"{name}-{turn}", prompt, params))
-        tokens = runs["cached"][1]
+        times: dict[str, list[tuple[float, float]]] = {"cached": [], "cold": []}
+        firsts = {}
+        for rep in range(repeats):  # interleaved, the order alternating
+            for name in ("cached", "cold") if (turn + rep) % 2 == 0 else ("cold", "cached"):
+                wall, cpu, out = answer(engines[name], GenRequest(f"{name}-{turn}-{rep}", prompt, params), False)
+                times[name].append((wall, cpu))
+                firsts[name] = out[:1]
+        reused = (cached.prefix.stats.reused_tokens - reused) // repeats
+        _, _, tokens = answer(cached, GenRequest(f"cached-{turn}", prompt, params), True)  # kept for the next turn
         text = loaded.tokenizer.decode([t for t in tokens if t not in loaded.eos_ids], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
-        rows.append(
-            {
-                "turn": turn + 1,
-                "prompt_tokens": len(prompt),
-                "reused_tokens": cached.prefix.stats.reused_tokens - reused,
-                "ttft_cold_s": runs["cold"][0],
-                "ttft_cached_s": runs["cached"][0],
-                "same_answer": runs["cold"][1] == tokens,
-            }
-        )
-        print(f"  turn {turn + 1}: {len(prompt)} prompt tokens", flush=True)
+        row: dict = {"turn": turn + 1, "prompt_tokens": len(prompt), "reused_tokens": reused}
+        for name, samples in times.items():
+            row[f"ttft_{name}_s"] = statistics.median(w for w, _ in samples)
+            row[f"ttft_{name}_cpu_s"] = statistics.median(c for _, c in samples)
+        row["same_first_token"] = firsts["cached"] == firsts["cold"] == tokens[:1]
+        rows.append(row)
+        print(f"  {row}", flush=True)
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    first_cold, first_cached = rows[0]["ttft_cold_s"], rows[0]["ttft_cached_s"]
+    one = rows[0]
     lines = [
-        "| turn | prompt tokens | reused | TTFT cold | x turn 1 | TTFT cached | x turn 1 | same answer |",
+        "| turn | prompt tokens | reused | TTFT cold: wall, CPU | CPU x turn 1 | TTFT cached: wall, CPU "
+        "| CPU x turn 1 | same first token |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['turn']} | {r['prompt_tokens']} | {r['reused_tokens']} | {r['ttft_cold_s'] * 1000:.0f} ms "
-            f"| {r['ttft_cold_s'] / first_cold:.2f} | {r['ttft_cached_s'] * 1000:.0f} ms "
-            f"| {r['ttft_cached_s'] / first_cached:.2f} | {'yes' if r['same_answer'] else 'no'} |"
-        )
+        cells = [str(r["turn"]), str(r["prompt_tokens"]), str(r["reused_tokens"])]
+        for name in ("cold", "cached"):
+            cells.append(f"{r[f'ttft_{name}_s'] * 1000:.0f} ms, {r[f'ttft_{name}_cpu_s'] * 1000:.0f} ms")
+            cells.append(f"{r[f'ttft_{name}_cpu_s'] / one[f'ttft_{name}_cpu_s']:.2f}")
+        cells.append("yes" if r["same_first_token"] else "no")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -116,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="each answer's budget")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (arena up gives a worker 1 on 2 cores)")
     parser.add_argument("--budget-mb", type=float, default=InferenceSettings().prefix_cache_mb)
+    parser.add_argument("--repeats", type=int, default=3, help="first tokens timed per engine and turn (median)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -123,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         ModelSpec(name="smollm2-135m", path=args.model, dtype=args.dtype), cache=InferenceSettings().model_cache
     )
     print(f"{args.model} ({loaded.model.dtype}), {args.turns} turns of up to {args.max_tokens} tokens, greedy")
-    rows = converse(loaded, args.turns, args.max_tokens, args.budget_mb)
+    rows = converse(loaded, args.turns, args.max_tokens, args.budget_mb, args.repeats)
     print(report(rows))
     if args.json:
         with open(args.json, "w") as f:
