@@ -107,3 +107,17 @@ async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
         assert second is not first and second.engine.prefix is not None
         assert second.engine.prefix.stats.entries == 0
     second.stop()
+
+
+def test_a_request_taken_over_from_another_worker_prefills_cold(loaded):
+    """A request continued from delivered chunks (resume_ids) looks nothing up, whatever
+    the cache holds: the takeover path is as it was, and its tokens those of an unbroken run."""
+    engine = BatchEngine(loaded, "continuous", prefix_cache_bytes=BUDGET)
+    prompt = loaded.tokenizer(" ".join(STORY_PROMPTS)).input_ids
+    whole = tokens(run(engine, {0: [GenRequest("first", prompt, GREEDY)]})["first"])
+    assert engine.prefix is not None and engine.prefix.stats.entries == 1
+    before = engine.prefix.stats
+    resumed = GenRequest("taken-over", prompt, GREEDY, resume_ids=whole[:10])
+    assert whole[:10] + tokens(run(engine, {0: [resumed]})["taken-over"]) == whole
+    after = engine.prefix.stats
+    assert (after.hits, after.misses, after.reused_tokens) == (before.hits, before.misses, before.reused_tokens)
