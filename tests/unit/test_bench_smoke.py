@@ -7,12 +7,13 @@ loadgen and the overhead client talk to it over HTTP; the ceiling runs in-proces
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench import ceiling, hf, overhead
+from bench import ceiling, hf, overhead, prefix_ttft
 from bench.client import check_local
 from bench.loadgen import run_level
 from bench.procs import ServerProcess
@@ -107,6 +108,17 @@ def test_ceiling_on_two_requests():
     assert level["summary"]["tokens_per_s"] > 0
     assert [c["max_tokens"] for c in compute] == [t.max_tokens for t in turns]
     assert all(c["compute_s"] > 0 for c in compute)
+
+
+def test_prefix_ttft_times_each_turn_with_and_without_the_cache(tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    args = ["--model", str(STORIES), "--dtype", "float32", "--turns", "3", "--max-tokens", "8", "--repeats", "1"]
+    prefix_ttft.main([*args, "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["turn"] for r in rows] == [1, 2, 3]
+    assert rows[0]["reused_tokens"] == 0 and rows[2]["reused_tokens"] > 0
+    assert all(r["ttft_cached_cpu_s"] > 0 and r["ttft_cold_cpu_s"] > 0 for r in rows)
+    assert "| 3 | " in capsys.readouterr().out
 
 
 def test_report_writes_table_json_and_plot(tmp_path):
