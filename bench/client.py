@@ -53,7 +53,9 @@ def check_local(base_url: str) -> str:
     return base_url.rstrip("/")
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = True) -> dict:
+def chat_body(
+    model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = True, extra: dict | None = None
+) -> dict:
     body = {
         "model": model,
         "messages": messages,
@@ -66,7 +68,7 @@ def chat_body(model: str, messages: list[dict], max_tokens: int, ignore_eos: boo
         # Not in OpenAI's API; servers that know it keep generating past EOS so
         # lengths stay as drawn, most others ignore it.
         body["ignore_eos"] = True
-    return body
+    return body | (extra or {})
 
 
 def server_timings(body: dict) -> dict | None:

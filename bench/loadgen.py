@@ -43,7 +43,8 @@ async def _session(client, base, workload, turns, session_id, budget, t0, out) -
             return
         messages.append({"role": "user", "content": turn.user_message})
         record = RequestRecord(session=session_id, turn=index, max_tokens=turn.max_tokens, start_s=0.0)
-        body = chat_body(workload.model, list(messages), turn.max_tokens, workload.ignore_eos)
+        extra = dict(workload.body_extra)
+        body = chat_body(workload.model, list(messages), turn.max_tokens, workload.ignore_eos, extra)
         await stream_chat(client, base, body, record, t0)
         out.append(record)
         if record.status != "ok":

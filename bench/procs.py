@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,79 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class PssSampler:
+    """The memory a server holds: the PSS (proportional set size: shared pages split among
+    the processes sharing them, so a sum over processes counts each page once) of it and
+    every descendant, sampled on a thread while it serves; keeps the peak sum and each
+    process's share at that peak.
+
+        with PssSampler(server.proc.pid) as memory:
+            ...  # the load
+        memory.result()
+    """
+
+    def __init__(self, pid: int, every_s: float = 2.0) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.peak = 0
+        self.at_peak: list[tuple[str, int]] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pss", daemon=True)
+
+    def sample(self) -> None:
+        shares = tree_pss(self.pid)
+        total = sum(pss for _, pss in shares)
+        self.samples += 1
+        if total > self.peak:
+            self.peak, self.at_peak = total, shares
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.every_s)
+
+    def result(self) -> dict:
+        processes = sorted(self.at_peak, key=lambda x: -x[1])
+        return {
+            "pss_peak_bytes": self.peak,
+            "processes": len(processes),
+            "pss_by_process": [{"name": name, "pss_bytes": pss} for name, pss in processes],
+            "samples": self.samples,
+        }
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()  # one after the load too: a short run may end between two samples
+
+
+def tree_pss(pid: int) -> list[tuple[str, int]]:
+    """(name, PSS bytes) of the process and each descendant alive now."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for proc in [root, *_descendants(pid)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            out.append((_label(proc), proc.memory_full_info().pss))
+    return out
+
+
+def _label(proc: psutil.Process) -> str:
+    """A process's name; for `python -m MODULE ...`, the module and its words up to the
+    first option (`infra.cli run gateway`: which of arenaflow's roles it is)."""
+    cmd = proc.cmdline()
+    if "-m" not in cmd[:-1]:
+        return proc.name()
+    words = cmd[cmd.index("-m") + 1 :]
+    return " ".join(next(iter([words[:i] for i, w in enumerate(words) if w.startswith("-")]), words)[:3])
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -111,6 +111,62 @@ def engine_rows(results: dict) -> list[str]:
     return lines
 
 
+def _s(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g} s"
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+def peer_cell(summary: dict) -> str:
+    """One target at one load: tok/s, latency P50 and P99, TTFT P50, and what failed."""
+    cell = (
+        f"{summary['tokens_per_s']:.1f} tok/s, P50 {_s(summary['latency_p50'])}, "
+        f"P99 {_s(summary['latency_p99'])}, TTFT {_s(summary['ttft_p50'])}"
+    )
+    if summary.get("error_rate"):
+        cell += f", {summary['errors']} errors, {summary['rejected']} 429s of {summary['requests']}"
+    return cell
+
+
+def memory_cell(target: dict) -> str:
+    memory = target.get("memory")
+    if not memory:
+        return "–"
+    return f"PSS {_gb(memory['pss_peak_bytes'])} over {memory['processes']} processes"
+
+
+def peer_tables(results: dict) -> list[str]:
+    """Issue 31's table, one per answer length swept: users down, targets across, a memory row."""
+    served = [t for t in results["targets"] if any("max_tokens" in lv for lv in t.get("levels", []))]
+    lines: list[str] = []
+    for tokens in sorted({lv["max_tokens"] for t in served for lv in t["levels"]}):
+        by_target = {
+            t["name"]: {lv["load"]: lv["summary"] for lv in t["levels"] if lv.get("max_tokens") == tokens}
+            for t in served
+        }
+        loads = sorted({load for row in by_target.values() for load in row})
+        lines += [f"{tokens}-token answers, closed loop:", ""]
+        lines += ["| users | " + " | ".join(by_target) + " |", "|---" * (1 + len(by_target)) + "|"]
+        for load in loads:
+            cells = [peer_cell(row[load]) if load in row else "–" for row in by_target.values()]
+            lines.append(f"| {load:g} | " + " | ".join(cells) + " |")
+        lines += ["| memory | " + " | ".join(memory_cell(t) for t in served) + " |", ""]
+    return lines
+
+
+def memory_rows(results: dict) -> list[str]:
+    """Each server's peak PSS while it served, and its processes' shares at that peak."""
+    lines = ["| target | PSS peak | processes at the peak (PSS) |", "|---|---|---|"]
+    for target in results["targets"]:
+        memory = target.get("memory")
+        if memory:
+            shares = ", ".join(f"{p['name']} {p['pss_bytes'] / 1e6:.0f} MB" for p in memory["pss_by_process"])
+            lines.append(f"| {target['name']} | {_gb(memory['pss_peak_bytes'])} | {shares} |")
+    return lines if len(lines) > 2 else []
+
+
 def overhead_rows(overhead: dict) -> list[str]:
     lines = [
         "| target | requests | end-to-end P50 / P99 (ms) | compute P50 / P99 (ms) "
@@ -137,12 +193,16 @@ def markdown(results: dict) -> str:
     parts = ["# Benchmark results", ""]
     if meta:
         parts += [f"- {key}: {value}" for key, value in meta.items()] + [""]
+    if peers := peer_tables(results):
+        parts += ["## Side by side (tok/s, latency P50 / P99, TTFT P50)", "", *peers]
     parts += ["## Throughput and latency", "", *level_rows(results), ""]
     parts += ["## Ratios (peak tokens/s)", "", *ratio_rows(results), ""]
     if served := engine_rows(results):
         parts += ["## Served / engine alone (tokens/s at the same load)", "", *served, ""]
     if results.get("overhead"):
         parts += ["## Pipeline overhead at 1 user", "", *overhead_rows(results["overhead"]), ""]
+    if memory := memory_rows(results):
+        parts += ["## Memory (PSS of every process of the server, peak while it served)", "", *memory, ""]
     parts += ["## Conditions", "", *condition_rows(results), ""]
     return "\n".join(parts)
 
@@ -150,13 +210,21 @@ def markdown(results: dict) -> str:
 def condition_rows(results: dict) -> list[str]:
     """Start-up time, and the machine's load average when each target started: other
     work on a shared machine shows up here before it shows up as odd figures."""
-    lines = ["| target | status | start-up (s) | load average 1/5/15 min at start |", "|---|---|---|---|"]
+    lines = [
+        "| target | status | start-up (s) | load average 1/5/15 min at start "
+        "| 1-min load average at each level's start |",
+        "|---|---|---|---|---|",
+    ]
     for target in results["targets"]:
         load = target.get("loadavg_at_start")
         load_text = " / ".join(f"{x:.1f}" for x in load) if load else "–"
         startup = target.get("startup_s")
+        levels = " ".join(
+            f"{lv['loadavg_at_start'][0]:.1f}" for lv in target.get("levels", []) if "loadavg_at_start" in lv
+        )
         lines.append(
-            f"| {target['name']} | {target['status']} | {'–' if startup is None else f'{startup:.1f}'} | {load_text} |"
+            f"| {target['name']} | {target['status']} | {'–' if startup is None else f'{startup:.1f}'} "
+            f"| {load_text} | {levels or '–'} |"
         )
     return lines
 
@@ -172,12 +240,15 @@ def plot(results: dict, path: Path) -> None:
     for target in results["targets"]:
         if target["status"] != "ok" or not target["levels"]:
             continue
-        loads = [lv["load"] for lv in target["levels"]]
         dashed = target["name"] in ("ceiling", "engine")
-        style = {"marker": "o", "label": target["name"], "linestyle": "--" if dashed else "-"}
-        for ax, q in zip(axes[:3], (50, 95, 99), strict=True):
-            ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in target["levels"]], **style)
-        axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in target["levels"]], **style)
+        for tokens in sorted({lv.get("max_tokens", 0) for lv in target["levels"]}):
+            levels = [lv for lv in target["levels"] if lv.get("max_tokens", 0) == tokens]
+            label = f"{target['name']}, {tokens} tok" if tokens else target["name"]
+            style = {"marker": "o", "label": label, "linestyle": "--" if dashed else "-"}
+            loads = [lv["load"] for lv in levels]
+            for ax, q in zip(axes[:3], (50, 95, 99), strict=True):
+                ax.plot(loads, [lv["summary"][f"latency_p{q}"] for lv in levels], **style)
+            axes[3].plot(loads, [lv["summary"]["tokens_per_s"] for lv in levels], **style)
     for ax, title in zip(axes, ("latency P50", "latency P95", "latency P99", "throughput"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("offered load (users, or batch size for the ceiling)")

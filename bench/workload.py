@@ -77,6 +77,7 @@ class Workload:
     seed: int = 0
     timeout_s: float = 120.0
     ignore_eos: bool = True  # send "ignore_eos"; off for servers that reject unknown fields
+    body_extra: tuple[tuple[str, object], ...] = ()  # more fields for every request's body
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ceiling, hf, overhead, prefix_ttft
+from bench import ceiling, compare, hf, overhead, prefix_ttft
 from bench.client import check_local
 from bench.loadgen import run_level
 from bench.procs import ServerProcess
@@ -85,6 +85,21 @@ def test_loadgen_against_naive_server(naive_server):
     assert level["summary"]["output_tokens"] > 0
     assert all(r["ttft_s"] is not None and r["tokens_from"] == "usage" for r in level["records"])
     assert {r["turn"] for r in level["records"]} == {0, 1}
+
+
+@pytest.mark.timeout(60)
+def test_length_sweep_against_naive_server(naive_server):
+    """`bench.compare --sweep-lengths`: each length's loads in turn, every answer that long,
+    each level labelled with it and with the machine's load average at its start."""
+    workload = Workload(model="stories-260k", max_requests=2, duration_s=30, timeout_s=20)
+    levels = asyncio.run(compare.sweep_lengths(naive_server, workload, [1, 2], [5, 9]))
+
+    assert [(lv["max_tokens"], lv["load"]) for lv in levels] == [(5, 1.0), (5, 2.0), (9, 1.0), (9, 2.0)]
+    assert levels[3]["load_label"] == "2 users x 9 tok"
+    assert all(len(lv["loadavg_at_start"]) == 3 for lv in levels)
+    for level in levels:
+        assert level["summary"]["completed"] == 2
+        assert {r["output_tokens"] for r in level["records"]} == {level["max_tokens"]}
 
 
 @pytest.mark.timeout(60)
