@@ -16,6 +16,7 @@ class IdleEngine:
     """Just what the runner reads; it never has work, so its thread only waits."""
 
     mode, running, waiting, max_batch_size = "continuous", 20, 0, 32
+    prefix = None  # no prefix cache (BatchEngine.prefix: the runner reads its counts after each step)
 
     def budgets(self) -> tuple[list[int], list[int]]:
         return [], []
