@@ -42,6 +42,8 @@ MAX_TOKENS_LIMIT = 4096
 #: leave the sampler nothing to sample. Checked at the edge and by the worker, not in
 #: the event (events already stored must still decode).
 MIN_TEMPERATURE = 0.01
+#: The most alternatives a token's log probabilities list (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingParams(Frozen):
@@ -52,6 +54,23 @@ class SamplingParams(Frozen):
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT, description="Most tokens to generate.")
     stop: tuple[str, ...] = Field((), description="Strings that end generation; not included in the text.")
     seed: int | None = Field(None, description="Seed of the request's own RNG; set by the gateway when absent.")
+    # Optional and additive (OpenAI's penalties, bias and log probabilities): events written
+    # before them decode unchanged, as requests that ask for none of them.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token generated at least once so far."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it was generated so far."
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> added to its logit (-100 bans it, 100 all but forces it)."
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="None: no log probabilities; n: each token's, with its n most likely alternatives.",
+    )
 
 
 class Usage(Frozen):
@@ -151,6 +170,14 @@ class BattleEvent(EventBase):
         return f"battle:{self.battle_id}:{self.type_name()}"
 
 
+#: How a request's messages become the model's prompt.
+PromptFormat = Literal["chat", "text"]
+PROMPT_FORMAT = (
+    "chat: the messages rendered with the model's chat template; text: the one user message's "
+    "content is the prompt as it is (POST /v1/completions). Optional and additive."
+)
+
+
 class ChatRequested(RequestEvent):
     """The gateway accepted a client request."""
 
@@ -165,6 +192,7 @@ class ChatRequested(RequestEvent):
     principal: str | None = Field(
         None, description="Who asked: a keyed hash of the caller's API key (never the key); restores ownership."
     )
+    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
 class PromptAccepted(RequestEvent):
@@ -177,6 +205,7 @@ class PromptAccepted(RequestEvent):
     deadline_at: float
     received_at: float
     filter: FilterReport
+    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
 class PromptRejected(RequestEvent):
@@ -188,6 +217,20 @@ class PromptRejected(RequestEvent):
     filter: FilterReport
 
 
+class TopLogprob(Frozen):
+    """A token and its log probability, as OpenAI's API shows one."""
+
+    token: str = Field(description="The token's text (its bytes decoded, U+FFFD where they end inside a character).")
+    logprob: float = Field(description="Natural log of its probability under the model's raw logits.")
+    bytes: tuple[int, ...] = Field(description="The token's UTF-8 bytes (tokens may split a character).")
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, and its most likely alternatives at that step."""
+
+    top_logprobs: tuple[TopLogprob, ...] = Field((), description="The n most likely tokens, most likely first.")
+
+
 class TokensGenerated(RequestEvent):
     """A chunk of generated text. `seq` counts chunks of one request from 0, without gaps."""
 
@@ -196,6 +239,12 @@ class TokensGenerated(RequestEvent):
     text: str
     token_ids: tuple[int, ...]
     model: str
+    # Optional and additive: events written before it decode unchanged.
+    logprobs: tuple[TokenLogprob, ...] | None = Field(
+        None,
+        description="With params.logprobs: one per token id, in order, less an end-of-sequence token "
+        "(it ends the answer and is no part of its text); None when not asked for.",
+    )
 
     def dedupe_key(self) -> str:
         return f"{self.request_id}:tok:{self.seq}"
@@ -215,7 +264,13 @@ class ChatCompleted(RequestEvent):
 
 
 FailureCode = Literal[
-    "deadline_exceeded", "unknown_model", "prompt_too_long", "cancelled", "overloaded", "internal_error"
+    "deadline_exceeded",
+    "unknown_model",
+    "prompt_too_long",
+    "cancelled",
+    "overloaded",
+    "internal_error",
+    "invalid_request",  # a parameter the model cannot serve (a logit_bias token outside its vocabulary)
 ]
 
 
