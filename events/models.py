@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,44 @@ def utcnow() -> datetime:
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Additive(Frozen):
+    """A model that gained optional fields after events were stored (`ADDITIVE`, each
+    with a default): `events.encode` leaves them out while at their defaults, so an event
+    that uses none of them is written as before, and a process still on the earlier
+    contract (extra="forbid") decodes it during a rolling deploy. Decoding fills them in."""
+
+    ADDITIVE: ClassVar[tuple[str, ...]] = ()
+
+
+def unused_additions(model: BaseModel) -> dict[str, Any]:
+    """What `model_dump_json(exclude=...)` leaves out of `model`: its additive fields at
+    their defaults, and those of the additive models its fields hold (one level down, as
+    ChatRequested holds SamplingParams). A few attribute reads: it runs on every chunk."""
+    defaults, nested = _additions(type(model))
+    out: dict[str, Any] = {name: True for name, default in defaults if getattr(model, name) == default}
+    for name in nested:
+        inner_defaults, _ = _additions(type(value := getattr(model, name)))
+        if inner := {n: True for n, default in inner_defaults if getattr(value, n) == default}:
+            out[name] = inner
+    return out
+
+
+_ADDITIONS: dict[type, tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]] = {}
+
+
+def _additions(cls: type[BaseModel]) -> tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]:
+    """`cls`'s additive fields with their defaults, and its fields holding additive models."""
+    if (found := _ADDITIONS.get(cls)) is None:
+        fields = cls.model_fields
+        additive = getattr(cls, "ADDITIVE", ())
+        defaults = tuple((n, fields[n].get_default(call_default_factory=True)) for n in additive)
+        nested = tuple(
+            n for n, f in fields.items() if isinstance(f.annotation, type) and issubclass(f.annotation, Additive)
+        )
+        found = _ADDITIONS[cls] = (defaults, nested)
+    return found
 
 
 class ChatMessage(Frozen):
@@ -46,8 +84,10 @@ MIN_TEMPERATURE = 0.01
 MAX_TOP_LOGPROBS = 20
 
 
-class SamplingParams(Frozen):
+class SamplingParams(Additive):
     """Per-request sampling parameters; they hold inside any batch."""
+
+    ADDITIVE = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0, description="0 means greedy decoding.")
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -178,8 +218,10 @@ PROMPT_FORMAT = (
 )
 
 
-class ChatRequested(RequestEvent):
+class ChatRequested(RequestEvent, Additive):
     """The gateway accepted a client request."""
+
+    ADDITIVE = ("prompt_format",)
 
     type: Literal["chat.requested"] = "chat.requested"
     model: str
@@ -195,8 +237,10 @@ class ChatRequested(RequestEvent):
     prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
-class PromptAccepted(RequestEvent):
+class PromptAccepted(RequestEvent, Additive):
     """The filter let the prompt through (possibly sanitized)."""
+
+    ADDITIVE = ("prompt_format",)
 
     type: Literal["prompt.accepted"] = "prompt.accepted"
     model: str
@@ -231,8 +275,10 @@ class TokenLogprob(TopLogprob):
     top_logprobs: tuple[TopLogprob, ...] = Field((), description="The n most likely tokens, most likely first.")
 
 
-class TokensGenerated(RequestEvent):
+class TokensGenerated(RequestEvent, Additive):
     """A chunk of generated text. `seq` counts chunks of one request from 0, without gaps."""
+
+    ADDITIVE = ("logprobs",)
 
     type: Literal["tokens.generated"] = "tokens.generated"
     seq: int = Field(ge=0)

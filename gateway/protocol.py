@@ -253,7 +253,9 @@ class TextPromptRequest(ChatCompletionRequest):
 class CompletionRequest(Sampling):
     """OpenAI's (legacy) completion request: a plain prompt, no chat template."""
 
-    prompt: Any = Field(description="The prompt: one string (a list of strings or of token ids is refused).")
+    prompt: Annotated[Any, WithJsonSchema({"type": "string", "minLength": 1})] = Field(
+        description="The prompt: one string (a list of strings or of token ids is refused)."
+    )
     max_tokens: Tokens = Field(COMPLETION_MAX_TOKENS, description=f"Default {COMPLETION_MAX_TOKENS}, as OpenAI's.")
     logprobs: TopLogprobs | None = Field(
         None, description=f"0 to {MAX_TOP_LOGPROBS}: each token's log probability and this many most likely tokens."
