@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from events.models import EVENT_TYPES, EventBase
+from events.models import EVENT_TYPES, EventBase, unused_additions
 
 # (type, from_version) -> function turning that version's dict into the next version's.
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
@@ -47,4 +47,5 @@ def decode(raw: bytes | str | dict) -> Any:
 
 
 def encode(event: EventBase) -> bytes:
-    return event.model_dump_json().encode()
+    """The event's JSON, less additive fields it does not use (`events.models.Additive`)."""
+    return event.model_dump_json(exclude=unused_additions(event) or None).encode()

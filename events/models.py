@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +28,44 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Additive(Frozen):
+    """A model that gained optional fields after events were stored (`ADDITIVE`, each
+    with a default): `events.encode` leaves them out while at their defaults, so an event
+    that uses none of them is written as before, and a process still on the earlier
+    contract (extra="forbid") decodes it during a rolling deploy. Decoding fills them in."""
+
+    ADDITIVE: ClassVar[tuple[str, ...]] = ()
+
+
+def unused_additions(model: BaseModel) -> dict[str, Any]:
+    """What `model_dump_json(exclude=...)` leaves out of `model`: its additive fields at
+    their defaults, and those of the additive models its fields hold (one level down, as
+    ChatRequested holds SamplingParams). A few attribute reads: it runs on every chunk."""
+    defaults, nested = _additions(type(model))
+    out: dict[str, Any] = {name: True for name, default in defaults if getattr(model, name) == default}
+    for name in nested:
+        inner_defaults, _ = _additions(type(value := getattr(model, name)))
+        if inner := {n: True for n, default in inner_defaults if getattr(value, n) == default}:
+            out[name] = inner
+    return out
+
+
+_ADDITIONS: dict[type, tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]] = {}
+
+
+def _additions(cls: type[BaseModel]) -> tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]:
+    """`cls`'s additive fields with their defaults, and its fields holding additive models."""
+    if (found := _ADDITIONS.get(cls)) is None:
+        fields = cls.model_fields
+        additive = getattr(cls, "ADDITIVE", ())
+        defaults = tuple((n, fields[n].get_default(call_default_factory=True)) for n in additive)
+        nested = tuple(
+            n for n, f in fields.items() if isinstance(f.annotation, type) and issubclass(f.annotation, Additive)
+        )
+        found = _ADDITIONS[cls] = (defaults, nested)
+    return found
+
+
 class ChatMessage(Frozen):
     role: Literal["system", "user", "assistant"]
     content: str
@@ -42,16 +80,37 @@ MAX_TOKENS_LIMIT = 4096
 #: leave the sampler nothing to sample. Checked at the edge and by the worker, not in
 #: the event (events already stored must still decode).
 MIN_TEMPERATURE = 0.01
+#: The most alternatives a token's log probabilities list (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 
 
-class SamplingParams(Frozen):
+class SamplingParams(Additive):
     """Per-request sampling parameters; they hold inside any batch."""
+
+    ADDITIVE = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0, description="0 means greedy decoding.")
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT, description="Most tokens to generate.")
     stop: tuple[str, ...] = Field((), description="Strings that end generation; not included in the text.")
     seed: int | None = Field(None, description="Seed of the request's own RNG; set by the gateway when absent.")
+    # Optional and additive (OpenAI's penalties, bias and log probabilities): events written
+    # before them decode unchanged, as requests that ask for none of them.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token generated at least once so far."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it was generated so far."
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> added to its logit (-100 bans it, 100 all but forces it)."
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="None: no log probabilities; n: each token's, with its n most likely alternatives.",
+    )
 
 
 class Usage(Frozen):
@@ -151,8 +210,18 @@ class BattleEvent(EventBase):
         return f"battle:{self.battle_id}:{self.type_name()}"
 
 
-class ChatRequested(RequestEvent):
+#: How a request's messages become the model's prompt.
+PromptFormat = Literal["chat", "text"]
+PROMPT_FORMAT = (
+    "chat: the messages rendered with the model's chat template; text: the one user message's "
+    "content is the prompt as it is (POST /v1/completions). Optional and additive."
+)
+
+
+class ChatRequested(RequestEvent, Additive):
     """The gateway accepted a client request."""
+
+    ADDITIVE = ("prompt_format",)
 
     type: Literal["chat.requested"] = "chat.requested"
     model: str
@@ -165,10 +234,13 @@ class ChatRequested(RequestEvent):
     principal: str | None = Field(
         None, description="Who asked: a keyed hash of the caller's API key (never the key); restores ownership."
     )
+    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
-class PromptAccepted(RequestEvent):
+class PromptAccepted(RequestEvent, Additive):
     """The filter let the prompt through (possibly sanitized)."""
+
+    ADDITIVE = ("prompt_format",)
 
     type: Literal["prompt.accepted"] = "prompt.accepted"
     model: str
@@ -177,6 +249,7 @@ class PromptAccepted(RequestEvent):
     deadline_at: float
     received_at: float
     filter: FilterReport
+    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
 class PromptRejected(RequestEvent):
@@ -188,14 +261,36 @@ class PromptRejected(RequestEvent):
     filter: FilterReport
 
 
-class TokensGenerated(RequestEvent):
+class TopLogprob(Frozen):
+    """A token and its log probability, as OpenAI's API shows one."""
+
+    token: str = Field(description="The token's text (its bytes decoded, U+FFFD where they end inside a character).")
+    logprob: float = Field(description="Natural log of its probability under the model's raw logits.")
+    bytes: tuple[int, ...] = Field(description="The token's UTF-8 bytes (tokens may split a character).")
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, and its most likely alternatives at that step."""
+
+    top_logprobs: tuple[TopLogprob, ...] = Field((), description="The n most likely tokens, most likely first.")
+
+
+class TokensGenerated(RequestEvent, Additive):
     """A chunk of generated text. `seq` counts chunks of one request from 0, without gaps."""
+
+    ADDITIVE = ("logprobs",)
 
     type: Literal["tokens.generated"] = "tokens.generated"
     seq: int = Field(ge=0)
     text: str
     token_ids: tuple[int, ...]
     model: str
+    # Optional and additive: events written before it decode unchanged.
+    logprobs: tuple[TokenLogprob, ...] | None = Field(
+        None,
+        description="With params.logprobs: one per token id, in order, less an end-of-sequence token "
+        "(it ends the answer and is no part of its text); None when not asked for.",
+    )
 
     def dedupe_key(self) -> str:
         return f"{self.request_id}:tok:{self.seq}"
@@ -215,7 +310,13 @@ class ChatCompleted(RequestEvent):
 
 
 FailureCode = Literal[
-    "deadline_exceeded", "unknown_model", "prompt_too_long", "cancelled", "overloaded", "internal_error"
+    "deadline_exceeded",
+    "unknown_model",
+    "prompt_too_long",
+    "cancelled",
+    "overloaded",
+    "internal_error",
+    "invalid_request",  # a parameter the model cannot serve (a logit_bias token outside its vocabulary)
 ]
 
 

@@ -18,6 +18,8 @@ class Assembler:
         self.pending: dict[int, Any] = {}
         self.terminal = None
         self.text = ""
+        #: The emitted chunks' log probabilities, in order (those that carry any).
+        self.logprobs: list = []
 
     def add(self, event) -> list:
         """Take one event; return the chunk events that are now deliverable, in order."""
@@ -31,6 +33,7 @@ class Assembler:
         while self.next_seq in self.pending:
             chunk = self.pending.pop(self.next_seq)
             self.text += chunk.text
+            self.logprobs += chunk.logprobs or ()
             ready.append(chunk)
             self.next_seq += 1
         return ready

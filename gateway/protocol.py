@@ -1,9 +1,8 @@
-"""OpenAI-compatible request and response models for the chat endpoints."""
+"""OpenAI-compatible request models: chat completions and (legacy) completions."""
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -16,7 +15,15 @@ from pydantic import (
     field_validator,
 )
 
-from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOKENS_LIMIT, MIN_TEMPERATURE
+from events.models import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    PromptFormat,
+)
 
 
 def _encodable(v: str) -> str:
@@ -70,6 +77,52 @@ Temperature = Annotated[
 #: A time budget in seconds (strict: `true` is not a number).
 Deadline = Annotated[float, Strict(), Field(gt=0, description="Time budget in seconds; default 15, at most 120.")]
 StopText = Annotated[Text, Field(min_length=1)]
+#: OpenAI's penalties: -2 to 2, over the tokens generated so far.
+Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS), _integral]
+#: Most entries a logit_bias may hold (each costs the sampler a little at every step).
+MAX_BIASED_TOKENS = 1024
+#: OpenAI's default completion length on `POST /v1/completions` (chat's is DEFAULT_MAX_TOKENS).
+COMPLETION_MAX_TOKENS = 16
+
+
+def _bias(v: Any) -> dict[int, float] | None:
+    """`{"token id": bias}` as JSON writes it, ids as decimal strings, biases -100 to 100."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError("must be an object mapping token ids to biases")
+    if len(v) > MAX_BIASED_TOKENS:
+        raise ValueError(f"holds {len(v)} tokens; at most {MAX_BIASED_TOKENS}")
+    out = {}
+    for given, bias in v.items():
+        # A request's copy (CompletionRequest.to_chat) has them as ints already.
+        key = str(given) if isinstance(given, int) and not isinstance(given, bool) and given >= 0 else given
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+            raise ValueError(f"key {key!r} is no token id (a non-negative integer)")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise ValueError(f"token {key}: the bias must be a number from -100 to 100, got {bias!r}")
+        out[int(key)] = float(bias)
+    return out
+
+
+LogitBias = Annotated[
+    Any,
+    AfterValidator(_bias),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                },
+                {"type": "null"},
+            ],
+            "description": "Token id (as a string) -> bias added to its logit, -100 to 100.",
+        }
+    ),
+]
 
 
 class TextPart(BaseModel):
@@ -92,11 +145,6 @@ class Message(BaseModel):
 #: OpenAI request fields that are refused unless neutral: field -> its neutral values
 #: (null first, then the one a client sends to mean "none").
 UNSERVED: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -105,48 +153,41 @@ UNSERVED: dict[str, tuple] = {
 }
 
 
+#: POST /v1/completions' fields refused unless neutral, as UNSERVED.
+COMPLETION_UNSERVED: dict[str, tuple] = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+
+
+def _refuse_unless_neutral(table: dict[str, tuple], v: Any, info) -> None:
+    if v not in table[info.field_name]:
+        raise ValueError(f"is not supported by this server (accepted: {table[info.field_name][1]!r} or null)")
+
+
 class StreamOptions(BaseModel):
     include_usage: Annotated[bool, Strict()] = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """The OpenAI chat completion request, plus arenaflow's conversation fields."""
+class Sampling(BaseModel):
+    """What every OpenAI generation request shares: sampling, stop strings, streaming."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = Field(None, description="Served model name; default: the gateway's default model.")
-    messages: list[Message] = Field(min_length=1, description="Empty contents are accepted (OpenAI does too).")
     temperature: Temperature = DEFAULT_TEMPERATURE
     top_p: Number = Field(DEFAULT_TOP_P, gt=0.0, le=1.0)
-    max_tokens: Tokens | None = Field(None, description=f"Default {DEFAULT_MAX_TOKENS}.")
-    max_completion_tokens: Tokens | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: Seed | None = None
+    presence_penalty: Penalty | None = Field(
+        None, description="-2 to 2: subtracted from the logit of every token generated at least once so far."
+    )
+    frequency_penalty: Penalty | None = Field(
+        None, description="-2 to 2: subtracted from a token's logit once per time it was generated so far."
+    )
+    logit_bias: LogitBias = None
     n: Annotated[int, Strict(), Field(ge=1, le=1), _integral] = Field(1, description="Only one choice is served.")
     stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
-    turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
     deadline_s: Deadline | None = None
-    # OpenAI fields this server does not serve: refused with a 400 naming the field when
-    # they ask for anything (their neutral values pass), never accepted and ignored.
-    logprobs: Any = Field(None, description="Not served: only false/null is accepted.")
-    top_logprobs: Any = Field(None, description="Not served: only 0/null is accepted.")
-    presence_penalty: Any = Field(None, description="Not served: only 0/null is accepted.")
-    frequency_penalty: Any = Field(None, description="Not served: only 0/null is accepted.")
-    logit_bias: Any = Field(None, description="Not served: only {}/null is accepted.")
-    response_format: Any = Field(None, description='Not served: only {"type": "text"} is accepted.')
-    tools: Any = Field(None, description="No tool calling: only []/null is accepted.")
-    tool_choice: Any = Field(None, description='No tool calling: only "none"/null is accepted.')
-    functions: Any = Field(None, description="No function calling: only []/null is accepted.")
-    function_call: Any = Field(None, description='No function calling: only "none"/null is accepted.')
-
-    @field_validator(*UNSERVED)
-    @classmethod
-    def _unserved(cls, v, info):
-        if v not in UNSERVED[info.field_name]:
-            raise ValueError(f"is not supported by this server (accepted: {UNSERVED[info.field_name][1]!r} or null)")
 
     @field_validator("stop")
     @classmethod
@@ -156,48 +197,94 @@ class ChatCompletionRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
+
+class ChatCompletionRequest(Sampling):
+    """The OpenAI chat completion request, plus arenaflow's conversation fields."""
+
+    #: How the event's messages become the prompt (a completion's are its prompt as it is).
+    prompt_format: ClassVar[PromptFormat] = "chat"
+
+    messages: list[Message] = Field(min_length=1, description="Empty contents are accepted (OpenAI does too).")
+    max_tokens: Tokens | None = Field(None, description=f"Default {DEFAULT_MAX_TOKENS}.")
+    max_completion_tokens: Tokens | None = None
+    logprobs: Annotated[bool, Strict()] | None = Field(
+        None, description="Each answer token's log probability (the model's log-softmax of its raw logits)."
+    )
+    top_logprobs: TopLogprobs | None = Field(
+        None, description=f"0 to {MAX_TOP_LOGPROBS}: the most likely tokens at each position; needs logprobs."
+    )
+    conv_id: ConvId | None = Field(None, description="Conversation id (letters, digits, '_' and '-').")
+    turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
+    # OpenAI fields this server does not serve: refused with a 400 naming the field when
+    # they ask for anything (their neutral values pass), never accepted and ignored.
+    response_format: Any = Field(None, description='Not served: only {"type": "text"} is accepted.')
+    tools: Any = Field(None, description="No tool calling: only []/null is accepted.")
+    tool_choice: Any = Field(None, description='No tool calling: only "none"/null is accepted.')
+    functions: Any = Field(None, description="No function calling: only []/null is accepted.")
+    function_call: Any = Field(None, description='No function calling: only "none"/null is accepted.')
+
+    @field_validator(*UNSERVED)
+    @classmethod
+    def _unserved(cls, v, info):
+        return _refuse_unless_neutral(UNSERVED, v, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
-
-def completion_body(
-    request_id: str, model: str, text: str, finish_reason: str, usage: dict, extra: dict | None = None
-) -> dict:
-    return {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage,
-        **({"x_arena": extra} if extra else {}),
-    }
+    def logprob_count(self) -> int | None:
+        """The event's `params.logprobs`: None for none, else how many alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def chunk_body(
-    request_id: str,
-    model: str,
-    delta: dict,
-    finish_reason: str | None = None,
-    usage: dict | None = None,
-    with_choice: bool = True,
-) -> dict:
-    body = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-        if with_choice
-        else [],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body
+class TextPromptRequest(ChatCompletionRequest):
+    """A completion as the session code serves it: its one user message is the prompt,
+    sent to the model as it is, no chat template (see CompletionRequest.to_chat)."""
+
+    prompt_format: ClassVar[PromptFormat] = "text"
+
+
+class CompletionRequest(Sampling):
+    """OpenAI's (legacy) completion request: a plain prompt, no chat template."""
+
+    prompt: Annotated[Any, WithJsonSchema({"type": "string", "minLength": 1})] = Field(
+        description="The prompt: one string (a list of strings or of token ids is refused)."
+    )
+    max_tokens: Tokens = Field(COMPLETION_MAX_TOKENS, description=f"Default {COMPLETION_MAX_TOKENS}, as OpenAI's.")
+    logprobs: TopLogprobs | None = Field(
+        None, description=f"0 to {MAX_TOP_LOGPROBS}: each token's log probability and this many most likely tokens."
+    )
+    echo: Any = Field(None, description="Not served: only false/null is accepted.")
+    suffix: Any = Field(None, description='Not served: only ""/null is accepted.')
+    best_of: Any = Field(None, description="Not served: only 1/null is accepted.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if not isinstance(v, str):
+            raise ValueError("must be one string (lists of prompts or of token ids are not served)")
+        if not v:
+            raise ValueError("must not be empty")
+        return _encodable(v)
+
+    @field_validator(*COMPLETION_UNSERVED)
+    @classmethod
+    def _unserved(cls, v, info):
+        return _refuse_unless_neutral(COMPLETION_UNSERVED, v, info)
+
+    def to_chat(self) -> TextPromptRequest:
+        """The request as the session code (ChatService) serves every transport's."""
+        fields = self.model_dump(exclude={"prompt", "max_tokens", "logprobs", *COMPLETION_UNSERVED}, exclude_unset=True)
+        return TextPromptRequest(
+            messages=[Message(role="user", content=self.prompt)],
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs is not None or None,
+            top_logprobs=self.logprobs,
+            **fields,
+        )

@@ -1,22 +1,26 @@
-"""OpenAI's API: `POST /v1/chat/completions` (JSON and SSE streaming) and `GET /v1/models`."""
+"""OpenAI's API: `POST /v1/chat/completions` and `POST /v1/completions` (JSON and SSE
+streaming), `GET /v1/models`. Both generation routes are one path (`serve`): the same
+admission, events and output, shaped by `gateway.shapes`."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.access import limits_of, principal_of
 from gateway.errors import APIError, errors
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
-from gateway.protocol import ChatCompletionRequest, chunk_body, completion_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChatService, Ticket, extra_of, outcome, usage_of
+from gateway.shapes import ChatShape, CompletionShape, Shape
 
 
 def sse(body: dict) -> str:
@@ -24,31 +28,32 @@ def sse(body: dict) -> str:
 
 
 async def stream_events(
-    chat: ChatService, ticket: Ticket, output: Output, include_usage: bool, started: float
+    chat: ChatService, ticket: Ticket, output: Output, include_usage: bool, started: float, shape: Shape
 ) -> AsyncIterator[str]:
-    """The SSE body: a role chunk, the text chunks, the finish (or an error object), [DONE]."""
-    rid, model = ticket.request_id, ticket.model
+    """The SSE body: the opening chunks, the text chunks, the finish (or an error object), [DONE]."""
+    model = ticket.model
     finished = False
     try:
-        yield sse(chunk_body(rid, model, {"role": "assistant", "content": ""}))
+        for opening in shape.opening():
+            yield sse(opening)
         first = True
         async for chunk in output:
             if first:
                 METRICS.ttft.labels(model).observe(time.perf_counter() - started)
                 first = False
-            yield sse(chunk_body(rid, model, {"content": chunk.text}))
+            yield sse(shape.chunk(chunk.text, chunk.logprobs))
         terminal, err = output.terminal, outcome(output.terminal)
         chat.record(model, err, started)
         if err is not None:
             yield sse(err.body())
         else:
             if rest := output.remainder():
-                yield sse(chunk_body(rid, model, {"content": rest}))
+                yield sse(shape.chunk(rest, None))
             # The finish chunk carries what the JSON answer's `x_arena` does (ids, the
             # server's own timings), so a streaming client can tell its wait from the model's.
-            yield sse(chunk_body(rid, model, {}, terminal.finish_reason) | {"x_arena": extra_of(ticket, terminal)})
+            yield sse(shape.finish(terminal.finish_reason) | {"x_arena": extra_of(ticket, terminal)})
             if include_usage:
-                yield sse(chunk_body(rid, model, {}, usage=usage_of(terminal), with_choice=False))
+                yield sse(shape.usage(usage_of(terminal)))
         finished = True
         yield "data: [DONE]\n\n"
     finally:
@@ -57,7 +62,7 @@ async def stream_events(
             # The client went away mid-stream: stop spending the model on it. The
             # shield lets the publish finish inside the cancelled response task.
             with anyio.CancelScope(shield=True):
-                await chat.pipeline.cancel(rid, ticket.conv_id, ticket.turn_id)
+                await chat.pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
 
 
 def router(chat: ChatService) -> APIRouter:
@@ -81,45 +86,71 @@ def router(chat: ChatService) -> APIRouter:
             raise APIError(404, f"model '{model_id}' is not served; see GET /v1/models", "model_not_found", "model")
         return found
 
-    @r.post(
-        "/v1/chat/completions",
-        responses={
-            200: {
-                "description": "The completion (JSON), or with `stream: true` server-sent events",
-                "content": {"application/json": {}, "text/event-stream": {}},
-            },
-            **errors(400, 404, 409, 429, 499, 500, 503, 504),
-        },
-    )
+    @r.post("/v1/chat/completions", responses=generation_responses("The completion (JSON)"))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         """A chat completion; `stream: true` answers with server-sent events."""
-        started = time.perf_counter()
+        return await serve(
+            chat, req, request, lambda ticket: ChatShape(ticket.request_id, ticket.model, bool(req.logprobs))
+        )
+
+    @r.post("/v1/completions", responses=generation_responses("The completion (`text_completion`)"))
+    async def completions(req: CompletionRequest, request: Request):
+        """A completion of a plain prompt (no chat template); `stream: true` answers with server-sent events."""
+        logprobs = req.logprobs is not None
+        shape = lambda ticket: CompletionShape(ticket.request_id, ticket.model, logprobs)  # noqa: E731
+        return await serve(chat, req.to_chat(), request, shape)
+
+    return r
+
+
+def generation_responses(answer: str) -> dict:
+    """The statuses a generation route answers, for its OpenAPI entry."""
+    return {
+        200: {
+            "description": f"{answer}, or with `stream: true` server-sent events",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        },
+        **errors(400, 404, 409, 429, 499, 500, 503, 504),
+    }
+
+
+@contextmanager
+def named_as(req: ChatCompletionRequest) -> Iterator[None]:
+    """Errors naming the messages name a completion's `prompt`, the field its client sent."""
+    try:
+        yield
+    except APIError as err:
+        if req.prompt_format == "text" and err.param == "messages":
+            err.param = "prompt"
+            err.message = err.message.replace("messages:", "prompt:", 1)
+        raise
+
+
+async def serve(
+    chat: ChatService, req: ChatCompletionRequest, request: Request, shape_for: Callable[[Ticket], Shape]
+) -> Response:
+    """Admit, run and answer one generation request (JSON, or SSE with `stream: true`)."""
+    started = time.perf_counter()
+    with named_as(req):
         ticket, event = await chat.admit(
             req, request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
         )
-        headers = {"x-request-id": ticket.request_id, **ticket.headers}
-        if req.stream:
-            output = await chat.start(ticket, event)  # published before the response head
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = stream_events(chat, ticket, output, include_usage, started)
-            # The background close also runs when the client left before the body started.
-            return StreamingResponse(
-                body, media_type="text/event-stream", headers=headers, background=BackgroundTask(output.close)
-            )
-        terminal = await chat.answer(ticket, event)
-        err = outcome(terminal)
-        chat.record(ticket.model, err, started)
-        if err is not None:
-            err.headers.update(headers)
-            raise err
-        answer = completion_body(
-            ticket.request_id,
-            ticket.model,
-            terminal.text,
-            terminal.finish_reason,
-            usage_of(terminal),
-            extra_of(ticket, terminal),
+    headers = {"x-request-id": ticket.request_id, **ticket.headers}
+    shape = shape_for(ticket)
+    output = await chat.start(ticket, event)  # published before the response head
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = stream_events(chat, ticket, output, include_usage, started, shape)
+        # The background close also runs when the client left before the body started.
+        return StreamingResponse(
+            body, media_type="text/event-stream", headers=headers, background=BackgroundTask(output.close)
         )
-        return JSONResponse(answer, headers=headers)
-
-    return r
+    terminal = await chat.finish(ticket, output)
+    err = outcome(terminal)
+    chat.record(ticket.model, err, started)
+    if err is not None:
+        err.headers.update(headers)
+        with named_as(req):
+            raise err
+    answer = shape.answer(terminal.text, terminal.finish_reason, usage_of(terminal), output.assembler.logprobs)
+    return JSONResponse(answer | {"x_arena": extra_of(ticket, terminal)}, headers=headers)

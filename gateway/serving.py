@@ -44,7 +44,10 @@ FAILURE_STATUS = {
     "cancelled": 499,
     "overloaded": 429,
     "internal_error": 500,
+    "invalid_request": 400,
 }
+#: The fields a worker's failure message may name first ("max_tokens: ..."): its `param`.
+NAMED_FIELDS = ("max_tokens", "messages", "logit_bias")
 #: Output is followed this long past the deadline: a terminal event published at the
 #: deadline (inference ends a running request there) still reaches the client.
 FOLLOW_GRACE_S = 2.0
@@ -83,6 +86,8 @@ def body_hash(req: ChatCompletionRequest, model: str) -> str:
     """What makes two requests 'the same' for an idempotency key (transport options excluded)."""
     fields = req.model_dump(exclude={"stream", "stream_options", "deadline_s", "user", *UNSERVED})
     fields["model"] = model
+    if req.prompt_format != "chat":  # a completion's prompt is no chat's message (older hashes unchanged)
+        fields["prompt_format"] = req.prompt_format
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -117,7 +122,7 @@ def failure(terminal: Any) -> APIError:
     headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
     # A worker's message names the field at fault first ("max_tokens: ..."), as the edge's do.
     named = terminal.message.partition(":")[0]
-    param = named if named in ("max_tokens", "messages") else None
+    param = named if named in NAMED_FIELDS else None
     code = "context_length_exceeded" if terminal.code == "prompt_too_long" and param == "max_tokens" else terminal.code
     return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, code, param, headers=headers)
 
@@ -379,11 +384,16 @@ class ChatService:
                 max_tokens=req.token_limit(),
                 stop=tuple(req.stop_list()),
                 seed=seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias=req.logit_bias or {},
+                logprobs=req.logprob_count(),
             ),
             deadline_at=ticket.deadline_at,
             stream=req.stream,
             idempotency_key=idem_key,
             principal=principal,
+            prompt_format=req.prompt_format,
         )
 
     # ---- running ---------------------------------------------------------------------
@@ -442,10 +452,6 @@ class ChatService:
             raise store_unavailable() from bound
         if isinstance(bound, BaseException):
             raise bound
-
-    async def answer(self, ticket: Ticket, event: ChatRequested | None) -> Any:
-        """Run a request to its end without streaming; its terminal event (None: deadline)."""
-        return await self.finish(ticket, await self.start(ticket, event))
 
     async def finish(self, ticket: Ticket, output: Output) -> Any:
         """Wait for a started request's terminal event (None past its deadline)."""

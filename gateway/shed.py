@@ -64,11 +64,17 @@ from gateway.edge import ARRIVED, HOLD, TIMINGS
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN
+from gateway.protocol import COMPLETION_MAX_TOKENS
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
-#: The routes whose requests go through admission, and how each names its token budget.
-ROUTES = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/chat": ("max_tokens",)}
+#: The routes whose requests go through admission, how each names its token budget, and
+#: the budget when the body names none.
+ROUTES = {
+    "/v1/chat/completions": (("max_completion_tokens", "max_tokens"), DEFAULT_MAX_TOKENS),
+    "/chat": (("max_tokens",), DEFAULT_MAX_TOKENS),
+    "/v1/completions": (("max_tokens",), COMPLETION_MAX_TOKENS),
+}
 SUBJECT = subjects.GATEWAY_ADMITTED
 #: The early gate judges with a margin this much wider than the fleet-wide check's: its
 #: view (local, peers' news, heartbeats of the moment) differs a little from the one the
@@ -444,9 +450,9 @@ class EarlyGate:
     def request_of(self, path: str, body: bytes) -> tuple[str, int, float] | None:
         """(model, token budget, deadline) of an admission route's body; None when the
         body is not one this gate can read (the route answers it, 400 included)."""
-        names = ROUTES.get(path)
-        if names is None:
+        if (route := ROUTES.get(path)) is None:
             return None
+        names, default = route
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -463,7 +469,7 @@ class EarlyGate:
         deadline = doc.get("deadline_s")
         if deadline is not None and _number(deadline) is None:
             return None
-        tokens = budgets[0] if budgets else DEFAULT_MAX_TOKENS
+        tokens = budgets[0] if budgets else default
         return model, tokens, min(deadline or self.settings.deadline_s, self.settings.max_deadline_s)
 
 

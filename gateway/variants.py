@@ -33,7 +33,12 @@ def with_model_defaults(req: ChatCompletionRequest, defaults: dict) -> ChatCompl
         for k in SAMPLING
         if k in defaults and k not in given and not (k == "max_tokens" and "max_completion_tokens" in given)
     }
-    if defaults.get("system") and not any(m.role in ("system", "developer") for m in req.messages):
+    # A completion's prompt goes to the model as it is: no system message has a place in it.
+    if (
+        defaults.get("system")
+        and req.prompt_format == "chat"
+        and not any(m.role in ("system", "developer") for m in req.messages)
+    ):
         update["messages"] = [Message(role="system", content=defaults["system"]), *req.messages]
     if not update:
         return req

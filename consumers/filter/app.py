@@ -60,6 +60,7 @@ def filter_request(
         deadline_at=event.deadline_at,
         received_at=event.received_at,
         filter=report,
+        prompt_format=event.prompt_format,
     )
 
 

@@ -40,7 +40,15 @@ from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, Perman
 from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
 from consumers.inference.models import LoadedModel
 from consumers.inference.prefix import Hit, PrefixCache
-from consumers.inference.sampling import SamplingParams, TextTracker, draw_uniforms, make_generator, pick_tokens
+from consumers.inference.sampling import (
+    SamplingParams,
+    TextTracker,
+    TokenLogprob,
+    draw_uniforms,
+    make_generator,
+    pick_tokens,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -79,6 +87,8 @@ class StepOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int  # total so far
+    #: With ``params.logprobs``: one per new token, less an end-of-sequence one; else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -91,7 +101,9 @@ class _Seq:
     next_pos: int  # position id of the next token fed to the model
     prefix: Hit | None = None  # keys and values of its first tokens, from the prefix cache
 
-    def output(self, new: list[int], text: str, reason: FinishReason | None) -> StepOutput:
+    def output(
+        self, new: list[int], text: str, reason: FinishReason | None, logprobs: list[TokenLogprob] | None = None
+    ) -> StepOutput:
         if reason is not None and reason != "error":  # a failed row's tracker may be what broke
             text += self.tracker.flush()
         return StepOutput(
@@ -102,6 +114,7 @@ class _Seq:
             finish_reason=reason,
             prompt_tokens=len(self.req.prompt_ids),
             completion_tokens=len(self.tokens),
+            logprobs=logprobs if self.req.params.logprobs is not None else None,
         )
 
 
@@ -384,8 +397,10 @@ class BatchEngine:
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[StepOutput], list[int]]:
         """Sample one token per sequence; return outputs and the indices still running."""
         outputs, alive = [], []
-        for i, (seq, tok) in enumerate(zip(seqs, self._select(seqs, logits), strict=True)):
-            out = self._append(seq, tok)
+        tokens = self._select(seqs, logits)
+        logprobs = self._logprobs(seqs, logits, tokens)
+        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
+            out = self._append(seq, tok, lp)
             outputs.append(out)
             if not out.finished:
                 alive.append(i)
@@ -395,20 +410,35 @@ class BatchEngine:
         """One token per row, None for a row that cannot be sampled; draws are taken once."""
         params = [s.req.params for s in seqs]
         uniforms = draw_uniforms(params, [s.generator for s in seqs])
+        generated = [s.tokens for s in seqs]
         try:
-            return pick_tokens(logits, params, uniforms)
+            return pick_tokens(logits, params, uniforms, generated)
         except Exception:
             log.exception("token selection failed for %d requests; selecting row by row", len(seqs))
         tokens: list[int | None] = []
         for i, (p, u) in enumerate(zip(params, uniforms, strict=True)):
             try:
-                tokens += pick_tokens(logits[i : i + 1], [p], [u])
+                tokens += pick_tokens(logits[i : i + 1], [p], [u], generated[i : i + 1])
             except Exception:
                 log.exception("request %s: token selection failed", seqs[i].req.request_id)
                 tokens.append(None)
         return tokens
 
-    def _append(self, seq: _Seq, tok: int | None) -> StepOutput:
+    @staticmethod
+    def _logprobs(seqs: list[_Seq], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
+        """The chosen tokens' log probabilities, for the rows that ask (a failure costs
+        the row its token: it ends with "error", its neighbours unaffected)."""
+        params = [s.req.params for s in seqs]
+        try:
+            return token_logprobs(logits, params, tokens)
+        except Exception:
+            log.exception("log probabilities failed for %d requests; ending those that asked", len(seqs))
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                tokens[i] = None
+        return [None] * len(seqs)
+
+    def _append(self, seq: _Seq, tok: int | None, logprob: TokenLogprob | None = None) -> StepOutput:
         if tok is None:
             log.error("request %s: no token could be selected; ending it with an error", seq.req.request_id)
             return seq.output([], "", "error")
@@ -423,7 +453,8 @@ class BatchEngine:
             reason = "stop"
         elif len(seq.tokens) >= seq.max_tokens:
             reason = "length"
-        return seq.output([tok], text, reason)
+        # The end-of-sequence token is no part of the answer's text: no entry for it.
+        return seq.output([tok], text, reason, [logprob] if logprob is not None and tok not in self._eos else [])
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
         kwargs = {self._cache_kw: cache, "use_cache": True}

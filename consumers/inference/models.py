@@ -355,3 +355,14 @@ def encode_prompt(loaded: LoadedModel, messages: list[dict]) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     add_special = not (bos and text.startswith(bos))
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+
+def encode_text(loaded: LoadedModel, text: str) -> list[int]:
+    """Tokenize a plain prompt (no chat template), adding BOS as the tokenizer does."""
+    return list(loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def vocab_size(loaded: LoadedModel) -> int:
+    """How many tokens the model's logits score (its config's vocabulary, which may be
+    padded past the tokenizer's)."""
+    return int(loaded.model.config.vocab_size)

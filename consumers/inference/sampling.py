@@ -6,6 +6,14 @@ request owns a CPU ``torch.Generator`` and draws exactly one uniform number from
 step (inverse-CDF sampling), so batch composition cannot shift its random stream; the
 global RNG is never touched.
 
+Penalties and bias (OpenAI's presence_penalty, frequency_penalty, logit_bias) change a
+row's logits before its temperature, greedy rows included, from that row's own tokens
+generated so far; rows that ask for none are not touched (nor copied).
+
+Log probabilities are the model's: log-softmax of the raw logits the token was chosen
+from, before penalties, bias, temperature and top_p (vLLM's default, `raw_logprobs`), so
+they do not change with how the token was sampled. Only rows that ask are computed.
+
 Poison isolation: a row that cannot be sampled (its logits hold a NaN, or its
 distribution does not survive the temperature) yields ``None`` instead of a token, so
 the engine can end that request alone; the draw was taken before any computation, so
@@ -22,7 +30,10 @@ from typing import Any
 import torch
 from tokenizers.decoders import DecodeStream
 
-from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MIN_TEMPERATURE
+from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
+
+#: OpenAI's bounds: penalties in [-2, 2], a token's bias in [-100, 100].
+MAX_PENALTY, MAX_BIAS = 2.0, 100.0
 
 """The smallest non-zero temperature served. Smaller ones sharpen the distribution into
 an argmax anyway, and far smaller ones underflow to 0 in float32 (1e-300) or overflow
@@ -38,6 +49,10 @@ class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS  # completion tokens at most (the engine may clamp it to the context)
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
     seed: int | None = None  # None draws a fresh seed per request (not reproducible)
+    presence_penalty: float = 0.0  # subtracted from every token generated at least once so far
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    logprobs: int | None = None  # None: none; n: the chosen token's and its n most likely alternatives
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
@@ -53,10 +68,35 @@ class SamplingParams:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         object.__setattr__(self, "stop", stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        if any(t < 0 or not -MAX_BIAS <= b <= MAX_BIAS for t, b in bias):
+            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-{MAX_BIAS}, {MAX_BIAS}]")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """True when its logits change before selection (penalties or bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log probability and its most likely alternatives (id, logprob),
+    most likely first: what crosses the engine process's pipe (ids; the worker spells them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -90,9 +130,15 @@ def select_tokens(
     return pick_tokens(logits, params, draw_uniforms(params, generators))
 
 
-def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float | None]) -> list[int | None]:
-    """:func:`select_tokens` with the draws already taken (``uniforms[i]`` is None for greedy rows)."""
-    logits = logits.float()
+def pick_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    uniforms: list[float | None],
+    generated: list[list[int]] | None = None,
+) -> list[int | None]:
+    """:func:`select_tokens` with the draws already taken (``uniforms[i]`` is None for greedy
+    rows); ``generated[i]``: row i's tokens so far, which its penalties count."""
+    logits = adjusted(logits.float(), params, generated)
     tokens = logits.argmax(dim=-1)
     # A NaN anywhere, or no finite-or-+inf logit at all, means the forward pass broke for this row.
     ok = ~logits.isnan().any(dim=-1) & (logits > -math.inf).any(dim=-1)
@@ -106,6 +152,50 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], uniforms: li
         tokens = tokens.index_copy(0, rows, picked)
         ok = ok.index_copy(0, rows, ok.index_select(0, rows) & fine)
     return [t if good else None for t, good in zip(tokens.tolist(), ok.tolist(), strict=True)]
+
+
+def adjusted(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]] | None) -> torch.Tensor:
+    """``logits`` ([batch, vocab], float) with each row's penalties and bias applied, row by
+    row from the row's own tokens (OpenAI's formula: logit - count * frequency_penalty -
+    (count > 0) * presence_penalty + bias); the same tensor when no row asks for any."""
+    rows = [i for i, p in enumerate(params) if p.adjusts]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, row = params[i], logits[i]
+        tokens = (generated[i] if generated is not None else []) if p.presence_penalty or p.frequency_penalty else []
+        if tokens:
+            counts = torch.bincount(torch.tensor(tokens, device=row.device), minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias, strict=True)
+            if max(ids) >= vocab:
+                raise ValueError(f"logit_bias: token {max(ids)} is outside the model's vocabulary ({vocab} tokens)")
+            row.index_add_(0, torch.tensor(ids, device=row.device), torch.tensor(bias, device=row.device))
+    return logits
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
+) -> list[TokenLogprob | None]:
+    """Each asking row's chosen token's log probability and its ``params.logprobs`` most
+    likely alternatives, from the log-softmax of the row's raw logits (None for the other
+    rows, and for a row with no token); nothing is computed when no row asks."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [i for i, (p, t) in enumerate(zip(params, tokens, strict=True)) if p.logprobs is not None and t is not None]
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=logits.device)).float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(-1).tolist()
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    for r, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(top_ids[r, :n].tolist(), top_lp[r, :n].tolist(), strict=True))
+        out[i] = TokenLogprob(int(tokens[i]), chosen[r], top)  # type: ignore[arg-type]
+    return out
 
 
 def _sample_top_p(

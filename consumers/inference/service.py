@@ -44,8 +44,9 @@ from consumers.inference.engine import (
 )
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
+from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import encode_prompt
+from consumers.inference.models import encode_prompt, encode_text, vocab_size
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events import encode, subjects
@@ -80,6 +81,7 @@ class Job:
     generated: int = 0  # tokens so far
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    pending_logprobs: list = field(default_factory=list)  # the engine's, for the next chunk (when asked)
     text: str = ""
     #: Chunks sent to the stream whose acknowledgement is still to be collected.
     unconfirmed: list[tuple[TokensGenerated, Awaitable | None]] = field(default_factory=list)
@@ -245,7 +247,15 @@ class InferenceService:
         pin = AsyncExitStack()
         try:
             loaded = await pin.enter_async_context(self.pool.use(event.model))
-            prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+            if params.logit_bias and (top := params.logit_bias[-1][0]) >= (vocab := vocab_size(loaded)):
+                await self._drop(rid, pin)
+                message = f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
+                await self._fail(event, msg, "invalid_request", message)
+                return
+            if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
+                prompt_ids = encode_text(loaded, event.messages[-1].content)
+            else:
+                prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
             resume_ids = [t for c in chunks for t in c.token_ids]
             gen = GenRequest(
                 request_id=rid,
@@ -408,6 +418,7 @@ class InferenceService:
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = now
             job.pending_ids += out.new_token_ids
+            job.pending_logprobs += out.logprobs or ()
             job.generated += len(out.new_token_ids)
             job.pending_text += out.new_text
             # The first chunk goes out at once (time to first token); then every
@@ -420,12 +431,20 @@ class InferenceService:
                 self._finish(job, out, now)
 
     def _emit_chunk(self, job: Job) -> None:
+        logprobs = None
+        if job.event.params.logprobs is not None:
+            logprobs = spelled(job.pending_logprobs, speller(job.runner.loaded.tokenizer))
         event = TokensGenerated(
-            **job.ids, seq=job.seq, text=job.pending_text, token_ids=tuple(job.pending_ids), model=job.event.model
+            **job.ids,
+            seq=job.seq,
+            text=job.pending_text,
+            token_ids=tuple(job.pending_ids),
+            model=job.event.model,
+            logprobs=logprobs,
         )
         job.text += job.pending_text
         job.seq += 1
-        job.pending_ids, job.pending_text = [], ""
+        job.pending_ids, job.pending_text, job.pending_logprobs = [], "", []
         self.outbox.put_nowait(("chunk", job, event))
 
     def _finish(self, job: Job, out: StepOutput, now: float) -> None:
@@ -644,5 +663,13 @@ def engine_params(event: PromptAccepted) -> EngineParams:
     """The engine's sampling parameters of ``event``; ValueError names what cannot be served."""
     p = event.params
     return EngineParams(
-        temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens, stop=tuple(p.stop), seed=p.seed
+        temperature=p.temperature,
+        top_p=p.top_p,
+        max_tokens=p.max_tokens,
+        stop=tuple(p.stop),
+        seed=p.seed,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=tuple(p.logit_bias.items()),
+        logprobs=p.logprobs,
     )

@@ -110,6 +110,7 @@ def test_slow_loris_connections_are_closed(api):
     [
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
         ("/chat", '{"prompt": "hi \\udc00"}', "prompt"),
+        ("/v1/completions", '{"prompt": "hi \\udc00"}', "prompt"),
         ("/arena/battles/nope/turns", '{"prompt": "\\ud800"}', "prompt"),
     ],
 )

@@ -66,8 +66,10 @@ def test_openai_client_non_streaming_and_streaming(api):
     assert [m.id for m in client.models.list()] == ["stories-260k"]
     assert client.models.retrieve("stories-260k").id == "stories-260k"
     with pytest.raises(openai.BadRequestError) as refused:  # asked for, not served: never silently ignored
-        client.chat.completions.create(model="stories-260k", logprobs=True, messages=[{"role": "user", "content": "x"}])
-    assert refused.value.body["param"] == "logprobs"
+        client.chat.completions.create(
+            model="stories-260k", response_format={"type": "json_object"}, messages=[{"role": "user", "content": "x"}]
+        )
+    assert refused.value.body["param"] == "response_format"
 
 
 def test_retry_returns_the_same_answer_without_running_the_model_again(api, module_stack_factory):

@@ -121,10 +121,10 @@ async def test_poison_in_a_batch_of_nine_fails_alone_and_neighbours_keep_their_t
 
     real = engine_module.pick_tokens
 
-    def pick(logits, params, uniforms):
+    def pick(logits, params, uniforms, generated):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("simulated sampler failure for one request")
-        return real(logits, params, uniforms)
+        return real(logits, params, uniforms, generated)
 
     monkeypatch.setattr(engine_module, "pick_tokens", pick)
     for i, p in enumerate(PROMPTS[:4]):

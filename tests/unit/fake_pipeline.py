@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 
 import fakeredis
 
-from events.models import ChatCompleted, ChatFailed, ChatRequested, Timings, TokensGenerated, Usage
+from events.models import (
+    ChatCompleted,
+    ChatFailed,
+    ChatRequested,
+    Timings,
+    TokenLogprob,
+    TokensGenerated,
+    TopLogprob,
+    Usage,
+)
 from events.readmodel import ReadModel
 from gateway.admission import StreamState
 from gateway.keys import GatewayKeys
@@ -81,7 +90,12 @@ class FakePipeline(Pipeline):
         if text == "fail me":
             return [ChatFailed(**ids, code="internal_error", message="the engine failed")]
         parts = [text[i : i + self.chunk_chars] for i in range(0, len(text), self.chunk_chars)]
-        chunks = [TokensGenerated(**ids, seq=i, text=p, token_ids=(i,), model=event.model) for i, p in enumerate(parts)]
+        chunks = [
+            TokensGenerated(
+                **ids, seq=i, text=p, token_ids=(i,), model=event.model, logprobs=fake_logprobs(event, i, p)
+            )
+            for i, p in enumerate(parts)
+        ]
         done = ChatCompleted(
             **ids,
             model=event.model,
@@ -117,6 +131,16 @@ class FakePipeline(Pipeline):
 
     def requests(self) -> list[ChatRequested]:
         return [e for e in self.published if isinstance(e, ChatRequested)]
+
+
+def fake_logprobs(event: ChatRequested, seq: int, text: str) -> tuple[TokenLogprob, ...] | None:
+    """A chunk's "log probabilities" when the request asks: the chunk as one token of
+    logprob -(seq + 1) / 10, and `params.logprobs` alternatives named alt0, alt1..."""
+    n = event.params.logprobs
+    if n is None:
+        return None
+    top = tuple(TopLogprob(token=f"alt{k}", logprob=-float(k), bytes=tuple(f"alt{k}".encode())) for k in range(n))
+    return (TokenLogprob(token=text, logprob=-(seq + 1) / 10, bytes=tuple(text.encode()), top_logprobs=top),)
 
 
 def settings(**overrides) -> GatewaySettings:

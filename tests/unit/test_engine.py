@@ -436,3 +436,66 @@ def test_a_request_that_alone_is_over_the_kv_budget_is_refused(loaded):
     check_kv(GenRequest("fits", prompt, SamplingParams(max_tokens=100 - len(prompt))), loaded, budget)
     with pytest.raises(KVBudgetExceeded, match=r"^max_tokens: .* over the 100 tokens .*ARENA_KV_CACHE_MB"):
         check_kv(GenRequest("over", prompt, SamplingParams(max_tokens=101 - len(prompt))), loaded, budget)
+
+
+# ---- log probabilities, penalties, bias -------------------------------------------------
+
+
+def _reference(loaded, prompt: list[int], steps: int, params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding by whole forward passes over the model's logits, penalties and bias
+    applied by OpenAI's formula by hand; the tokens and each step's raw log-softmax."""
+    seq, logps = list(prompt), []
+    for _ in range(steps):
+        raw = loaded.model(torch.tensor([seq])).logits[0, -1].float()
+        logps.append(torch.log_softmax(raw, dim=-1))
+        adj = raw.clone()
+        done = seq[len(prompt) :]
+        for tok in set(done):
+            adj[tok] -= done.count(tok) * params.frequency_penalty + params.presence_penalty
+        for tok, bias in params.logit_bias:
+            adj[tok] += bias
+        seq.append(int(adj.argmax()))
+    return seq[len(prompt) :], logps
+
+
+@torch.inference_mode()
+def test_logprobs_are_the_models_log_softmax_batched_or_not(loaded):
+    prompt = ids(loaded, "Once upon a time")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=4)
+    want_tokens, logps = _reference(loaded, prompt, 12, params)
+    others = [GenRequest(f"o{i}", ids(loaded, p), GREEDY) for i, p in enumerate(PROMPTS[1:4])]
+    outs = run(BatchEngine(loaded, "continuous"), {0: others[:2], 1: [GenRequest("r", prompt, params)], 3: others[2:]})
+    mine = outs["r"]
+    assert tokens(mine) == want_tokens
+    got = [lp for o in mine for lp in o.logprobs]
+    assert [lp.token_id for lp in got] == want_tokens
+    for lp, ref in zip(got, logps, strict=True):
+        assert lp.logprob == pytest.approx(float(ref[lp.token_id]), abs=1e-4)
+        top = ref.topk(4)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert all(o.logprobs is None for o in outs["o0"])  # not asked: not computed
+
+
+@torch.inference_mode()
+def test_penalties_and_bias_change_greedy_output_as_openais_formula_says(loaded):
+    prompt = ids(loaded, "Once upon a time")
+    plain = alone(loaded, "continuous", GenRequest("p", prompt, SamplingParams(temperature=0, max_tokens=30)))
+    for i, params in enumerate(
+        [
+            SamplingParams(temperature=0, max_tokens=30, frequency_penalty=1.5),
+            SamplingParams(temperature=0, max_tokens=30, presence_penalty=2.0),
+            SamplingParams(temperature=0, max_tokens=30, logit_bias={plain[0]: -100}),
+        ]
+    ):
+        got = alone(loaded, "continuous", GenRequest(f"r{i}", prompt, params))
+        assert got == _reference(loaded, prompt, len(got), params)[0]
+        assert got != plain
+
+
+def test_logit_bias_forces_a_token(loaded):
+    word = loaded.tokenizer.convert_tokens_to_ids("▁Lily")
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=6, logit_bias={word: 100})
+    outs = run_one(loaded, GenRequest("r", ids(loaded, "Once upon a time"), params))
+    assert tokens(outs) == [word] * 6
+    assert "".join(o.new_text for o in outs) == " Lily" * 6

@@ -18,7 +18,9 @@ from events.models import (
     RequestEvent,
     SamplingParams,
     Timings,
+    TokenLogprob,
     TokensGenerated,
+    TopLogprob,
     Usage,
 )
 
@@ -156,3 +158,28 @@ def test_a_battle_event_family_needs_no_request_ids(monkeypatch):
 def test_terminal_types_come_from_the_models():
     assert {"chat.completed", "chat.failed", "prompt.rejected"} == TERMINAL_TYPES
     assert {"chat.failed", "prompt.rejected"} == FAILURE_TYPES
+
+
+def test_additive_fields_are_written_only_when_used():
+    """Events that use none of the fields added since v1 (prompt_format, the penalties,
+    logit_bias, logprobs) are written with v1's keys exactly, so a process still on v1's
+    contract (extra="forbid") reads them during a rolling deploy; used, they round-trip."""
+    path = Path(__file__).resolve().parents[1] / "data" / "events-v1.jsonl"
+    v1 = {e["type"]: e for e in map(json.loads, path.read_text().splitlines())}
+    plain = requested()
+    chunk = TokensGenerated(request_id="r1", conv_id="c1", seq=0, text="a", token_ids=(1,), model="m")
+    for event in (plain, chunk):
+        written = json.loads(encode(event))
+        assert set(written) <= set(v1[event.type]) | {"principal"}, set(written) - set(v1[event.type])
+    assert set(json.loads(encode(plain))["params"]) == set(v1["chat.requested"]["params"])
+    used = requested(
+        prompt_format="text",
+        params=SamplingParams(seed=3, presence_penalty=0.5, frequency_penalty=-1, logit_bias={7: -100}, logprobs=2),
+    )
+    entry = TokenLogprob(
+        token="a", logprob=-0.5, bytes=(97,), top_logprobs=(TopLogprob(token="b", logprob=-1, bytes=(98,)),)
+    )
+    asked = chunk.model_copy(update={"logprobs": (entry,)})
+    for event in (used, asked):
+        assert decode(encode(event)) == event
+    assert json.loads(encode(used))["params"]["logit_bias"] == {"7": -100.0}

@@ -64,10 +64,10 @@ def test_row_whose_selection_raises_ends_alone(loaded, reference, monkeypatch, j
     poison = poison_request(loaded)
     real = engine_module.pick_tokens
 
-    def pick(logits, params, uniforms):
+    def pick(logits, params, uniforms, generated):
         if any(p is poison.params for p in params):
             raise RuntimeError("simulated sampler failure for one request")
-        return real(logits, params, uniforms)
+        return real(logits, params, uniforms, generated)
 
     monkeypatch.setattr(engine_module, "pick_tokens", pick)
     arrivals = {0: healthy(loaded)}

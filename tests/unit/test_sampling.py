@@ -9,7 +9,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from consumers.inference.sampling import SamplingParams, TextTracker, make_generator, select_tokens
+from consumers.inference.sampling import (
+    SamplingParams,
+    TextTracker,
+    adjusted,
+    make_generator,
+    pick_tokens,
+    select_tokens,
+    token_logprobs,
+)
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 
@@ -164,3 +172,107 @@ def test_tracker_flushes_held_back_tail_when_no_stop_follows(tokenizer):
     deltas = _feed(tracker, gen)
     assert not "".join(deltas).endswith("time")  # could still become "time!"
     assert "".join(deltas) + tracker.flush() == " upon a time"
+
+
+# ---- penalties, bias, log probabilities -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"logit_bias": {5: 101}},
+        {"logit_bias": {-1: 1}},
+        {"logprobs": 21},
+        {"logprobs": -1},
+    ],
+)
+def test_out_of_range_penalties_bias_and_logprobs_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_stored_as_sorted_pairs():
+    assert SamplingParams(logit_bias={9: -1, 3: 2.5}).logit_bias == ((3, 2.5), (9, -1.0))
+    assert hash(SamplingParams(logit_bias={3: 1})) == hash(SamplingParams(logit_bias=[(3, 1.0)]))
+
+
+def test_penalties_and_bias_follow_openais_formula_row_by_row():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    history = [[5, 5, 7], [1, 2, 3], [5, 5, 5, 9]]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 3.0, 0: -100}),
+        SamplingParams(),  # asks for nothing: untouched
+        SamplingParams(frequency_penalty=-1.5),
+    ]
+    got = adjusted(logits, params, history)
+    want = logits.clone()
+    for row, (p, seen) in enumerate(zip(params, history, strict=True)):
+        for tok in set(seen):
+            want[row, tok] -= seen.count(tok) * p.frequency_penalty + p.presence_penalty
+        for tok, bias in p.logit_bias:
+            want[row, tok] += bias
+    assert torch.allclose(got, want)
+    assert got[1].equal(logits[1])
+    assert adjusted(logits, [SamplingParams()] * 3, history) is logits  # no copy when none asks
+
+
+def test_logit_bias_forces_and_bans_a_greedy_token():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    best = int(logits[0].argmax())
+    forced = SamplingParams(temperature=0, logit_bias={11: 100})
+    banned = SamplingParams(temperature=0, logit_bias={best: -100})
+    assert pick_tokens(logits[:1], [forced], [None], [[]]) == [11]
+    assert pick_tokens(logits[:1], [banned], [None], [[]])[0] != best
+
+
+def test_a_frequency_penalty_moves_greedy_off_a_repeated_token():
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 1.0
+    p = SamplingParams(temperature=0, frequency_penalty=0.6)
+    assert pick_tokens(logits, [p], [None], [[4]]) == [4]  # 1 - 0.6 > 0
+    assert pick_tokens(logits, [p], [None], [[4, 4]]) != [4]  # 1 - 1.2 < 0
+
+
+def test_penalised_rows_do_not_depend_on_their_batch():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=g)
+    history = [[int(t) for t in torch.randint(0, 300, (n,), generator=g)] for n in range(6)]
+    params = [
+        SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, presence_penalty=0.3 * i - 0.8, logit_bias={i: 2.0})
+        for i in range(6)
+    ]
+    uniforms = [None if p.greedy else 0.1 * (i + 1) for i, p in enumerate(params)]
+    together = pick_tokens(logits, params, uniforms, history)
+    for i in range(6):
+        assert pick_tokens(logits[i : i + 1], params[i : i + 1], uniforms[i : i + 1], history[i : i + 1]) == [
+            together[i]
+        ]
+        mixed = [5 - i] if i != 5 - i else []  # beside another neighbour, in another place
+        rows = [*mixed, i]
+        got = pick_tokens(
+            logits[rows], [params[r] for r in rows], [uniforms[r] for r in rows], [history[r] for r in rows]
+        )
+        assert got[-1] == together[i]
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * 4
+    params = [
+        SamplingParams(temperature=0.5, logprobs=5, logit_bias={1: 50}),  # sampled from adjusted logits...
+        SamplingParams(),  # did not ask
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    tokens = [1, 7, int(logits[2].argmax())]
+    out = token_logprobs(logits, params, tokens)
+    want = torch.log_softmax(logits, dim=-1)
+    assert out[1] is None
+    first, last = out[0], out[2]
+    assert first is not None and last is not None
+    assert first.token_id == 1 and math.isclose(first.logprob, float(want[0, 1]), abs_tol=1e-6)  # ...reported raw
+    top = want[0].topk(5)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert last.top == () and math.isclose(last.logprob, float(want[2].max()), abs_tol=1e-6)
+    assert token_logprobs(logits, [SamplingParams()] * 3, tokens) == [None] * 3
