@@ -119,10 +119,32 @@ def test_a_model_no_longer_served_stays_listed_as_not_served(arena):
     assert row["status"] == "active" and row["votes"] > 0 and len(doc["models"]) == len(MODELS)
 
 
-def test_style_control_per_category_on_live_battles(arena):
+def test_style_control_per_category_on_live_battles_and_an_imported_file(arena, tmp_path):
     """`arena leaderboard --style-control --category NAME --json` (the API serves one or the other)."""
     out = arena_cmd(arena, "leaderboard", "--style-control", "--category", "english", "--json")
     board = json.loads(out.stdout)
     assert board["category"] == "english" and board["style_control"] is True and board["total_votes"] >= 6
     assert list(board["style_coefficients"]) == ["length", "header", "list", "bold"]
     assert {r["model"] for r in board["rows"]} <= set(MODELS) and all("rating" in r for r in board["rows"])
+
+    code = [{"role": "user", "content": "```python\nprint(1)\n```\nwhy does this fail?"}]
+    rows = []
+    for k in range(12):  # coding battles with style counts, as a FastChat clean-battle file has them
+        meta = {"sum_assistant_a_tokens": 100 + k, "sum_assistant_b_tokens": 90}
+        for side in "ab":
+            meta |= {f"header_count_{side}": {"h1": k % 2}, f"list_count_{side}": {"ordered": 0}}
+            meta |= {f"bold_count_{side}": {"**": 0}}
+        winner = ("model_a", "model_b", "tie")[k % 3]
+        rows.append(
+            {"model_a": "code-x", "model_b": "code-y", "winner": winner, "tstamp": 1.9e9 + k}
+            | {"conv_metadata": meta, "conversation_a": code}
+        )
+    path = tmp_path / "clean_battle_code.json"
+    path.write_text(json.dumps(rows))
+    assert arena_cmd(arena, "battles", "import", str(path)).returncode == 0
+    coding = json.loads(arena_cmd(arena, "leaderboard", "--style-control", "--category", "coding", "--json").stdout)
+    assert {r["model"] for r in coding["rows"]} == {"code-x", "code-y"} and coding["total_votes"] == 12
+    assert list(coding["style_coefficients"]) == ["length", "header", "list", "bold"]
+    # Imported models enter the history too, with no owner known.
+    history = json.loads(arena_cmd(arena, "leaderboard", "--history", "--json").stdout)
+    assert {"owner": None, "variants": 2, "active": 2, "withdrawn": 0} in history["owners"]
