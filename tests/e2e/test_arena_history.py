@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_arena_battles import CONFIG, MODELS, arena_cmd, turn
+from tests.e2e.test_arena_battles import CONFIG, MODELS, START_S, arena_cmd, turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -19,7 +19,7 @@ WITHDRAWN = "stories-260k-focused"
 
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=CONFIG).start(timeout=240)  # a loaded box starts slowly
+    return module_stack_factory(ARENA_MODELS_CONFIG=CONFIG).start(timeout=START_S)
 
 
 def history_until(client: httpx.Client, check, what: str) -> dict:

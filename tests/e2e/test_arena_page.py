@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_arena_battles import MODELS, arena_cmd
+from tests.e2e.test_arena_battles import MODELS, START_S, arena_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -30,7 +30,7 @@ def img(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start(timeout=240)
+    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start(timeout=START_S)
 
 
 def _body(response) -> str:
