@@ -13,6 +13,12 @@ Key layout:
   arena:leaderboard:category:<name>
                          the board of one category's votes (the board of all votes lists
                          the categories with votes under `categories`)
+  arena:leaderboard:history
+                         every model that ever entered: {seq, digest, models: [{model, owner,
+                         status (active|withdrawn), votes, battles, entered_seq, entered_at,
+                         last_battle_at, changed_seq, changed_at, reason}], owners: [{owner,
+                         variants, active, withdrawn}]}; the gateway reads the withdrawn ones
+                         out of its pairing
   arena:secret           random key of the voter pseudonyms and side conversation ids
                          (shared by every gateway; created by the first one)
   arena:integrity:prompt:<key>        counted votes of one prompt (FastChat's dedup key, hashed)
@@ -30,6 +36,8 @@ import secrets
 from redis.asyncio import Redis
 
 LEADERBOARD = "arena:leaderboard"
+#: The view of the model history (`leaderboard_key(HISTORY)`).
+HISTORY = "history"
 SECRET = "arena:secret"
 INTEGRITY = "arena:integrity"
 INTEGRITY_PROMPT_TTL_S = 90 * 86400

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from events.codec import register
-from events.models import BattleEvent
+from events.models import BattleEvent, ModelEvent, StatusChange
 from events.subjects import BATTLE_PREFIX, STEM_BY_TYPE
 
 Choice = Literal["a", "b", "tie", "both_bad"]
@@ -23,6 +23,10 @@ TURN = f"{BATTLE_PREFIX}.turn"
 VOTED = f"{BATTLE_PREFIX}.voted"
 INVALIDATED = f"{BATTLE_PREFIX}.invalidated"
 REINSTATED = f"{BATTLE_PREFIX}.reinstated"
+# A model's place in the arena: arena.battle.model.<kind>.<model token> (five tokens, so
+# no battle's filter `arena.battle.*.<battle_id>` selects them).
+MODEL_WITHDRAWN = f"{BATTLE_PREFIX}.model.withdrawn"
+MODEL_REINSTATED = f"{BATTLE_PREFIX}.model.reinstated"
 #: Every battle event; the leaderboard's durable reads this.
 BATTLES_SUBJECT = f"{BATTLE_PREFIX}.>"
 
@@ -43,6 +47,9 @@ class BattleStarted(BattleEvent):
     swapped: bool = Field(description="The random swap put the sampler's second pick on the left.")
     policy_version: str = Field(description="Digest of the sampling policy (weights, boosts, targets, models).")
     pair_probability: float = Field(ge=0.0, le=1.0, description="Probability of this unordered pair under it.")
+    # Optional and additive: battles started before owners existed decode unchanged.
+    owner_a: str | None = Field(None, description="Who owns model_a (the models config's `owner:`).")
+    owner_b: str | None = Field(None, description="Who owns model_b.")
 
 
 @register
@@ -89,17 +96,12 @@ class VoteCast(BattleEvent):
     )
 
 
-class VoteStatusChanged(BattleEvent):
+class VoteStatusChanged(StatusChange, BattleEvent):
     """A change of whether the battle's vote counts. Each change is a fact of its own:
     `revision` counts the changes before it, so a vote invalidated, reinstated and
     invalidated again publishes three events (a retry of one is still deduplicated)."""
 
-    reason: str
     detector: str = Field(description="What decided it: a check's name, or `operator`.")
-    revision: int = Field(0, ge=0, description="How many status changes the vote had before this one.")
-
-    def dedupe_key(self) -> str:
-        return f"{super().dedupe_key()}:{self.revision}"
 
 
 @register
@@ -116,6 +118,28 @@ class VoteReinstated(VoteStatusChanged):
     type: Literal["vote.reinstated"] = "vote.reinstated"
 
 
+class ModelStatusChanged(StatusChange, ModelEvent):
+    """A change of whether a model takes part in the arena. The model stays in the public
+    history either way (its votes and rating too); `revision` counts the changes before
+    it, like a vote's."""
+
+    owner: str | None = Field(None, description="The model's owner as the arena last recorded it.")
+
+
+@register
+class ModelWithdrawn(ModelStatusChanged):
+    """The model leaves the arena: no new battle pairs it; it stays listed, marked withdrawn."""
+
+    type: Literal["model.withdrawn"] = "model.withdrawn"
+
+
+@register
+class ModelReinstated(ModelStatusChanged):
+    """A withdrawn model takes part again."""
+
+    type: Literal["model.reinstated"] = "model.reinstated"
+
+
 STEM_BY_TYPE.update(
     {
         BattleStarted.type_name(): STARTED,
@@ -123,7 +147,9 @@ STEM_BY_TYPE.update(
         VoteCast.type_name(): VOTED,
         VoteInvalidated.type_name(): INVALIDATED,
         VoteReinstated.type_name(): REINSTATED,
+        ModelWithdrawn.type_name(): MODEL_WITHDRAWN,
+        ModelReinstated.type_name(): MODEL_REINSTATED,
     }
 )
 
-BATTLE_TYPES = (BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteReinstated)
+BATTLE_TYPES = (BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteReinstated, ModelWithdrawn, ModelReinstated)

@@ -218,6 +218,27 @@ PROMPT_FORMAT = (
 )
 
 
+class StatusChange(EventBase):
+    """A change of status that may happen again and again (a vote's, a model's): `revision`
+    counts the changes before it, so each is a fact of its own, while a retry of one is
+    still deduplicated."""
+
+    reason: str = Field(description="Why: a check's finding, or the operator's words.")
+    revision: int = Field(0, ge=0, description="How many status changes its subject had before this one.")
+
+    def dedupe_key(self) -> str:
+        return f"{super().dedupe_key()}:{self.revision}"
+
+
+class ModelEvent(EventBase):
+    """An event about one arena model as a whole (not one battle of it)."""
+
+    model: str = Field(description="The model's served name.")
+
+    def dedupe_key(self) -> str:
+        return f"model:{self.model}:{self.type_name()}"
+
+
 class ChatRequested(RequestEvent, Additive):
     """The gateway accepted a client request."""
 

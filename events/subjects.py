@@ -8,9 +8,10 @@ that are not stored.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-from events.models import BattleEvent, EventBase, RequestEvent
+from events.models import BattleEvent, EventBase, ModelEvent, RequestEvent
 
 STREAM = "ARENA"
 STREAM_SUBJECTS = ("arena.req.>", "arena.res.>", "arena.ctl.>", "arena.battle.>")
@@ -58,8 +59,19 @@ def subject_for(event: EventBase) -> str:
     stem = STEM_BY_TYPE[event.type]
     if isinstance(event, BattleEvent):
         return f"{stem}.{event.battle_id}"
+    if isinstance(event, ModelEvent):
+        return f"{stem}.{model_token(event.model)}"
     assert isinstance(event, RequestEvent), f"{type(event).__name__} is neither a request nor a battle event"
     return f"{stem}.{event.conv_id}.{event.request_id}"
+
+
+def model_token(name: str) -> str:
+    """A model's name as one subject token: itself when it is one, else its safe characters
+    and a hash of the whole name ("llama-3.1" has a dot)."""
+    if is_valid_token(name):
+        return name
+    safe = re.sub(r"[^A-Za-z0-9_\-]", "_", name)[:100]
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def request_filter(request_id: str) -> str:

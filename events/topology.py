@@ -77,7 +77,7 @@ LEADERBOARD = Role(
     name="leaderboard",
     entry="consumers.leaderboard.app:main",
     reads=f"{s.BATTLE_PREFIX}.>",
-    consumes=(b.VoteCast, b.VoteInvalidated, b.VoteReinstated),
+    consumes=(b.BattleStarted, b.VoteCast, b.VoteInvalidated, b.VoteReinstated, b.ModelWithdrawn, b.ModelReinstated),
     # The gateway serves the last stored leaderboard without it.
     required=False,
 )

@@ -15,12 +15,22 @@ from gateway.protocol import ChatCompletionRequest, Message
 SAMPLING = ("temperature", "top_p", "max_tokens")
 
 
-def model_defaults(beats: list[dict]) -> dict[str, dict]:
-    """Defaults per model name from the live inference heartbeats (`defaults` field)."""
-    out: dict[str, dict] = {}
+def announced(beats: list[dict], field: str) -> dict[str, Any]:
+    """What the live inference heartbeats announce per model name under `field`."""
+    out: dict[str, Any] = {}
     for beat in beats:
-        out.update(beat.get("defaults") or {})
+        out.update(beat.get(field) or {})
     return out
+
+
+def model_defaults(beats: list[dict]) -> dict[str, dict]:
+    """Defaults per model name (the heartbeats' `defaults` field)."""
+    return announced(beats, "defaults")
+
+
+def model_owners(beats: list[dict]) -> dict[str, str]:
+    """Owner per model name (the heartbeats' `owners` field; the models config's `owner:`)."""
+    return announced(beats, "owners")
 
 
 def with_model_defaults(req: ChatCompletionRequest, defaults: dict) -> ChatCompletionRequest:

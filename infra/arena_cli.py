@@ -1,5 +1,6 @@
-"""`arena leaderboard`, `arena battles import|export|invalidate|reinstate`, `arena replay --battle-id` and the
-battle half of `arena audit`: the arena's operator commands, reading the stream."""
+"""`arena leaderboard [--history]`, `arena battles import|export|invalidate|reinstate`, `arena models
+withdraw|reinstate`, `arena replay --battle-id` and the battle half of `arena audit`: the arena's operator
+commands, reading the stream."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from consumers.leaderboard.fastchat_format import dump_battles, load_battles
+from consumers.leaderboard.history import WITHDRAWN
 from consumers.leaderboard.projection import VoteProjection, config_of
 from consumers.leaderboard.votes import Vote
 from events import decode
 from events.battles import (
     BATTLES_SUBJECT,
+    ModelReinstated,
+    ModelWithdrawn,
     VoteCast,
     VoteInvalidated,
     VoteReinstated,
@@ -80,6 +84,47 @@ async def leaderboard(
         flag = "  provisional" if r["provisional"] else ""
         ci = f"[{r['ci_low']:.1f}, {r['ci_high']:.1f}]"
         print(f"{r['rank']:>4}  {r['model']:<28} {r['rating']:>8.1f}  {ci:>19}  {r['votes']:>6}{flag}")
+    return 0
+
+
+async def history(js, at: int | None, as_json: bool) -> int:
+    """`arena leaderboard --history [--at SEQ] [--json]`: every model that entered, withdrawn ones
+    included, and the variants per owner, as folded from the stream (at SEQ: as it was then)."""
+    doc = project(await battle_events(js, at)).model_history()
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"seq {doc['seq']}  models {len(doc['models'])}  digest {doc['digest']}")
+    print(f"{'model':<28} {'owner':<16} {'status':<9} {'votes':>6} {'battles':>7} {'entered':>8}  changed")
+    for m in doc["models"]:
+        changed = f"seq {m['changed_seq']}: {m['reason']}" if m["changed_seq"] is not None else ""
+        owner = m["owner"] or "unknown"
+        print(
+            f"{m['model']:<28} {owner:<16} {m['status']:<9} {m['votes']:>6} {m['battles']:>7} "
+            f"{m['entered_seq']:>8}  {changed}".rstrip()
+        )
+    print(
+        "variants per owner: "
+        + ", ".join(f"{o['owner'] or 'unknown'} {o['variants']} ({o['withdrawn']} withdrawn)" for o in doc["owners"])
+    )
+    return 0
+
+
+async def set_model_status(js, model: str, withdraw: bool, reason: str) -> int:
+    """`arena models withdraw|reinstate --name M --reason R`: the model leaves (or rejoins) the
+    arena, published as an event; it stays in the history with its votes either way."""
+    projection = project(await battle_events(js))
+    entry = projection.history.models.get(model)
+    if entry is None:
+        known = ", ".join(projection.history.models) or "none yet"
+        print(f"model {model!r} never entered the arena (models that did: {known})", file=sys.stderr)
+        return 1
+    if (entry.status == WITHDRAWN) == withdraw:
+        print(f"model {model} is already {entry.status}")
+        return 0
+    change = ModelWithdrawn if withdraw else ModelReinstated
+    await jetstream.publish(js, change(model=model, reason=reason, owner=entry.owner, revision=entry.changes))
+    print(f"{change.type_name()}: {model} ({reason}); it stays in the history (arena leaderboard --history)")
     return 0
 
 

@@ -168,9 +168,17 @@ async def _arena(args) -> int:
 
     if args.cmd == "battles" and args.op in ("import", "invalidate", "reinstate") and not args.file:
         raise SystemExit(f"arena battles {args.op} needs {'a FILE' if args.op == 'import' else 'a BATTLE_ID'}")
-    if args.cmd == "battles" and args.op in ("invalidate", "reinstate") and not args.reason:
-        raise SystemExit(f"arena battles {args.op} needs --reason (it is recorded on the event)")
+    if args.cmd in ("battles", "models") and args.op in ("invalidate", "reinstate", "withdraw") and not args.reason:
+        raise SystemExit(f"arena {args.cmd} {args.op} needs --reason (it is recorded on the event)")
+    if args.cmd == "models" and not args.name:
+        raise SystemExit(f"arena models {args.op} needs --name")
+    if args.cmd == "leaderboard" and args.history and (args.style_control or args.category):
+        raise SystemExit("arena leaderboard --history lists models, not ratings: no --style-control or --category")
     async with _jetstream(args) as js:
+        if args.cmd == "models":
+            return await arena_cli.set_model_status(js, args.name, args.op == "withdraw", args.reason)
+        if args.cmd == "leaderboard" and args.history:
+            return await arena_cli.history(js, args.at, args.json)
         if args.cmd == "leaderboard":
             return await arena_cli.leaderboard(js, args.at, args.json, args.style_control, args.category)
         if args.op in ("invalidate", "reinstate"):
@@ -376,9 +384,14 @@ def parser() -> argparse.ArgumentParser:
     # filter-train's own parser reads its options (see main): listed here for `arena --help`
     sub.add_parser("filter-train", help="train the prompt filter's classifier stage (see --help)", add_help=False)
 
-    mo = sub.add_parser("models", help="hot swap: list, add, reload or remove a model on every inference process")
-    mo.add_argument("op", choices=("list", "add", "reload", "remove"))
+    mo = sub.add_parser(
+        "models",
+        help="hot swap: list, add, reload or remove a model on every inference process; "
+        "withdraw or reinstate a model in the arena (an event: it stays in the history)",
+    )
+    mo.add_argument("op", choices=("list", "add", "reload", "remove", "withdraw", "reinstate"))
     mo.add_argument("--name")
+    mo.add_argument("--reason", help="withdraw/reinstate: why (recorded on the event)")
     mo.add_argument("--path", help="HF model directory (add; reload with new weights)")
     mo.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (see the models config)")
     mo.add_argument("--device", default="cpu")
@@ -394,6 +407,11 @@ def parser() -> argparse.ArgumentParser:
         "--style-control", action="store_true", help="ratings with answer length and markdown taken out (LMArena's)"
     )
     lb.add_argument("--category", metavar="NAME", help="the board of one category's votes (coding, math, english, ...)")
+    lb.add_argument(
+        "--history",
+        action="store_true",
+        help="every model that ever entered, withdrawn ones included, with its owner and votes; variants per owner",
+    )
     ba = sub.add_parser(
         "battles",
         help="import or export arena votes (FastChat clean-battle JSON); invalidate or reinstate a battle's vote",
@@ -458,6 +476,8 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd == "filter-eval":
         extra = ["--classifier", args.classifier] if args.classifier else []
         return filter_eval([args.file] + (["--json"] if args.json else []) + extra)
+    if args.cmd == "models" and args.op in ("withdraw", "reinstate"):
+        return asyncio.run(_arena(args))
     if args.cmd == "models":
         return asyncio.run(_models(args))
     if args.cmd == "asyncapi":

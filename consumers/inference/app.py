@@ -51,6 +51,7 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
             "resident_bytes": pool.stats.resident_bytes,
             "context": service.token_rooms(),
             "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
+            "owners": {s.name: s.owner_name() for s in pool.specs()},
             "jobs": len(service.jobs),
             "held": len(service.holding),
             "acks": service.ack_subjects(),

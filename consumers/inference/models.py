@@ -83,6 +83,16 @@ class ModelSpec(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default top_p of a variant.")
     max_tokens: int | None = Field(None, ge=1, description="Default max_tokens of a variant.")
     system: str | None = Field(None, description="System prompt a variant adds when a request has none.")
+    owner: str | None = Field(
+        None,
+        description="Who makes the model (a lab, a team), counted per owner in the arena's public history. "
+        "Unset: a variant's base's owner, else the model's own name.",
+    )
+
+    def owner_name(self) -> str:
+        """The owner the arena records: `owner:`, else the base model's name (a variant of an
+        unowned model counts with it), else the model's own name."""
+        return self.owner or self.base or self.name
 
     def defaults(self) -> dict:
         """What a variant announces: its base and the request defaults it sets (empty for a plain model)."""
@@ -180,14 +190,14 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
 
 
 def _variant_entry(file: Path, i: int, entry: dict, by_name: dict) -> dict:
-    """A variant takes its base's weights and placement; a base must be a plain model."""
+    """A variant takes its base's weights, placement and owner; a base must be a plain model."""
     parent = by_name.get(entry["base"])
     if parent is None or parent.get("base") is not None or "path" not in parent:
         raise PermanentError(
             f"models config {file}: entry {i} ({entry.get('name')!r}) has base {entry['base']!r}, "
             "which must name a plain model (with a 'path') in the same file"
         )
-    placement = {k: parent[k] for k in ("path", "dtype", "device", "chat_template") if k in parent}
+    placement = {k: parent[k] for k in ("path", "dtype", "device", "chat_template", "owner") if k in parent}
     return {**placement, **entry}
 
 

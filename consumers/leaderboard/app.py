@@ -54,6 +54,9 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )
     dirty = asyncio.Event()
+    # The boards are computed on a thread: no event is folded meanwhile, so each stored view
+    # is the fold of the events up to its `seq`, exactly what `arena leaderboard --at` replays.
+    folding = asyncio.Lock()
     tasks: list[asyncio.Task] = []
 
     async def on_battle_event(message: Msg) -> None:
@@ -61,7 +64,8 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
         if event is None:
             return
         # A redelivered event is applied again harmlessly: a battle's first vote holds.
-        projection.apply(event, message.metadata.sequence.stream)
+        async with folding:
+            projection.apply(event, message.metadata.sequence.stream)
         dirty.set()
         await message.ack()
 
@@ -69,7 +73,8 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
         while True:
             await dirty.wait()
             dirty.clear()
-            boards = await asyncio.to_thread(projection.boards)
+            async with folding:
+                boards = await asyncio.to_thread(projection.boards)
             try:
                 for view, board in boards.items():
                     await save_leaderboard(redis, board, view)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 
 from consumers.leaderboard.config import LeaderboardConfig
+from consumers.leaderboard.history import ModelHistory
 from consumers.leaderboard.ratings import BradleyTerryFit, Leaderboard, LeaderboardState, build_style_leaderboard
 from consumers.leaderboard.votes import Vote
+from events.arena_readmodel import HISTORY
 
 RAW, STYLE, CATEGORY = "raw", "style", "category:"
-"""The stored views: the plain Bradley–Terry board, the style-controlled one, and a board per
-category ("category:coding")."""
+"""The stored views: the plain Bradley–Terry board, the style-controlled one, a board per
+category ("category:coding") and the history of every model that entered."""
 
 
 def config_of(settings) -> LeaderboardConfig:
@@ -44,12 +46,14 @@ class VoteProjection:
         self.votes: dict[str, tuple[int, Vote]] = {}  # battle -> (seq, vote), every vote cast
         self.invalid: set[str] = set()
         self.state = LeaderboardState(self.config)
+        self.history = ModelHistory()
         self.seq = 0
         self._rebuild = False
 
     def apply(self, event, seq: int) -> bool:
         """Take one battle event at stream sequence `seq`; True when the counted votes changed."""
         self.seq = max(self.seq, seq)
+        self.history.apply(event, seq)
         bid = getattr(event, "battle_id", None)
         if bid is None:
             return False
@@ -105,10 +109,14 @@ class VoteProjection:
         self._recount()
         return {**self.document(self.state.category_leaderboard(name)), "category": name}
 
+    def model_history(self) -> dict:
+        """Every model that entered, withdrawn or not, with its counted votes; variants per owner."""
+        return self.history.document(self.counted(), self.seq)
+
     def boards(self) -> dict[str, dict]:
-        """Every view the gateway serves, by name: raw, style and one per category with votes."""
+        """Every view the gateway serves, by name: raw, style, one per category with votes, history."""
         raw = {**self.leaderboard(), "categories": self.state.category_votes()}
-        views = {RAW: raw, STYLE: self.style_leaderboard()}
+        views = {RAW: raw, STYLE: self.style_leaderboard(), HISTORY: self.model_history()}
         for name in raw["categories"]:
             views[f"{CATEGORY}{name}"] = self.category_leaderboard(name)
         return views

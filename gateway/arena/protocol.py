@@ -69,3 +69,34 @@ class LeaderboardView(BaseModel):
         default_factory=dict, description="On the board of all votes: counted votes per category that has any."
     )
     rows: list[LeaderboardRowView] = Field(default_factory=list)
+
+
+class HistoryRowView(BaseModel):
+    """One model that entered the arena. Rows are never removed: a withdrawn model keeps its row."""
+
+    model: str
+    owner: str | None = Field(description="The models config's `owner:` when it last battled; None: imported only.")
+    status: Literal["active", "withdrawn"] = Field(description="From the stream: withdrawn by `arena models withdraw`.")
+    served: bool = Field(description="An inference process serves it now (false: removed from the serving config).")
+    votes: int = Field(description="Its counted votes (as on the leaderboard).")
+    battles: int = Field(description="Battles started here with it (imported votes have none).")
+    entered_seq: int = Field(description="Stream sequence of its first battle or vote.")
+    entered_at: float
+    last_battle_at: float | None = None
+    changed_seq: int | None = Field(None, description="Stream sequence of its last withdrawal or reinstatement.")
+    changed_at: float | None = None
+    reason: str | None = Field(None, description="The operator's reason for that change.")
+
+
+class OwnerView(BaseModel):
+    owner: str | None
+    variants: int = Field(description="Models of this owner that ever entered, withdrawn ones included.")
+    active: int
+    withdrawn: int
+
+
+class HistoryView(BaseModel):
+    seq: int = Field(description="Stream sequence the history was folded at (0: nothing yet).")
+    digest: str | None = Field(None, description="Equal for the same events: `arena leaderboard --history --at SEQ`.")
+    models: list[HistoryRowView] = Field(default_factory=list)
+    owners: list[OwnerView] = Field(default_factory=list)

@@ -9,11 +9,11 @@ from pathlib import Path
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from events.arena_readmodel import load_leaderboard
+from events.arena_readmodel import HISTORY, load_leaderboard
 from gateway.access import limits_of, principal_of
 from gateway.arena.categories import CATEGORIES
 from gateway.arena.pairing import PairPolicy
-from gateway.arena.protocol import BattleView, LeaderboardView, TurnRequest, VoteRequest
+from gateway.arena.protocol import BattleView, HistoryView, LeaderboardView, TurnRequest, VoteRequest
 from gateway.arena.service import ArenaService, view
 from gateway.errors import APIError, errors
 from gateway.serving import ChatService
@@ -49,6 +49,12 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
     )
     arena = ArenaService(chat, policy)
     r = APIRouter(prefix="/arena", tags=["arena"])
+
+    async def stored_view(name: str) -> dict | None:
+        try:
+            return await load_leaderboard(chat.pipeline.results.redis, name)
+        except REDIS_DOWN as exc:
+            raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
 
     async def load(battle_id: str, request: Request):
         return await arena.load_own(battle_id, _api_key(request), request.client.host if request.client else None)
@@ -110,15 +116,25 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
             if style_control:
                 raise APIError(400, "category: not available with style_control yet", "invalid_value", "category")
             view = f"category:{category}"
-        try:
-            stored = await load_leaderboard(chat.pipeline.results.redis, view)
-        except REDIS_DOWN as exc:
-            raise APIError(503, "the result store is unavailable; retry shortly", "store_unavailable") from exc
+        stored = await stored_view(view)
         empty = {"seq": 0, "style_control": style_control, "category": category}
         board = LeaderboardView.model_validate(stored or empty)
         if format == "csv":
             return Response(leaderboard_csv(board), media_type="text/csv", headers=NO_STORE)
         return Response(board.model_dump_json(), media_type="application/json", headers=NO_STORE)
+
+    @r.get("/history", response_model=HistoryView, responses=errors(503))
+    async def history() -> Response:
+        """Every model that ever entered the arena, in the order they entered, with its owner and
+        counted votes, withdrawn ones included (marked, with the operator's reason), and how many
+        variants each owner entered. `served` says whether an inference process serves it now."""
+        stored = await stored_view(HISTORY) or {"seq": 0}
+        served = set(chat.pipeline.fleet()["models"])
+        for row in stored.get("models", []):
+            row["served"] = row["model"] in served
+        return Response(
+            HistoryView.model_validate(stored).model_dump_json(), media_type="application/json", headers=NO_STORE
+        )
 
     @r.get("", include_in_schema=False)
     async def battle_page() -> FileResponse:

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from events import decode, encode, subjects
-from events.arena_readmodel import arena_secret, load_leaderboard
+from events.arena_readmodel import HISTORY, arena_secret, load_leaderboard
 from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteStatusChanged, battle_filter
 from events.models import TERMINAL_TYPES, new_id
 from gateway.arena.categories import categorize
@@ -36,7 +36,7 @@ from gateway.pipeline import NATS_DOWN, Output, stream_unavailable
 from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
 from gateway.serving import ChatService, Ticket, outcome
-from gateway.variants import model_defaults
+from gateway.variants import model_defaults, model_owners
 from gateway.ws import conversation_state
 from runtime.redis import REDIS_DOWN
 from runtime.stream import read_events
@@ -119,8 +119,10 @@ class ArenaService:
 
     async def start(self, api_key: str | None, address: str | None) -> Battle:
         fleet = self.pipeline.fleet()
-        resident = {m for m, insts in fleet["models"].items() if insts}
-        models = list(fleet["models"])
+        out = await self.withdrawn()
+        resident = {m for m, insts in fleet["models"].items() if insts and m not in out}
+        models = [m for m in fleet["models"] if m not in out]
+        owners = model_owners(self.pipeline.live_beats())
         votes, pairs = await self.records()
         policy = self.policy.with_votes(votes, models)
         try:
@@ -138,9 +140,21 @@ class ArenaService:
             swapped=pair.swapped,
             policy_version=pair.policy_version,
             pair_probability=pair.probability,
+            owner_a=owners.get(pair.model_a),
+            owner_b=owners.get(pair.model_b),
         )
         await self.publish(event)
         return Battle(event)
+
+    async def withdrawn(self) -> set[str]:
+        """Models withdrawn from the arena (`ModelWithdrawn`, as the stored history has folded it):
+        served or not, no new battle pairs them."""
+        try:
+            history = await load_leaderboard(self.pipeline.results.redis, HISTORY) or {}
+        except REDIS_DOWN:
+            log.warning("pair sampling without the model history: the result store is unavailable")
+            return set()
+        return {row["model"] for row in history.get("models", []) if row["status"] == "withdrawn"}
 
     async def records(self) -> tuple[dict[str, int], dict]:
         """Votes per model and each pair's record, from the stored leaderboard (empty when it cannot be read)."""

@@ -17,6 +17,9 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 CONFIG = REPO / "configs" / "stories-arena.yaml"
+#: Seconds an arena stack may take to be ready: on a loaded 2-core box the inference
+#: worker's imports alone took 28 s, and 90 s was not always enough.
+START_S = 240.0
 MODELS = ("stories-260k", "stories-260k-creative", "stories-260k-focused")
 # Any spelling of a served name ("stories-260k", "Stories 260K", ...).
 LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
@@ -24,7 +27,7 @@ LEAK = re.compile(r"stories[\s_\-./:]*260k|creative|focused", re.IGNORECASE)
 
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=CONFIG).start()
+    return module_stack_factory(ARENA_MODELS_CONFIG=CONFIG).start(timeout=START_S)
 
 
 def raw(response: httpx.Response, body: str | None = None) -> str:
@@ -186,7 +189,7 @@ def test_a_vote_whose_answer_named_its_own_model_does_not_count(stack_factory, t
         "  - {name: lily, base: stories-260k, temperature: 0}\n"
         "  - {name: ben, base: stories-260k, temperature: 0}\n"
     )
-    s = stack_factory(ARENA_MODELS_CONFIG=config, ARENA_ARENA_WEIGHTS='{"lily": 1, "ben": 1}').start()
+    s = stack_factory(ARENA_MODELS_CONFIG=config, ARENA_ARENA_WEIGHTS='{"lily": 1, "ben": 1}').start(timeout=START_S)
     with httpx.Client(base_url=s.url, timeout=60) as client:
         bid = client.post("/arena/battles").json()["battle_id"]
         _, texts = turn(client, bid, "Once upon a time")
@@ -324,7 +327,7 @@ def test_active_sampling_is_recorded_on_each_battle(stack_factory):
     battle records the policy (every model under 3,000 votes is boosted) and its probability."""
     from gateway.arena.pairing import PairPolicy
 
-    s = stack_factory(ARENA_MODELS_CONFIG=CONFIG, ARENA_ARENA_SAMPLING="active").start()
+    s = stack_factory(ARENA_MODELS_CONFIG=CONFIG, ARENA_ARENA_SAMPLING="active").start(timeout=START_S)
     with httpx.Client(base_url=s.url, timeout=60) as client:
         end = time.monotonic() + 30
         while (r := client.post("/arena/battles")).status_code == 503:

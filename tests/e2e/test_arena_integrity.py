@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_arena_battles import arena_cmd, turn
+from tests.e2e.test_arena_battles import START_S, arena_cmd, turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -30,7 +30,7 @@ def arena(module_stack_factory):
         ARENA_ARENA_MIN_DWELL_S=DWELL_S,
         ARENA_ARENA_PROMPT_CAP=2,
         ARENA_ARENA_DAILY_VOTE_CAP=4,
-    ).start()
+    ).start(timeout=START_S)
 
 
 def start(client: httpx.Client) -> str:

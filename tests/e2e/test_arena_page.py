@@ -8,9 +8,11 @@ import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.test_arena_battles import MODELS, START_S, arena_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -28,7 +30,7 @@ def img(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def arena(module_stack_factory):
-    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start()
+    return module_stack_factory(ARENA_MODELS_CONFIG=REPO / "configs" / "stories-arena.yaml").start(timeout=START_S)
 
 
 def _body(response) -> str:
@@ -97,14 +99,36 @@ def test_leaderboard_page_and_phone_width(arena, browser, img):
     assert phone.locator("#rows .provisional").count() == rows.count()
     assert "fewer than 30 votes" in phone.inner_text("#summary")
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+    phone.wait_for_selector("#history-rows tr", timeout=20_000)
     phone.screenshot(path=str(img / "arena-leaderboard-phone.png"), full_page=True)
     phone.goto(f"{arena.url}/arena")
     phone.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
     assert phone.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+    # (After the battle page above, which needs two models.) One model withdrawn by the operator,
+    # one taken off the inference process: both stay listed.
+    entered = [m["model"] for m in httpx.get(f"{arena.url}/arena/history").json()["models"]]
+    # A variant is taken off: a base of variants and the default model cannot be removed.
+    removed = next(m for m in entered if m != MODELS[0])
+    withdrawn = next(m for m in entered if m != removed)
+    done = arena_cmd(arena, "models", "withdraw", "--name", withdrawn, "--reason", "private test over")
+    assert done.returncode == 0, done.stderr
+    assert arena_cmd(arena, "models", "remove", "--name", removed).returncode == 0
     wide = browser.new_page(viewport={"width": 1100, "height": 500})
     wide.goto(f"{arena.url}/arena/board")
     wide.wait_for_selector("#rows tr", timeout=20_000)
+    wide.wait_for_selector(f"#history-rows tr[data-model='{removed}'] .inactive-mark", timeout=20_000)
+    wide.wait_for_selector(f"#history-rows tr[data-model='{withdrawn}'] .withdrawn-mark", timeout=20_000)
+    entered = [m["model"] for m in httpx.get(f"{arena.url}/arena/history").json()["models"]]
     wide.screenshot(path=str(img / "arena-leaderboard.png"), full_page=True)
+    # The history: every model that entered, the withdrawn one marked with its reason, the one
+    # no longer served marked too, and the variants per owner.
+    history = wide.locator("#history-rows tr")
+    assert history.count() == len(entered)
+    mark = wide.locator(f"#history-rows tr[data-model='{withdrawn}'].withdrawn .withdrawn-mark")
+    assert mark.inner_text() == "withdrawn" and "private test over" in mark.get_attribute("title")
+    assert wide.locator("#history-rows .withdrawn-mark").count() == 1
+    assert f"karpathy {len(entered)} (1 withdrawn)" in wide.inner_text("#owners")
+    wide.locator("#history-section").screenshot(path=str(img / "arena-history.png"))
     # The style-controlled board, with its coefficients, then one category's board.
     wide.select_option("#view", "style")
     wide.wait_for_function("document.querySelector('#coefficients').textContent.includes('length')")

@@ -35,6 +35,20 @@ def test_variant_takes_its_base_weights_and_keeps_its_defaults(tmp_path):
     assert base.defaults() == {}
 
 
+def test_a_variant_counts_with_its_base_owner_and_an_unowned_model_with_itself(tmp_path):
+    cfg = write(
+        tmp_path,
+        "models:\n"
+        "  - {name: base, path: /w/base, owner: acme}\n"
+        "  - {name: hot, base: base}\n"
+        "  - {name: mine, base: base, owner: me}\n"
+        "  - {name: plain, path: /w/plain}\n"
+        "  - {name: plain-v, base: plain}\n",
+    )
+    owners = {s.name: s.owner_name() for s in load_models_config(cfg, tmp_path)}
+    assert owners == {"base": "acme", "hot": "acme", "mine": "me", "plain": "plain", "plain-v": "plain"}
+
+
 @pytest.mark.parametrize("base", ["missing", "hot"])
 def test_variant_of_unknown_or_variant_base_is_refused(tmp_path, base):
     cfg = write(tmp_path, f"models:\n  - {{name: m, path: /w}}\n  - {{name: hot, base: {base}}}\n")

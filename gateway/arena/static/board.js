@@ -75,7 +75,41 @@ async function refresh() {
     ? `${board.total_votes} votes${which} (stream sequence ${board.seq}). Provisional: fewer than ${board.min_votes} ` +
       "votes, ranked by the low end of its interval."
     : `No votes${which} yet: play a battle.`;
+  await refreshHistory();
 }
+function badge(text, cls, title) {
+  const span = Object.assign(document.createElement("span"), { className: cls, textContent: text });
+  span.title = title;
+  return span;
+}
+
+// The history: every model that entered, withdrawn or not served, and the variants per owner.
+async function refreshHistory() {
+  const history = await (await api("/arena/history")).json();
+  const owner = (o) => o || "unknown";
+  document.querySelector("#owners").textContent = history.owners.length
+    ? "Variants per owner: " + history.owners.map((o) =>
+      `${owner(o.owner)} ${o.variants}${o.withdrawn ? ` (${o.withdrawn} withdrawn)` : ""}`).join(" · ") + "."
+    : "No model has battled yet.";
+  document.querySelector("#history-rows").replaceChildren(...history.models.map((m) => {
+    const tr = document.createElement("tr");
+    tr.dataset.model = m.model;
+    tr.className = m.status;
+    const status = cell(m.status === "withdrawn" ? "" : m.served ? "active" : "");
+    if (m.status === "withdrawn") {
+      status.append(badge("withdrawn", "withdrawn-mark", `withdrawn at stream sequence ${m.changed_seq}: ${m.reason}`));
+    } else if (!m.served) {
+      status.append(badge("not served", "inactive-mark", "no inference process serves it now"));
+    }
+    const entered = new Date(m.entered_at * 1000).toISOString().slice(0, 10);
+    tr.append(
+      cell(m.model), cell(owner(m.owner)), status, cell(m.votes, "num"), cell(m.battles, "num hide-narrow"),
+      cell(`${entered} (seq ${m.entered_seq})`, "hide-narrow"),
+    );
+    return tr;
+  }));
+}
+
 // The CSV through api() too: a plain link would carry no key.
 document.querySelector("#csv").addEventListener("click", async (event) => {
   event.preventDefault();
