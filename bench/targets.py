@@ -37,6 +37,7 @@ class Setup:
     max_batch_size: int = 16
     torch_threads: int | None = None
     dtype: str = "float32"
+    quantize: str | None = None  # arenaflow's models config `quantize` (the others serve float weights)
 
     def env(self) -> dict[str, str]:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -146,7 +147,7 @@ def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Targ
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(
         f"models:\n  - name: {setup.model_name}\n    path: {setup.model_path.resolve()}\n"
-        f"    dtype: {setup.dtype}\n    device: cpu\n"
+        f"    dtype: {setup.dtype}\n    device: cpu\n" + (f"    quantize: {setup.quantize}\n" if setup.quantize else "")
     )
     port = free_port()
     state = (setup.out / "state" / name).resolve()
