@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -38,10 +38,13 @@ class RequestRecord:
     error: str | None = None
     text: str = ""
     timings: dict | None = None
+    #: When each content chunk arrived, seconds after the request was sent (streamed requests).
+    chunk_s: list[float] = field(default_factory=list)
 
     def as_json(self) -> dict:
         row = asdict(self)
         row.pop("text")
+        row.pop("chunk_s")
         return row
 
 
@@ -158,8 +161,9 @@ async def _read_events(resp: aiohttp.ClientResponse, record: RequestRecord, sent
         for choice in event.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
+                record.chunk_s.append(time.perf_counter() - sent)
                 if record.ttft_s is None:
-                    record.ttft_s = time.perf_counter() - sent
+                    record.ttft_s = record.chunk_s[0]
                 parts.append(content)
         usage = event.get("usage")
         if usage and usage.get("completion_tokens") is not None:

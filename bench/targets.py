@@ -46,6 +46,7 @@ class Setup:
     parallel: int = 32
     #: Context per llama-server slot: prompt and answer of one request fit (`-c` is parallel x this).
     ctx_per_slot: int = 512
+    quantize: str | None = None  # arenaflow's models config `quantize` (the others serve float weights)
 
     def env(self) -> dict[str, str]:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -167,7 +168,7 @@ def arena(setup: Setup, engine: str, engine_process: bool | None = None) -> Targ
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(
         f"models:\n  - name: {setup.model_name}\n    path: {setup.model_path.resolve()}\n"
-        f"    dtype: {setup.dtype}\n    device: cpu\n"
+        f"    dtype: {setup.dtype}\n    device: cpu\n" + (f"    quantize: {setup.quantize}\n" if setup.quantize else "")
     )
     port = free_port()
     state = (setup.out / "state" / name).resolve()

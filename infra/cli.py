@@ -216,6 +216,7 @@ async def _models(args) -> int:
             "path": str(Path(args.path).resolve()) if Path(args.path).exists() else args.path,
             "dtype": args.dtype,
             "device": args.device,
+            "quantize": args.quantize,
         }
     url = args.nats_url or OperatorSettings().nats_url or _endpoints(args.state_dir).get("nats_url")
     if not url or not _reachable(url):
@@ -256,7 +257,7 @@ def _models_table(answers: list[dict]) -> str:
                     d["name"] + (f" (variant of {d['base']})" if d.get("base") else ""),
                     d["source"],
                     f"{d['parameters'] / 1e6:.1f}M" if loaded else "-",
-                    d["dtype"] if loaded else "-",
+                    (d["dtype"] + (f" + {d['quantize']}" if d.get("quantize") else "")) if loaded else "-",
                     str(d["context"] or "?"),
                     ("yes" if d["chat_template"] else "no (plain text)") if loaded else "-",
                     f"{d['resident_bytes'] / 1e6:.0f} MB" if loaded else "not loaded",
@@ -395,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     mo.add_argument("--path", help="HF model directory (add; reload with new weights)")
     mo.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (see the models config)")
     mo.add_argument("--device", default="cpu")
+    mo.add_argument(
+        "--quantize", choices=("int8", "int4"), default=None, help="weight-only quantization (see the models config)"
+    )
     mo.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     mo.add_argument("--nats-url", default=None)
     mo.add_argument("--json", action="store_true", help="list: each process's answer as a JSON line")

@@ -45,11 +45,18 @@ async def apply(pool, command: dict, models_dir: str = ".", default_model: str |
 
 
 def describe(pool, spec: ModelSpec) -> dict:
-    """What `arena models list` shows of a model: where it comes from and its context;
+    """What `arena models list` shows of a model: where it comes from, its context and its
+    weights' quantization (None: float);
     resident, what it costs (parameters, dtype, bytes) and whether it has a chat template
     of its own (else its prompts are the messages' contents, FALLBACK_TEMPLATE)."""
     loaded = pool.resident_model(spec.name)
-    out: dict = {"name": spec.name, "source": spec.path, "base": spec.base, "context": pool.contexts().get(spec.name)}
+    out: dict = {
+        "name": spec.name,
+        "source": spec.path,
+        "base": spec.base,
+        "context": pool.contexts().get(spec.name),
+        "quantize": spec.quantize,
+    }
     if loaded is None:
         return {**out, "resident": False}
     model = loaded.model

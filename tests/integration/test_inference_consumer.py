@@ -222,7 +222,8 @@ def test_hot_swap_add_reload_remove_while_serving(stack_factory, tmp_path):
 def test_a_failed_add_leaves_nothing_registered(stack_factory, tmp_path):
     """A model that cannot load is not served (it stayed in /v1/models, every request to it
     a 500); a path that is nowhere says so; an existing name points to reload; a relative
-    path is the models directory's, as in the models config."""
+    path is the models directory's, as in the models config; a model added with
+    quantized weights serves and shows them."""
     s = stack_factory().start()
     models = partial(models_cmd, s.nats.url)
     rc, (answer,) = models("add", "--name", "ghost", "--path", str(tmp_path / "nowhere"))
@@ -234,7 +235,8 @@ def test_a_failed_add_leaves_nothing_registered(stack_factory, tmp_path):
     assert rc == 1 and "broken" not in answer["models"], answer
     rc, (answer,) = models("add", "--name", "stories-260k", "--path", str(STORIES))
     assert rc == 1 and "arena models reload --name stories-260k" in answer["error"], answer
-    rc, (answer,) = models("add", "--name", "relative", "--path", STORIES.name)  # not in this cwd
+    # not in this cwd; served with int8 weights (quantize.py): it answers, and the list says so
+    rc, (answer,) = models("add", "--name", "relative", "--path", STORIES.name, "--quantize", "int8")
     assert rc == 0 and "relative" in answer["resident"], answer
     time.sleep(1.5)  # the gateway learns the fleet's models from heartbeats
     listed = {m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]}
@@ -244,10 +246,11 @@ def test_a_failed_add_leaves_nothing_registered(stack_factory, tmp_path):
     # What each model is and costs, as `arena models list` shows it.
     rc, (answer,) = models("list", "--json")
     details = {d["name"]: d for d in answer["details"]}
-    assert rc == 0 and details["relative"]["source"] == str(STORIES)
+    assert rc == 0 and details["relative"]["source"] == str(STORIES) and details["relative"]["quantize"] == "int8"
     stories = details["stories-260k"]
     assert (stories["resident"], stories["dtype"], stories["context"]) == (True, "float32", 512), stories
     assert stories["chat_template"] is False and 250_000 < stories["parameters"] < 300_000
     assert 0 <= stories["resident_bytes"] - 4 * stories["parameters"] < 1024  # float32, and its buffers
     rc, (table,) = models("list")
     assert rc == 0 and "CHAT TEMPLATE" in table["printed"] and "no (plain text)" in table["printed"], table
+    assert "float32 + int8" in table["printed"] and stories["quantize"] is None, table
