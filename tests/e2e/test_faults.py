@@ -171,7 +171,9 @@ def test_redis_outage_under_load_gives_no_500_and_keeps_idempotency(tmp_path, na
             assert r.headers.get("content-type", "").startswith("application/json"), (r.status_code, r.text[:200])
         # (an answer may be empty: a sampled end-of-text first is an answer too)
         assert all(x.done and x.error is None for x in streams), [(x.status, x.done, x.error) for x in streams]
-        assert all(r.status_code == 200 for r in posts), [(r.status_code, r.text[:200]) for r in posts]
+        assert all(r.status_code == 200 for r in posts), [
+            (r.status_code, r.text[:300]) for r in posts if r.status_code != 200
+        ]
         assert {r.status_code for r in during} <= {200, 503}
         assert keyed.status_code == 200 and retry.status_code == 200
         assert retry.json()["x_arena"]["request_id"] == keyed.json()["x_arena"]["request_id"]
