@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -95,6 +97,29 @@ def session(timeout_s: float, connections: int = 100) -> aiohttp.ClientSession:
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
 
 
+#: How many times a request that never left is sent again (each on another connection).
+WRITE_RETRIES = 8
+
+
+@asynccontextmanager
+async def post(client: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
+    """POST ``body``, once more if it never left: aiohttp writes a request onto a pooled
+    keep-alive connection the server may have closed meanwhile (llama-server does), and
+    fails it with "Can not write request body" before the server saw a byte, which is no
+    answer of the server's to count (it cost 30-48% of llama-server's requests)."""
+    for attempt in range(WRITE_RETRIES + 1):
+        try:
+            resp = await client.post(url, json=body)
+            break
+        except aiohttp.ClientOSError as exc:
+            # No connection at all is the server's trouble; each retry takes the pool's next
+            # connection (several may have been closed at once) or a new one.
+            if isinstance(exc, aiohttp.ClientConnectorError) or attempt == WRITE_RETRIES:
+                raise
+    async with resp:
+        yield resp
+
+
 async def complete_chat(
     client: aiohttp.ClientSession, base_url: str, body: dict, record: RequestRecord, t0: float
 ) -> RequestRecord:
@@ -103,7 +128,7 @@ async def complete_chat(
     sent = time.perf_counter()
     record.start_s = sent - t0
     try:
-        async with client.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+        async with post(client, f"{base_url}/v1/chat/completions", body) as resp:
             record.http_status = resp.status
             raw = await resp.read()
         if resp.status != 200:
@@ -130,7 +155,7 @@ async def stream_chat(
     sent = time.perf_counter()
     record.start_s = sent - t0
     try:
-        async with client.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+        async with post(client, f"{base_url}/v1/chat/completions", body) as resp:
             record.http_status = resp.status
             if resp.status != 200:
                 detail = (await resp.read()).decode(errors="replace")[:200]
