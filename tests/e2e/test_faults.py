@@ -16,8 +16,10 @@ import httpx
 import nats
 import psutil
 import pytest
+import redis as redis_client
 
 from events import subjects
+from events.readmodel import OWNER
 from infra.servers import start_nats, start_redis
 from tests.arena_up import ArenaUp
 from tests.conftest import stored_events, until
@@ -147,8 +149,14 @@ def test_redis_outage_under_load_gives_no_500_and_keeps_idempotency(tmp_path, na
                 waiting = [asyncio.create_task(post_one(client, s.url, prompt(100 + i, 64))) for i in range(12)]
                 # Under way before the kill, however loaded the machine: all 24 published
                 # (their ChatRequested seen on the stream's subject) and every stream flowing.
-                for _ in range(25):  # the keyed request's, then the 24
-                    await asyncio.wait_for(published.get(), 30)
+                # Published is not yet admitted: a new conversation's owner is written to
+                # Redis beside the publish, and a kill between the two is the client's 503
+                # (failed 2 runs of 11 so): wait for each request's owner record too.
+                admitted: set[str] = set()
+                while len(admitted) < 25:  # the keyed request's, then the 24 (by request id)
+                    admitted.add((await asyncio.wait_for(published.get(), 30)).subject.rsplit(".", 1)[-1])
+                with redis_client.Redis.from_url(redis.url) as store:
+                    await until(lambda: all(store.exists(OWNER.format("req", rid)) for rid in admitted), 30)
                 await until(lambda: all(x.chunk_times or x.done or x.status not in (0, 200) for x in seen), 30)
                 await nc.close()
                 redis.proc.send_signal(signal.SIGKILL)
