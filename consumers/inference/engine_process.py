@@ -89,8 +89,7 @@ def _child(
     max_batch: int,
     max_wait_s: float,
     threads: int,
-    kv_budget: int | None,
-    prefix_bytes: int,
+    options: dict[str, Any],
     conn: Any,
     consumer: int,
 ) -> None:
@@ -101,13 +100,7 @@ def _child(
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
-    engine = BatchEngine(
-        loaded,
-        mode,  # type: ignore[arg-type]
-        max_batch,
-        kv_budget_bytes=kv_budget,
-        prefix_cache_bytes=prefix_bytes,
-    )
+    engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     send_lock = threading.Lock()
     steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
     unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
@@ -243,17 +236,17 @@ def spawn(
     max_batch: int,
     max_wait_s: float,
     threads: int,
-    kv_budget: int | None = None,
-    prefix_bytes: int = 0,
+    options: dict[str, Any] | None = None,
 ) -> EngineChild:
-    """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`)."""
+    """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`);
+    ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets)."""
     forks.start()
     share(loaded)
     ctx = forks.context()
     parent, child = ctx.Pipe()
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(loaded, mode, max_batch, max_wait_s, threads, kv_budget, prefix_bytes, child, os.getpid()),
+        args=(loaded, mode, max_batch, max_wait_s, threads, options or {}, child, os.getpid()),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
     )
@@ -276,17 +269,15 @@ class ProcessRunner:
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
         threads: int = 0,
-        kv_budget: int | None = None,
-        prefix_bytes: int = 0,
+        options: dict[str, Any] | None = None,
     ):
         self.loaded = loaded
-        self.kv_budget = kv_budget
+        self.options = options or {}  # the engine's keyword arguments
         self.name = loaded.spec.name
         self.mode = mode
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.threads = threads
-        self.prefix_bytes = prefix_bytes
         self.prefix_counts = PrefixCounts(loaded.spec.name)
         self.loop = loop
         self.on_outputs = on_outputs
@@ -306,15 +297,7 @@ class ProcessRunner:
     # ---- the child -----------------------------------------------------------------
 
     def _start(self) -> None:
-        child = spawn(
-            self.loaded,
-            self.mode,
-            self.max_batch_size,
-            self.max_wait_s,
-            self.threads,
-            self.kv_budget,
-            self.prefix_bytes,
-        )
+        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.options)
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()

@@ -119,6 +119,11 @@ class InferenceService:
         when a message comes back from another worker, to continue where it was."""
         self.settings = settings
         self.kv_budget = int(settings.kv_cache_mb * 2**20)
+        #: Every model engine's keyword arguments, wherever it steps (a process or a thread).
+        self.engine_options: dict[str, Any] = {
+            "kv_budget_bytes": self.kv_budget,
+            "prefix_cache_bytes": prefix_cache_bytes(settings),
+        }
         self.watchdog_margin_s = watchdog_margin_s
         self.watchdog_period_s = watchdog_period_s
         self.pool = pool
@@ -374,17 +379,10 @@ class InferenceService:
                     self.on_outputs,
                     s.max_wait_ms / 1000,
                     s.torch_threads,
-                    self.kv_budget,
-                    prefix_cache_bytes(s),
+                    self.engine_options,
                 )
             else:
-                engine = BatchEngine(
-                    loaded,
-                    s.engine,
-                    s.max_batch_size,
-                    kv_budget_bytes=self.kv_budget,
-                    prefix_cache_bytes=prefix_cache_bytes(s),
-                )
+                engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
                 runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
             self.runners[id(loaded)] = runner
         return runner
