@@ -6,9 +6,9 @@
 
 llama.cpp comes from the `llama-cpp-python` sdist on PyPI (it vendors the whole tree,
 `convert_hf_to_gguf.py` included), fetched with pip, the one registry this machine
-reaches. Everything lands under `.arena/peers/` (ignored by git) and a finished build is
+reaches. Everything lands under `~/.cache/arenaflow/llama.cpp/` (`ARENA_LLAMA_CPP_DIR`; outside the checkout, so CI on the same machine reuses it) and a finished build is
 reused: `build` returns at once when the binary is there. cmake's progress lines
-(`[ 42%] Building ...`) are printed as they come, and kept in `.arena/peers/build.log`.
+(`[ 42%] Building ...`) are printed as they come, and kept in `build.log` there.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / ".arena" / "peers"
+#: Outside the checkout, so a clean checkout (CI on the same machine) reuses a finished build.
+ROOT = Path(os.environ.get("ARENA_LLAMA_CPP_DIR") or Path.home() / ".cache" / "arenaflow" / "llama.cpp")
 SDIST_DIR = ROOT / "sdist"
 BUILD_DIR = ROOT / "build"
 MODELS_DIR = ROOT / "models"
@@ -58,7 +59,7 @@ def sdist() -> Path:
 
 
 def source_tree(archive: Path | None = None) -> Path:
-    """The vendored llama.cpp tree of the sdist, extracted once under `.arena/peers/src/`."""
+    """The vendored llama.cpp tree of the sdist, extracted once under `ROOT/src/`."""
     archive = archive or sdist()
     stem = archive.name.removesuffix(".tar.gz")
     tree = ROOT / "src" / stem / "vendor" / "llama.cpp"
