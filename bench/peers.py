@@ -6,8 +6,9 @@
 
 llama.cpp comes from the `llama-cpp-python` sdist on PyPI (it vendors the whole tree,
 `convert_hf_to_gguf.py` included), fetched with pip, the one registry this machine
-reaches. Everything lands under `~/.cache/arenaflow/llama.cpp/` (`ARENA_LLAMA_CPP_DIR`; outside the checkout, so CI on the same machine reuses it) and a finished build is
-reused: `build` returns at once when the binary is there. cmake's progress lines
+reaches. Everything lands under `~/.cache/arenaflow/llama.cpp/` (`ARENA_LLAMA_CPP_DIR`;
+outside the checkout, so CI on the same machine reuses it) and a finished build is reused:
+`build` returns at once when the binary is there. cmake's progress lines
 (`[ 42%] Building ...`) are printed as they come, and kept in `build.log` there.
 """
 
