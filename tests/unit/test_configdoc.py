@@ -75,3 +75,22 @@ def test_help_writes_nothing():
     )
     assert run.returncode == 0 and run.stdout.startswith("usage: python -m infra.configdoc"), run
     assert "wrote" not in run.stderr, run.stderr
+
+
+def test_a_nested_model_gets_a_row_per_field():
+    from pydantic import Field
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class Inner(BaseModel):
+        threshold: float = Field(0.75, description="Reject at or above this.")
+
+    class Outer(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="ARENA_", env_nested_delimiter="__")
+        filter: Inner = Field(default_factory=Inner, description="The filter's config.")
+
+    rows = list(configdoc.rows(Outer))
+    assert [(r.env, r.type, r.default) for r in rows] == [
+        ("`ARENA_FILTER`", "Inner", '`{"threshold":0.75}`'),
+        ("`ARENA_FILTER__THRESHOLD`", "float", "`0.75`"),
+    ]
+    assert rows[1].description == "Reject at or above this."
