@@ -86,7 +86,7 @@ def session(timeout_s: float, connections: int = 100) -> aiohttp.ClientSession:
     """The benchmark's HTTP client: aiohttp, as vLLM's `benchmark_serving` uses. The load
     generator runs on the cores it measures, so its own CPU per token counts against
     every target alike; aiohttp reads a stream for less than half of httpx's CPU
-    (36 against 87 µs a token, docs/benchmarks.md, "Session 8")."""
+    (36 against 87 µs a token, CHANGELOG.md, "Session 8")."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections),
         timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),

@@ -341,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
         default=NATS_SYNC_DEFAULT,
         metavar="always|DURATION",
         help=f"when the nats-server it starts fsyncs what JetStream acknowledged: 'always' (before the ack) "
-        f"or every DURATION, e.g. 2m (default: {NATS_SYNC_DEFAULT}; README, 'When things fail')",
+        f"or every DURATION, e.g. 2m (default: {NATS_SYNC_DEFAULT}; docs/operations.md, 'Durability')",
     )
     up.add_argument("--state-dir", default=OperatorSettings().state_dir)
     up.add_argument("--ready-timeout", type=float, default=180.0)

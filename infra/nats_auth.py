@@ -248,7 +248,7 @@ HELM_HEADER = """\
 # Values for the official NATS Helm chart (nats/nats 1.x): a three-node JetStream cluster,
 # file storage on PVCs, one user per arenaflow role with the permissions of
 # infra/nats_auth.py, passwords from the Secret `arena-nats-credentials`, JetStream's fsync
-# policy as `arena up`'s default (sync_interval; README, "When things fail").
+# policy as `arena up`'s default (sync_interval; docs/operations.md, "Durability").
 # Generated: python -m infra.nats_auth helm-values > infra/k8s/nats/values.yaml
 # (tests/unit/test_nats_auth.py fails when this file and the table disagree.)
 #

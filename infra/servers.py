@@ -19,8 +19,8 @@ from pathlib import Path
 from runtime.net import free_port
 
 #: How often JetStream fsyncs what it has acknowledged (`sync_interval`): "always" (every
-#: write, before its ack) or a Go duration ("2m", nats-server's own default). README, "When
-#: things fail", gives the window of loss of each; bench.sync_policy what "always" costs.
+#: write, before its ack) or a Go duration ("2m", nats-server's own default). docs/operations.md,
+#: "Durability", gives the window of loss of each; bench.sync_policy what "always" costs.
 NATS_SYNC_DEFAULT = "always"
 _GO_DURATION = re.compile(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+")
 

@@ -153,7 +153,13 @@ class InferenceSettings(CommonSettings):
         description="Each model engine's KV cache budget (vLLM's CPU default): a request joins a batch only while "
         "every row at its longest fits; one that alone cannot is a 400.",
     )
-    cuda_memory_fraction: float = Field(0.85, gt=0, le=1)
+    cuda_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="On CUDA: the share of the GPU's memory this process's torch allocator may use "
+        "(set_per_process_memory_fraction).",
+    )
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     prefix_cache_mb: float = Field(
@@ -178,7 +184,7 @@ class InferenceSettings(CommonSettings):
 
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP API; 0 picks a free one.")
     metrics_port: int = Field(
         0,
         ge=0,
