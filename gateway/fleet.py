@@ -92,9 +92,8 @@ class FleetCollector:
         memory = GaugeMetricFamily(
             "arena_fleet_resident_bytes", "Resident model weights per inference process", labels=["instance"]
         )
-        for beat in self.pipeline.live_beats():
-            if beat["role"] == topology.INFERENCE.name and "resident_bytes" in beat:
-                memory.add_metric([beat["instance"]], beat["resident_bytes"])
+        for beat in self.pipeline.workers():
+            memory.add_metric([beat.instance], beat.resident_bytes)
         yield memory
 
     def _lag(self):

@@ -8,7 +8,6 @@ a fake with the same methods (`tests/unit/fake_pipeline.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -20,6 +19,7 @@ import nats
 from nats.errors import Error as NatsError
 
 from events import decode, subjects, topology
+from events.fleet import InferenceBeat, ModelLoad, ProcessBeat, decode_beat
 from events.models import ChatCancelled, RequestEvent
 from events.readmodel import ReadModel
 from gateway.admission import ModelQueue, StreamState
@@ -72,7 +72,7 @@ class Pipeline:
         self.keys = GatewayKeys(redis, settings.result_ttl_s)
         #: Admission's batched fleet-wide check alone (admission.FleetAdmissions).
         self.admission_redis = redis_client(settings.redis_url, max_connections=2)
-        self.beats: dict[tuple[str, str], dict] = {}
+        self.beats: dict[tuple[str, str], ProcessBeat] = {}
         #: The consumers' state (requests ahead of and held by the inference workers).
         self.stream_state = StreamState()
         self._tasks: list[asyncio.Task] = []
@@ -100,37 +100,37 @@ class Pipeline:
     # ---- the fleet, from heartbeats --------------------------------------------------
 
     async def _on_beat(self, msg) -> None:
-        with suppress(ValueError, KeyError):
-            beat = json.loads(msg.data)
-            self.beats[(beat["role"], beat["instance"])] = beat
+        with suppress(ValueError):
+            beat = decode_beat(msg.data)
+            self.beats[(beat.role, beat.instance)] = beat
 
-    def live_beats(self) -> list[dict]:
+    def live_beats(self) -> list[ProcessBeat]:
         horizon = time.time() - max(3 * self.settings.heartbeat_s, 3.0)
-        return [b for b in self.beats.values() if b["ts"] >= horizon]
+        return [b for b in self.beats.values() if b.ts >= horizon]
+
+    def workers(self) -> list[InferenceBeat]:
+        """The live inference workers' beats."""
+        return [b for b in self.live_beats() if isinstance(b, InferenceBeat)]
 
     def fleet(self) -> dict:
         """Ready processes per role, and which inference instances hold each model."""
         beats = self.live_beats()
         roles = [r.name for r in topology.ROLES if r.name != topology.GATEWAY.name]
-        out: dict[str, Any] = {role: sum(1 for b in beats if b["role"] == role and b.get("ready")) for role in roles}
+        out: dict[str, Any] = {role: sum(1 for b in beats if b.role == role and b.ready) for role in roles}
         served: dict[str, set] = {}
         for b in beats:
-            if b["role"] == topology.INFERENCE.name:
-                for name in b.get("models", []):
+            if isinstance(b, InferenceBeat):
+                for name in b.models:
                     served.setdefault(name, set())
-                for name in b.get("resident", []):
-                    served.setdefault(name, set()).add(b["instance"])
+                for name in b.resident:
+                    served.setdefault(name, set()).add(b.instance)
         out["models"] = {name: sorted(insts) for name, insts in served.items()}
         return out
 
     def context_len(self, model: str) -> int | None:
         """The model's context in tokens (prompt and completion), as the workers listing
         it report it (from its config, or as loaded); None until one does."""
-        lens = [
-            b["context"][model]
-            for b in self.live_beats()
-            if b["role"] == topology.INFERENCE.name and model in b.get("context", {})
-        ]
+        lens = [b.context[model] for b in self.workers() if model in b.context]
         return min(lens) if lens else None
 
     async def _watch_stream(self) -> None:
@@ -154,31 +154,17 @@ class Pipeline:
         q = self._queue(model, self.live_beats())
         if q.slots == 0:
             horizon = time.time() - LATE_BEAT_S
-            q = self._queue(model, [b for b in self.beats.values() if b["ts"] >= horizon])
+            q = self._queue(model, [b for b in self.beats.values() if b.ts >= horizon])
         return q
 
     @staticmethod
-    def _queue(model: str, beats: list[dict]) -> ModelQueue:
-        slots = requests = tokens = 0
-        step_s: float | None = None
-        full_step_s: float | None = None
-        full_batch: int | None = None
-        measured_at = 0.0
+    def _queue(model: str, beats: list[ProcessBeat]) -> ModelQueue:
+        t, held = ModelLoad(), 0
         for beat in beats:
-            if beat["role"] != topology.INFERENCE.name or model not in beat.get("resident", []):
-                continue
-            load = beat.get("load", {}).get(model)
-            if load is None:
-                continue
-            slots += load["max_batch"]
-            requests += load["running"] + load["waiting"] + beat.get("held", 0)
-            tokens += load["tokens"]
-            measured_at = max(measured_at, load.get("measured_at", 0.0))
-            if load.get("step_s") is not None:
-                step_s = max(step_s or 0.0, load["step_s"])
-            if load.get("full_step_s") is not None and load["full_step_s"] >= (full_step_s or 0.0):
-                full_step_s, full_batch = load["full_step_s"], load.get("full_batch")
-        return ModelQueue(slots, requests, tokens, step_s, full_step_s, measured_at, full_batch)
+            if isinstance(beat, InferenceBeat) and model in beat.resident and model in beat.load:
+                t, held = t.plus(beat.load[model]), held + beat.held
+        requests = t.running + t.waiting + held
+        return ModelQueue(t.max_batch, requests, t.tokens, t.step_s, t.full_step_s, t.measured_at, t.full_batch)
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()

@@ -305,7 +305,7 @@ class ChatService:
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
     ) -> tuple[Ticket, ChatRequested | None]:
-        req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model, {}))
+        req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model))
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0

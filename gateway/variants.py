@@ -10,46 +10,41 @@ from __future__ import annotations
 
 from typing import Any
 
+from events.fleet import InferenceBeat, ProcessBeat, VariantDefaults
 from gateway.protocol import ChatCompletionRequest, Message
 
 SAMPLING = ("temperature", "top_p", "max_tokens")
 
 
-def announced(beats: list[dict], field: str) -> dict[str, Any]:
-    """What the live inference heartbeats announce per model name under `field`."""
-    out: dict[str, Any] = {}
-    for beat in beats:
-        out.update(beat.get(field) or {})
-    return out
+def model_defaults(beats: list[ProcessBeat]) -> dict[str, VariantDefaults]:
+    """Defaults per model name, as the live inference heartbeats announce them."""
+    return {name: d for b in beats if isinstance(b, InferenceBeat) for name, d in b.defaults.items()}
 
 
-def model_defaults(beats: list[dict]) -> dict[str, dict]:
-    """Defaults per model name (the heartbeats' `defaults` field)."""
-    return announced(beats, "defaults")
-
-
-def model_owners(beats: list[dict]) -> dict[str, str]:
+def model_owners(beats: list[ProcessBeat]) -> dict[str, str]:
     """Owner per model name (the heartbeats' `owners` field; the models config's `owner:`)."""
-    return announced(beats, "owners")
+    return {name: o for b in beats if isinstance(b, InferenceBeat) for name, o in b.owners.items()}
 
 
-def with_model_defaults(req: ChatCompletionRequest, defaults: dict) -> ChatCompletionRequest:
+def with_model_defaults(req: ChatCompletionRequest, defaults: VariantDefaults | None) -> ChatCompletionRequest:
     """`req` with the model's defaults for the fields it did not set (pure)."""
-    if not defaults:
+    if defaults is None:
         return req
     given = req.model_fields_set
     update: dict[str, Any] = {
-        k: defaults[k]
+        k: getattr(defaults, k)
         for k in SAMPLING
-        if k in defaults and k not in given and not (k == "max_tokens" and "max_completion_tokens" in given)
+        if getattr(defaults, k) is not None
+        and k not in given
+        and not (k == "max_tokens" and "max_completion_tokens" in given)
     }
     # A completion's prompt goes to the model as it is: no system message has a place in it.
     if (
-        defaults.get("system")
+        defaults.system
         and req.prompt_format == "chat"
         and not any(m.role in ("system", "developer") for m in req.messages)
     ):
-        update["messages"] = [Message(role="system", content=defaults["system"]), *req.messages]
+        update["messages"] = [Message(role="system", content=defaults.system), *req.messages]
     if not update:
         return req
     new = req.model_copy(update=update)

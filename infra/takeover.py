@@ -13,7 +13,6 @@ process pulled after its last heartbeat still waits out its AckWait.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from concurrent.futures import Future
@@ -21,6 +20,7 @@ from concurrent.futures import Future
 import nats
 
 from events import subjects, topology
+from events.fleet import InferenceBeat, decode_beat
 from runtime import jetstream
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,12 @@ class Takeover:
 
     async def _on_beat(self, msg) -> None:
         try:
-            beat = json.loads(msg.data)
-            self.held[int(beat["pid"])] = list(beat.get("acks", []))
-        except (ValueError, KeyError, TypeError):
+            beat = decode_beat(msg.data)
+        except ValueError:
             log.warning("unreadable heartbeat on %s", msg.subject)
+            return
+        if isinstance(beat, InferenceBeat):
+            self.held[beat.pid] = list(beat.acks)
 
     async def _nak(self, acks: list[str]) -> None:
         assert self._nc is not None

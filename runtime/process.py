@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -18,6 +17,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from events import decode, subjects, topology
+from events.fleet import ProcessBeat, encode_beat
 from events.models import EventBase
 from runtime import heap, jetstream, tracing
 from runtime.consume import DurableConsumer
@@ -40,10 +40,11 @@ REDELIVERED = Counter(
 class ProcessRuntime:
     """A NATS connection for publishing and heartbeats, opened before the broker subscribes."""
 
-    def __init__(self, role: str, settings, status: Callable[[], dict] | None = None):
+    def __init__(self, role: str, settings, describe: Callable[[ProcessBeat], ProcessBeat] | None = None):
         self.role = role
         self.settings = settings
-        self.status = status or (lambda: {})
+        #: Makes the role's own beat from what every process says (`events.fleet`).
+        self.describe = describe or (lambda beat: beat)
         self.nc: nats.NATS | None = None
         self.js: JetStreamContext | None = None
         self._beat: asyncio.Task | None = None
@@ -67,17 +68,17 @@ class ProcessRuntime:
     async def _heartbeats(self) -> None:
         subject = subjects.heartbeat_subject(self.role, self.settings.instance_id.replace(".", "_"))
         while True:
-            beat = {
-                "role": self.role,
-                "instance": self.settings.instance_id,
-                "ready": self.ready,
-                "ts": time.time(),
-                "pid": os.getpid(),
-                "metrics_port": self.endpoint.port,
-                **self.status(),
-            }
+            beat = ProcessBeat(
+                role=self.role,
+                instance=self.settings.instance_id,
+                ready=self.ready,
+                ts=time.time(),
+                pid=os.getpid(),
+                metrics_port=self.endpoint.port,
+            )
+            raw = encode_beat(self.describe(beat))
             with suppress(Exception):  # a heartbeat lost in a reconnect is replaced by the next
-                await self.connection().publish(subject, json.dumps(beat).encode())
+                await self.connection().publish(subject, raw)
             await asyncio.sleep(self.settings.heartbeat_s)
 
     def connection(self) -> nats.NATS:

@@ -18,6 +18,7 @@ from consumers.inference.models import load_model, load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
+from events.fleet import InferenceBeat, ProcessBeat
 from runtime import heap, jetstream
 from runtime.consume import DurableConsumer
 from runtime.process import ProcessRuntime, decode_or_term
@@ -44,22 +45,24 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         loader=functools.partial(load_model, cache=settings.model_cache),
     )
 
-    def status() -> dict:
-        return {
-            "models": [s.name for s in pool.specs()],
-            "resident": pool.resident(),
-            "resident_bytes": pool.stats.resident_bytes,
-            "context": service.token_rooms(),
-            "defaults": {s.name: s.defaults() for s in pool.specs() if s.defaults()},
-            "owners": {s.name: s.owner_name() for s in pool.specs()},
-            "jobs": len(service.jobs),
-            "held": len(service.holding),
-            "acks": service.ack_subjects(),
-            "load": service.load(),
-            "engine": settings.engine,
-        }
+    def describe(beat: ProcessBeat) -> InferenceBeat:
+        specs = pool.specs()
+        return InferenceBeat(
+            **beat.base(),
+            models=tuple(s.name for s in specs),
+            resident=tuple(pool.resident()),
+            resident_bytes=pool.stats.resident_bytes,
+            context=service.token_rooms(),
+            defaults={s.name: d for s in specs if (d := s.defaults()) is not None},
+            owners={s.name: s.owner_name() for s in specs},
+            jobs=len(service.jobs),
+            held=len(service.holding),
+            acks=tuple(service.ack_subjects()),
+            load=service.load(),
+            engine=settings.engine,
+        )
 
-    runtime = ProcessRuntime(topology.INFERENCE.name, settings, status)
+    runtime = ProcessRuntime(topology.INFERENCE.name, settings, describe)
     service = InferenceService(
         settings,
         pool,

@@ -49,6 +49,7 @@ from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
 from consumers.inference.models import LoadedModel
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
+from events.fleet import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -431,17 +432,9 @@ class ProcessRunner:
         samples = (state["small_samples"], state["full_samples"])
         return estimate_finish(len(budgets[0]), budgets, self.max_batch_size, state["load"], samples, tokens)
 
-    def load(self) -> dict:
+    def load(self) -> EngineLoad:
         """As :meth:`EngineRunner.load`: the engine process's, as of its last step."""
-        return self._state["load"] or {
-            "running": 0,
-            "waiting": 0,
-            "max_batch": self.max_batch_size,
-            "step_s": None,
-            "full_step_s": None,
-            "full_batch": None,
-            "measured_at": 0.0,
-        }
+        return self._state["load"] or EngineLoad(max_batch=self.max_batch_size)
 
     def stop(self) -> None:
         self._stopping = True

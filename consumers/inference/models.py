@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
 from consumers.inference.quantize import Quantize, quantize_model
+from events.fleet import VariantDefaults
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +102,10 @@ class ModelSpec(BaseModel):
         unowned model counts with it), else the model's own name."""
         return self.owner or self.base or self.name
 
-    def defaults(self) -> dict:
-        """What a variant announces: its base and the request defaults it sets (empty for a plain model)."""
-        return self.model_dump(include={"base", "temperature", "top_p", "max_tokens", "system"}, exclude_none=True)
+    def defaults(self) -> VariantDefaults | None:
+        """What a variant announces: its base and the request defaults it sets (None for a plain model)."""
+        fields = self.model_dump(include=set(VariantDefaults.model_fields), exclude_none=True)
+        return VariantDefaults(**fields) if fields else None
 
     @field_validator("name")
     @classmethod

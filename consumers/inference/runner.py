@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS, PrefixCounts
+from events.fleet import EngineLoad
 from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,12 @@ def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
 
 
 def estimate_finish(
-    batch: int, budgets: tuple[list[int], list[int]], max_batch: int, load: dict, samples: tuple[int, int], tokens: int
+    batch: int,
+    budgets: tuple[list[int], list[int]],
+    max_batch: int,
+    load: EngineLoad,
+    samples: tuple[int, int],
+    tokens: int,
 ) -> float | None:
     """When a request joining an engine now would end, at worst: once a slot is free for
     it (after the requests running and waiting ahead of it, each at its whole remaining
@@ -64,8 +70,8 @@ def estimate_finish(
     # The step time at the batch it will run in, extrapolated as the gateway does: at
     # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
     size = min(max_batch, len(running) + len(waiting) + 1)
-    step = step_time(load["step_s"], load["full_step_s"], load["full_batch"], max_batch, size)
-    step = max(step or 0.0, load["full_step_s"] if use_full else load["step_s"])
+    step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size)
+    step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
     return time.time() + (steps_until_slot(running, waiting, max_batch) + tokens) * step
 
 
@@ -202,18 +208,18 @@ class EngineRunner:
         """Steps measured at small and at near-full batches (of the last 64 each)."""
         return len(self._small), len(self._full)
 
-    def load(self) -> dict:
+    def load(self) -> EngineLoad:
         """What this engine holds and how fast it steps (for heartbeats)."""
         e = self.engine
-        return {
-            "running": e.running,
-            "waiting": e.waiting,
-            "max_batch": e.max_batch_size,
-            "step_s": typical_step(self._small) if self._small else None,
-            "full_step_s": typical_step(self._full) if self._full else None,
-            "full_batch": statistics.median_low(self._full_batches) if self._full_batches else None,
-            "measured_at": self.measured_at,
-        }
+        return EngineLoad(
+            running=e.running,
+            waiting=e.waiting,
+            max_batch=e.max_batch_size,
+            step_s=typical_step(self._small) if self._small else None,
+            full_step_s=typical_step(self._full) if self._full else None,
+            full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
+            measured_at=self.measured_at,
+        )
 
     def stop(self) -> None:
         self._stop = True

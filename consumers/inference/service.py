@@ -50,6 +50,7 @@ from consumers.inference.models import encode_prompt, encode_text, vocab_size
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events import encode, subjects
+from events.fleet import ModelLoad
 from events.models import (
     ChatCompleted,
     ChatFailed,
@@ -332,24 +333,19 @@ class InferenceService:
         self.jobs.pop(rid, None)
         await pin.aclose()
 
-    def load(self) -> dict:
+    def load(self) -> dict[str, ModelLoad]:
         """Per model: requests held, their remaining token budgets, and the engine's
         measured step times; heartbeats carry it to the gateways' admission control."""
-        out: dict[str, dict] = {}
+        out: dict[str, ModelLoad] = {}
         for runner in self.runners.values():
-            entry = out.setdefault(runner.name, {"running": 0, "waiting": 0, "max_batch": 0, "tokens": 0})
-            load = runner.load()
-            for k in ("running", "waiting", "max_batch"):
-                entry[k] += load[k]
-            entry["measured_at"] = max(entry.get("measured_at", 0.0), load["measured_at"])
-            if load["step_s"] is not None:
-                entry["step_s"] = max(entry.get("step_s") or 0.0, load["step_s"])
-            if load["full_step_s"] is not None and load["full_step_s"] >= (entry.get("full_step_s") or 0.0):
-                entry["full_step_s"], entry["full_batch"] = load["full_step_s"], load["full_batch"]
+            out[runner.name] = out.get(runner.name, ModelLoad()).plus(runner.load())
+        tokens: dict[str, int] = {}
         for job in self.jobs.values():
             if job.runner.name in out and not job.closed:
-                out[job.runner.name]["tokens"] += max(0, job.event.params.max_tokens - job.generated)
-        return out
+                tokens[job.runner.name] = tokens.get(job.runner.name, 0) + max(
+                    0, job.event.params.max_tokens - job.generated
+                )
+        return {name: load.model_copy(update={"tokens": tokens.get(name, 0)}) for name, load in out.items()}
 
     def cancel(self, request_id: str) -> None:
         job = self.jobs.get(request_id)

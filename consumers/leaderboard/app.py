@@ -21,6 +21,7 @@ from consumers.leaderboard.projection import VoteProjection, config_of
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
+from events.fleet import LeaderboardBeat
 from runtime import jetstream
 from runtime.consume import DurableConsumer
 from runtime.process import ProcessRuntime, decode_or_term, wire_lifecycle
@@ -49,7 +50,7 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
     role = topology.LEADERBOARD
     projection = VoteProjection(config_of(settings))
     redis = redis_client(settings.redis_url)
-    runtime = ProcessRuntime(role.name, settings, lambda: {"seq": projection.seq})
+    runtime = ProcessRuntime(role.name, settings, lambda beat: LeaderboardBeat(**beat.base(), seq=projection.seq))
     broker = NatsBroker(
         jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
     )

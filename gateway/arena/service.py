@@ -335,7 +335,7 @@ class ArenaService:
     ) -> Decision:
         """Which rule, if any, takes the vote out (gateway.arena.integrity)."""
         defaults = model_defaults(self.pipeline.live_beats())
-        names = self.names(battle) | {d["base"] for d in defaults.values() if d.get("base")}
+        names = self.names(battle) | {d.base for d in defaults.values() if d.base}
         finished = max(t.occurred_at for t in answers[-1])
         found = self.integrity.first(
             identity_leak(answer_texts(answers), names), (event.occurred_at - finished).total_seconds()

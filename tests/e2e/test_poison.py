@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from events import subjects
+from events.fleet import InferenceBeat, decode_beat
 from infra.replay import audit
 from runtime.stream import read_events
 from tests.conftest import STORY_PROMPTS as PROMPTS
@@ -69,7 +70,9 @@ async def inference_jobs(nats_url: str, timeout: float = 10.0) -> int:
     try:
         sub = await nc.subscribe(subjects.heartbeat_subject("inference", "*"))
         msg = await sub.next_msg(timeout=timeout)
-        return json.loads(msg.data)["jobs"]
+        beat = decode_beat(msg.data)
+        assert isinstance(beat, InferenceBeat)
+        return beat.jobs
     finally:
         await nc.close()
 

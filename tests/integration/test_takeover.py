@@ -4,12 +4,12 @@ message a dead process held is pulled again at once, not after its AckWait."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
 from events import subjects, topology
+from events.fleet import InferenceBeat, encode_beat
 from events.models import ChatMessage, FilterReport, PromptAccepted, SamplingParams
 from infra.takeover import Takeover
 from runtime import jetstream
@@ -42,10 +42,10 @@ async def test_a_dead_process_messages_are_redelivered_before_their_ack_wait(nat
 
     takeover = await asyncio.to_thread(Takeover, nats_server.url)
     try:
-        beat = {"role": "inference", "pid": 4242, "acks": [held.reply]}
+        beat = InferenceBeat(instance="dead", ready=True, ts=time.time(), pid=4242, acks=(held.reply,))
         end = time.monotonic() + 10
         while 4242 not in takeover.held and time.monotonic() < end:
-            await nc.publish(subjects.heartbeat_subject("inference", "dead"), json.dumps(beat).encode())
+            await nc.publish(subjects.heartbeat_subject("inference", "dead"), encode_beat(beat))
             await asyncio.sleep(0.1)
         assert await asyncio.to_thread(takeover.release, 4242) == 1
         assert await asyncio.to_thread(takeover.release, 4242) == 0  # handed on once

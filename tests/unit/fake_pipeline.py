@@ -62,7 +62,7 @@ class FakePipeline(Pipeline):
         self.published: list = []
         self.fail_publish = False
         self.silent = False  # accept requests but never answer (deadline tests)
-        self.beats: dict = {}
+        self.beats: dict = {}  # (role, instance) -> events.fleet.ProcessBeat
         self.stream_state = StreamState()
 
     async def start(self) -> None:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from events.fleet import InferenceBeat, ModelLoad
 from gateway.admission import StreamState
 from gateway.fleet import FleetCollector
 from gateway.pipeline import LATE_BEAT_S
@@ -21,24 +22,24 @@ def scrape(collector: FleetCollector) -> str:
     return generate_latest(registry).decode()
 
 
-def beat(instance: str, resident: list[str], running: int = 0) -> dict:
-    load = {m: {"running": running, "waiting": 1, "max_batch": 8, "tokens": 40, "step_s": 0.01} for m in resident}
-    return {
-        "role": "inference",
-        "instance": instance,
-        "ready": True,
-        "ts": time.time(),
-        "models": ["a", "b"],
-        "resident": resident,
-        "load": load,
-        "resident_bytes": 1000,
-    }
+def beat(instance: str, resident: list[str], running: int = 0, ts: float | None = None) -> InferenceBeat:
+    load = {m: ModelLoad(running=running, waiting=1, max_batch=8, tokens=40, step_s=0.01) for m in resident}
+    return InferenceBeat(
+        instance=instance,
+        ready=True,
+        ts=time.time() if ts is None else ts,
+        pid=1,
+        models=("a", "b"),
+        resident=tuple(resident),
+        load=load,
+        resident_bytes=1000,
+    )
 
 
 def test_lag_resident_workers_queue_and_memory():
     pipeline = FakePipeline(GatewaySettings())
     pipeline.fleet = lambda: {"filter": 1, "inference": 2, "delivery": 1, "models": {"a": ["w1", "w2"], "b": []}}
-    pipeline.live_beats = lambda: [beat("w1", ["a"], running=3), beat("w2", ["a"], running=2)]
+    pipeline.beats = {(b.role, b.instance): b for b in (beat("w1", ["a"], running=3), beat("w2", ["a"], running=2))}
     pipeline.stream_state = StreamState(ahead=4, held=5, read_at=time.time())
     fleet = FleetCollector()
     fleet.pipeline = pipeline
@@ -85,13 +86,13 @@ def test_admission_judges_by_a_late_workers_last_beat_rather_than_by_none():
     no live heartbeat holding the model, admission still judges by its last one, for a
     while (LATE_BEAT_S), instead of taking the model for one never run."""
     pipeline = FakePipeline(GatewaySettings())
-    late = beat("w1", ["a"], running=3) | {"ts": time.time() - 10}
+    late = beat("w1", ["a"], running=3, ts=time.time() - 10)
     pipeline.beats = {("inference", "w1"): late}
     assert pipeline.live_beats() == []
     q = pipeline.queue("a")
     assert (q.slots, q.requests, q.step_s) == (8, 4, 0.01)
     # Gone for longer: no slots (the route answers as for a model not running).
-    pipeline.beats = {("inference", "w1"): late | {"ts": time.time() - LATE_BEAT_S - 1}}
+    pipeline.beats = {("inference", "w1"): beat("w1", ["a"], running=3, ts=time.time() - LATE_BEAT_S - 1)}
     assert pipeline.queue("a").slots == 0
     # A live worker holding the model: only the live ones count.
     pipeline.beats = {("inference", "w1"): late, ("inference", "w2"): beat("w2", ["a"], running=1)}

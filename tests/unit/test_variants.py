@@ -9,6 +9,7 @@ import pytest
 from consumers.inference.errors import PermanentError
 from consumers.inference.models import ModelSpec, load_models_config
 from consumers.inference.pool import ModelPool
+from events.fleet import VariantDefaults
 from gateway.protocol import ChatCompletionRequest
 from gateway.variants import with_model_defaults
 from infra.supervisor import DEFAULT_MODEL, DEFAULT_MODELS_CONFIG, DEFAULT_WARM
@@ -31,8 +32,8 @@ def test_variant_takes_its_base_weights_and_keeps_its_defaults(tmp_path):
     )
     base, hot = load_models_config(cfg, tmp_path)
     assert hot.path == "/w/base" and hot.dtype == "bfloat16" and hot.base == "base"
-    assert hot.defaults() == {"base": "base", "temperature": 1.2, "system": "Be bold."}
-    assert base.defaults() == {}
+    assert hot.defaults() == VariantDefaults(base="base", temperature=1.2, system="Be bold.")
+    assert base.defaults() is None
 
 
 def test_a_variant_counts_with_its_base_owner_and_an_unowned_model_with_itself(tmp_path):
@@ -87,11 +88,12 @@ async def test_pool_loads_the_weights_once_for_base_and_variants():
 
 
 def test_request_defaults_fill_only_what_the_client_left_unset():
-    defaults = {"temperature": 1.2, "max_tokens": 48, "system": "Be bold."}
+    defaults = VariantDefaults(temperature=1.2, max_tokens=48, system="Be bold.")
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0)
     out = with_model_defaults(req, defaults)
     assert out.temperature == 0.0 and out.token_limit() == 48
     assert [m.role for m in out.messages] == ["system", "user"] and out.messages[0].content == "Be bold."
     own = ChatCompletionRequest(messages=[{"role": "system", "content": "mine"}, {"role": "user", "content": "x"}])
     assert with_model_defaults(own, defaults).messages[0].content == "mine"
-    assert with_model_defaults(req, {}) is req
+    assert with_model_defaults(req, None) is req
+    assert with_model_defaults(req, VariantDefaults(base="m")) is req

@@ -1,0 +1,138 @@
+"""What the processes tell each other about themselves: heartbeats and the load they carry.
+
+Every consumer process publishes a heartbeat each `heartbeat_s` on core NATS
+(`subjects.heartbeat_subject`): not stored, so never replayed, only read live by the
+gateways (readiness, the fleet's series, variants' defaults and, above all, admission
+control: `ModelLoad` is what a gateway judges a new request's finish time by) and by
+`arena up`'s takeover (the ack subjects a dead worker held).
+
+The wire format is the models' JSON, flat (the keys the dict beats had before these
+models, so a gateway and a worker of either side of a deploy read each other's beats).
+Unlike an event, a beat ignores fields it does not know instead of refusing them: a
+process of a newer contract may add one, and a gateway that then dropped every beat
+would refuse every request. A field changing meaning gets a new `schema_version`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+BEAT_VERSION = 1
+
+
+class Beat(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class EngineLoad(Beat):
+    """One engine's state after its last step: what it holds and how fast it steps (the
+    engine runner's `load()`; an engine process sends it up the pipe with each step)."""
+
+    running: int = Field(0, ge=0, description="Requests in the engine's batch.")
+    waiting: int = Field(0, ge=0, description="Requests added to the engine, waiting for a slot in its batch.")
+    max_batch: int = Field(0, ge=0, description="The engine's batch size: slots for running requests.")
+    step_s: float | None = Field(None, description="Typical step time at small batches; None until measured.")
+    full_step_s: float | None = Field(None, description="Typical step time at near-full batches; None until measured.")
+    full_batch: int | None = Field(None, description="The batch those near-full steps ran at (their median).")
+    measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
+
+
+class ModelLoad(EngineLoad):
+    """A model's load on one inference process, summed over its engines (versions) and
+    with the token budgets its requests have left: the figures admission control reads."""
+
+    tokens: int = Field(0, ge=0, description="Tokens the model's requests here may still generate, in all.")
+
+    def plus(self, engine: EngineLoad) -> ModelLoad:
+        """This load with another engine's or worker's of the same model: counts add, the
+        slower step time wins (a worker sums its engines, a gateway the workers)."""
+        full = engine.full_step_s is not None and engine.full_step_s >= (self.full_step_s or 0.0)
+        return self.model_copy(
+            update={
+                "tokens": self.tokens + (engine.tokens if isinstance(engine, ModelLoad) else 0),
+                "running": self.running + engine.running,
+                "waiting": self.waiting + engine.waiting,
+                "max_batch": self.max_batch + engine.max_batch,
+                "measured_at": max(self.measured_at, engine.measured_at),
+                "step_s": self.step_s if engine.step_s is None else max(self.step_s or 0.0, engine.step_s),
+                "full_step_s": engine.full_step_s if full else self.full_step_s,
+                "full_batch": engine.full_batch if full else self.full_batch,
+            }
+        )
+
+
+class VariantDefaults(Beat):
+    """What a variant (`base:` in the models config) announces: its base and the request
+    defaults it sets; the gateway applies them to requests that leave them unset."""
+
+    base: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    system: str | None = None
+
+
+class ProcessBeat(Beat):
+    """What every process says about itself (filter and delivery say no more)."""
+
+    schema_version: int = BEAT_VERSION
+    role: str = Field(description="The process's role (`events.topology`).")
+    instance: str = Field(description="The process's instance id (settings' `instance_id`).")
+    ready: bool = Field(description="Consuming: started, and not draining.")
+    ts: float = Field(description="Epoch seconds when the beat was sent; a beat 3 periods old is no longer live.")
+    pid: int = Field(description="The process's id (the supervisor hands a dead one's messages on by it).")
+    metrics_port: int | None = Field(None, description="Where its /metrics answers.")
+
+    def base(self) -> dict[str, Any]:
+        """The fields every beat has, to build a role's beat from this one."""
+        return self.model_dump(include=set(ProcessBeat.model_fields) - {"role"})
+
+
+class InferenceBeat(ProcessBeat):
+    """An inference worker's beat: the models it serves and the load each has here."""
+
+    role: Literal["inference"] = "inference"
+    engine: str = Field("continuous", description="Its engines' batching: 'static' or 'continuous'.")
+    models: tuple[str, ...] = Field((), description="Every model it serves (loaded or not).")
+    resident: tuple[str, ...] = Field((), description="The models loaded now.")
+    resident_bytes: int = Field(0, ge=0, description="Bytes of the resident models' weights.")
+    context: dict[str, int] = Field(
+        default_factory=dict, description="Per model: the tokens a request may have (prompt and completion)."
+    )
+    defaults: dict[str, VariantDefaults] = Field(default_factory=dict, description="Per variant: its defaults.")
+    owners: dict[str, str] = Field(default_factory=dict, description="Per model: the owner the arena records.")
+    jobs: int = Field(0, ge=0, description="Requests being generated.")
+    held: int = Field(0, ge=0, description="Messages pulled and not yet jobs (waiting for room or a model load).")
+    acks: tuple[str, ...] = Field((), description="The ack subjects of every message it holds.")
+    load: dict[str, ModelLoad] = Field(default_factory=dict, description="Per resident model with an engine.")
+
+
+class LeaderboardBeat(ProcessBeat):
+    """The leaderboard projection's beat: how far it has folded the battle events."""
+
+    role: Literal["leaderboard"] = "leaderboard"
+    seq: int = Field(0, ge=0, description="The stream sequence of the last event folded.")
+
+
+#: The beat model of each role with a beat of its own; others send a `ProcessBeat`.
+BEAT_TYPES: dict[str, type[ProcessBeat]] = {
+    str(cls.model_fields["role"].default): cls for cls in (InferenceBeat, LeaderboardBeat)
+}
+
+
+def decode_beat(raw: bytes | str) -> ProcessBeat:
+    """The beat in `raw`, as its role's model; ValueError when it is none."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError("a heartbeat is a JSON object")
+    return BEAT_TYPES.get(str(data.get("role")), ProcessBeat).model_validate(data)
+
+
+def encode_beat(beat: ProcessBeat) -> bytes:
+    return beat.model_dump_json().encode()
