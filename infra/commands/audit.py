@@ -7,8 +7,8 @@ import argparse
 import asyncio
 import json
 
+from infra.audit import audit_window, parse_window
 from infra.commands import reach
-from infra.replay import audit_window, parse_window
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -7,8 +7,8 @@ import asyncio
 from datetime import UTC, datetime
 
 from events.readmodel import ReadModel
+from infra.audit import parse_window
 from infra.commands import reach
-from infra.replay import parse_window
 from runtime.recovery import rebuild
 from runtime.redis import masked, redis_client
 from runtime.settings import CommonSettings, OperatorSettings

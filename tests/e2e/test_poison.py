@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from events import subjects
-from infra.replay import audit
+from infra.audit import audit
 from runtime.stream import read_events
 from tests.conftest import STORY_PROMPTS as PROMPTS
 

@@ -19,7 +19,7 @@ from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
 from events import decode, subjects, topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams, TokensGenerated
-from infra.replay import audit
+from infra.audit import audit
 from runtime import jetstream
 from runtime.settings import InferenceSettings
 from runtime.stream import read_events
