@@ -34,6 +34,7 @@ from prometheus_client import Counter, start_http_server
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
+from consumers.inference.settings import InferenceSettings
 from events import topology
 from infra import nats_auth, redis_auth, start_checks
 from infra.monitoring import scrape
@@ -46,10 +47,11 @@ from infra.servers import (
     start_nats_cluster,
     start_redis,
 )
+from infra.settings import OperatorSettings
 from infra.takeover import Takeover
 from runtime import jetstream
 from runtime.net import free_port
-from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
+from runtime.settings import REPO, CommonSettings
 
 PR_SET_PDEATHSIG = 1
 #: What `arena up` serves without --models-config or --model: a real chat model and stories-260k.

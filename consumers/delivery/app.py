@@ -19,6 +19,7 @@ from faststream.exceptions import NackMessage
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
+from consumers.delivery.settings import DeliverySettings
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
@@ -26,7 +27,6 @@ from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
 from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 from runtime.redis import REDIS_DOWN, redis_client
-from runtime.settings import DeliverySettings
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from consumers.filter.ensemble import Ensemble
 from consumers.filter.metrics import METRICS, FilterMetrics
 from consumers.filter.policy import deciding, inspect_messages
 from consumers.filter.reload import ClassifierSlot, slot_for
+from consumers.filter.settings import FilterSettings
 from consumers.filter.stage import SINGLE, ClassifierOutcome, strongest
 from events import topology
 from events.models import (
@@ -28,7 +29,6 @@ from events.models import (
 from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
 from runtime.process import Process, ProcessRuntime, Publish, decode_or_term, serve
-from runtime.settings import FilterSettings
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
 
 def filter_config(settings: FilterSettings) -> FilterConfig:
     """The filter's config from its settings (ARENA_FILTER__*), with the shared prompt limit."""
-    return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
+    return settings.config()
 
 
 def handler(

@@ -17,10 +17,10 @@ from consumers.inference.metrics import register_pool
 from consumers.inference.models import load_model, load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
+from consumers.inference.settings import InferenceSettings
 from events import decode, subjects, topology
 from runtime.consume import DurableConsumer
 from runtime.process import Process, ProcessRuntime, decode_or_term, serve
-from runtime.settings import InferenceSettings
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one fit at a time on a sma
 from nats.aio.msg import Msg
 
 from consumers.leaderboard.projection import VoteProjection, config_of
+from consumers.leaderboard.settings import LeaderboardSettings
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
 from runtime.consume import DurableConsumer
 from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 from runtime.redis import redis_client
-from runtime.settings import LeaderboardSettings
 
 log = logging.getLogger(__name__)
 

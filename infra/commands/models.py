@@ -11,7 +11,7 @@ from pathlib import Path
 
 from events import subjects
 from infra.commands import reach
-from runtime.settings import OperatorSettings
+from infra.settings import OperatorSettings
 
 #: The operations that are arena events, not hot-swap commands.
 ARENA_OPS = ("withdraw", "reinstate")

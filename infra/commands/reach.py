@@ -15,8 +15,8 @@ import nats
 from nats.js import JetStreamContext
 
 from infra.servers import start_nats
+from infra.settings import OperatorSettings
 from runtime import jetstream
-from runtime.settings import OperatorSettings
 
 
 def add_options(parser: argparse.ArgumentParser, redis: bool = False) -> None:

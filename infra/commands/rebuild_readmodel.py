@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 from events.readmodel import ReadModel
 from infra.audit import parse_window
 from infra.commands import reach
+from infra.settings import OperatorSettings
 from runtime.recovery import rebuild
 from runtime.redis import masked, redis_client
-from runtime.settings import CommonSettings, OperatorSettings
+from runtime.settings import CommonSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

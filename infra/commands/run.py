@@ -7,9 +7,10 @@ import importlib
 import os
 
 from consumers.inference import forks
+from consumers.inference.settings import InferenceSettings
 from events import topology
 from runtime import heap, logs
-from runtime.settings import CommonSettings, InferenceSettings
+from runtime.settings import CommonSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.settings import OperatorSettings
+from infra.settings import OperatorSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,8 +6,8 @@ import argparse
 
 from infra import up_models
 from infra.servers import NATS_SYNC_DEFAULT, nats_sync
+from infra.settings import OperatorSettings
 from infra.supervisor import up
-from runtime.settings import OperatorSettings
 
 
 def _nats_sync(value: str) -> str:
