@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import procs, targets
 from bench.client import RequestRecord, chat_body, session, stream_chat
 from consumers.inference import sources
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 
 PACKET = 4
 PROMPTS = [

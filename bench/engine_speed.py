@@ -32,7 +32,7 @@ from consumers.inference import packed
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 
 PROMPTS = [
     "Once upon a time",

@@ -18,14 +18,14 @@ import gc, json, statistics, sys, time
 kind, repeat = sys.argv[1], int(sys.argv[2])
 if kind == "gateway":
     from gateway.app import build_app
-    from runtime.settings import GatewaySettings
+    from gateway.settings import GatewaySettings
     from tests.unit.fake_pipeline import FakePipeline
     settings = GatewaySettings()
     keep = build_app(settings, FakePipeline(settings))
 else:
     import consumers.inference.app
     from consumers.inference.models import load_model, load_models_config
-    from runtime.settings import InferenceSettings
+    from consumers.inference.settings import InferenceSettings
     settings = InferenceSettings()
     specs = load_models_config(settings.models_config, settings.models_dir)
     keep = load_model(next(s for s in specs if s.name == settings.default_model))

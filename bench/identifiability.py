@@ -30,8 +30,8 @@ from sklearn.pipeline import make_pipeline, make_union
 
 from events.battles import BATTLES_SUBJECT
 from events.subjects import COMPLETED
+from infra.settings import OperatorSettings
 from runtime import jetstream
-from runtime.settings import OperatorSettings
 from runtime.stream import read_events
 
 PROMPTS = (

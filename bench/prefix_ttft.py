@@ -31,7 +31,7 @@ import torch
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import LoadedModel, ModelSpec, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 
 QUESTIONS = [
     "Hi! Can you help me plan a small vegetable garden?",

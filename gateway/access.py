@@ -24,8 +24,8 @@ from gateway.arena.identity import keyed
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.ratelimit import Limits
+from gateway.settings import GatewaySettings
 from runtime.redis import REDIS_DOWN
-from runtime.settings import GatewaySettings
 
 ANONYMOUS = "anonymous"
 #: Query parameters that look like credentials: refused, and redacted in logs.
@@ -66,7 +66,8 @@ class Access:
         self._secret: bytes | None = None
         self.default_limits = Limits(rpm=settings.rate_limit_rpm, tpm=settings.rate_limit_tpm)
         self.key_limits = {
-            key: self.default_limits.model_copy(update=limits) for key, limits in settings.rate_limits.items()
+            key: self.default_limits.model_copy(update=limits.model_dump(exclude_none=True))
+            for key, limits in settings.rate_limits.items()
         }
 
     def limits(self, api_key: str | None) -> Limits:

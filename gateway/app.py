@@ -27,10 +27,10 @@ from gateway.fleet import FLEET
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
+from gateway.settings import GatewaySettings
 from gateway.shed import EarlyAdmission, EarlyGate
 from runtime import heap, tracing
 from runtime.http import ProcessEndpoint
-from runtime.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

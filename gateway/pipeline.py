@@ -27,10 +27,10 @@ from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
 from gateway.metrics import METRICS
+from gateway.settings import GatewaySettings
 from runtime import jetstream
 from runtime.recovery import recover_request
 from runtime.redis import redis_client
-from runtime.settings import GatewaySettings
 from runtime.stream import conversation_events, read_events
 
 log = logging.getLogger(__name__)

@@ -29,11 +29,11 @@ from gateway.metrics import METRICS
 from gateway.pipeline import Output, Pipeline
 from gateway.protocol import UNSERVED, ChatCompletionRequest
 from gateway.ratelimit import Limits
+from gateway.settings import GatewaySettings
 from gateway.variants import model_defaults, with_model_defaults
 from runtime import tracing
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
-from runtime.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from gateway.metrics import METRICS
 from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
 from gateway.serving import ChatService, Ticket, outcome, usage_of
+from gateway.settings import GatewaySettings
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
-from runtime.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

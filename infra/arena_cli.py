@@ -13,6 +13,7 @@ from pathlib import Path
 from consumers.leaderboard.fastchat_format import dump_battles, load_battles
 from consumers.leaderboard.history import WITHDRAWN
 from consumers.leaderboard.projection import VoteProjection, config_of
+from consumers.leaderboard.settings import LeaderboardSettings
 from consumers.leaderboard.votes import Vote
 from events import decode
 from events.battles import (
@@ -27,7 +28,6 @@ from events.battles import (
 )
 from gateway.arena.categories import CATEGORIES, categorize
 from runtime import jetstream
-from runtime.settings import LeaderboardSettings
 from runtime.stream import read_events, request_events
 
 

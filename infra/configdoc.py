@@ -35,16 +35,22 @@ class Section:
 def sections() -> tuple[Section, ...]:
     """Every settings class, in the page's order: the one list to extend when a process
     gets settings of its own (`tests/unit/test_configdoc.py` finds unlisted ones)."""
-    from runtime import settings as s  # noqa: PLC0415
+    from consumers.delivery.settings import DeliverySettings  # noqa: PLC0415 - the processes' imports, when asked
+    from consumers.filter.settings import FilterSettings  # noqa: PLC0415
+    from consumers.inference.settings import InferenceSettings  # noqa: PLC0415
+    from consumers.leaderboard.settings import LeaderboardSettings  # noqa: PLC0415
+    from gateway.settings import GatewaySettings  # noqa: PLC0415
+    from infra.settings import OperatorSettings  # noqa: PLC0415
+    from runtime.settings import CommonSettings  # noqa: PLC0415
 
     return (
-        Section("Every process", s.CommonSettings, "Read by each role below (they share these fields)."),
-        Section("gateway", s.GatewaySettings, "`arena run gateway`: the HTTP API, its edge, keys, admission, arena."),
-        Section("filter", s.FilterSettings, "`arena run filter`: the prompt filter consumer."),
-        Section("inference", s.InferenceSettings, "`arena run inference`: the model pool and batch engine."),
-        Section("delivery", s.DeliverySettings, "`arena run delivery`: results into Redis, live fan-out."),
-        Section("leaderboard", s.LeaderboardSettings, "`arena run leaderboard`: the arena's vote projection."),
-        Section("The `arena` command", s.OperatorSettings, "`arena up` and the operator commands themselves."),
+        Section("Every process", CommonSettings, "Read by each role below (they share these fields)."),
+        Section("gateway", GatewaySettings, "`arena run gateway`: the HTTP API, its edge, keys, admission, arena."),
+        Section("filter", FilterSettings, "`arena run filter`: the prompt filter consumer."),
+        Section("inference", InferenceSettings, "`arena run inference`: the model pool and batch engine."),
+        Section("delivery", DeliverySettings, "`arena run delivery`: results into Redis, live fan-out."),
+        Section("leaderboard", LeaderboardSettings, "`arena run leaderboard`: the arena's vote projection."),
+        Section("The `arena` command", OperatorSettings, "`arena up` and the operator commands themselves."),
     )
 
 

@@ -34,6 +34,7 @@ from prometheus_client import Counter, start_http_server
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
+from consumers.inference.settings import InferenceSettings
 from events import topology
 from infra import nats_auth, redis_auth, start_checks
 from infra.monitoring import scrape
@@ -46,10 +47,11 @@ from infra.servers import (
     start_nats_cluster,
     start_redis,
 )
+from infra.settings import OperatorSettings
 from infra.takeover import Takeover
 from runtime import jetstream
 from runtime.net import free_port
-from runtime.settings import REPO, CommonSettings, InferenceSettings, OperatorSettings
+from runtime.settings import REPO, CommonSettings
 
 PR_SET_PDEATHSIG = 1
 #: What `arena up` serves without --models-config or --model: a real chat model and stories-260k.
@@ -198,6 +200,9 @@ def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def start_stack(args, print_fn=print) -> tuple[Stack, str]:
+    """Start what `arena up` runs, in order: NATS (unless --nats-url), Redis (unless
+    --redis-url), every role's processes, the supervisor's metrics; then write where
+    each answers (`endpoints.json`) for the operator commands."""
     state = Path(args.state_dir).resolve()
     lock = start_checks.hold_state_dir(state)  # before anything else: a refused start touches nothing
     port = args.port if args.port is not None else 8000
@@ -207,75 +212,125 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     stack = Stack(state, env, lock=lock)
     operator = OperatorSettings()
-    nats_url = args.nats_url or operator.nats_url
-    redis_url = args.redis_url or operator.redis_url
-    credentials: dict[str, str] = {}
-    operator_url = nats_url
-    if not nats_url:
-        auth = None
-        if getattr(args, "nats_auth", True):
-            credentials = nats_auth.new_passwords()  # per run: a local process without them cannot connect
-            auth = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials)).name
-        sync = getattr(args, "nats_sync", None) or NATS_SYNC_DEFAULT
-        config = _private_file(state / "nats-server.conf", nats_server_config(sync, include=auth))
-        nodes = getattr(args, "nats_cluster", 1) or 1
-        if nodes > 1:
-            cluster = start_nats_cluster(state / "nats-cluster", nodes, log_dir=state / "logs", config=config)
-            stack.servers.append(cluster)
-            nats_url = operator_url = cluster.url
-            env["ARENA_STREAM_REPLICAS"] = str(min(3, nodes))
-            where = f"a {nodes}-node cluster, stream at R{min(3, nodes)}, stores in {state / 'nats-cluster'}"
-        else:
-            server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log", config=config)
-            stack.servers.append(server)
-            nats_url = operator_url = server.url
-            where = f"store {state / 'nats'}"
-        if credentials:
-            operator_url = ",".join(
-                with_credentials(u, nats_auth.OPERATOR, credentials[nats_auth.OPERATOR])
-                for u in jetstream.servers(nats_url)
-            )
-            # the roles may not create it: they wait for it
-            asyncio.run(create_topology(operator_url, int(env.get("ARENA_STREAM_REPLICAS", "1"))))
-        print_fn(
-            f"nats-server (JetStream) on {nats_url}, {where}, per-role users: {bool(credentials)}, "
-            f"fsync: {sync if sync == 'always' else 'every ' + sync}"
-        )
-    stack.takeover = _takeover(operator_url, operator) if operator_url else None
-    redis_users: dict[str, str] = {}  # each user's URL, when the Redis is ours (with its users)
-    if not redis_url:
-        passwords = redis_auth.new_passwords()  # per run, as NATS's: anonymous clients are refused
-        acl = _private_file(state / "redis-users.acl", redis_auth.acl_file(passwords))  # a restart reads it again
-        server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log", acl=acl)
-        stack.servers.append(server)
-        redis_url = server.url
-        redis_users = redis_auth.urls(server.url, passwords)
-        print_fn(f"redis-server on {redis_url} (append-only file in {state / 'redis'}), per-role users: True")
-    env.update(
-        {
-            "NATS_URL": nats_url,
-            "REDIS_URL": redis_url,
-            "ARENA_PORT": str(port),
-            "ARENA_HOST": args.host,
-            "ARENA_ENGINE": args.engine,
-            "ARENA_MAX_BATCH_SIZE": str(args.max_batch_size),
-        }
+    nats_at = _nats(stack, args, args.nats_url or operator.nats_url, print_fn)
+    stack.takeover = _takeover(nats_at.operator_url, operator) if nats_at.operator_url else None
+    redis_at = _redis(stack, args.redis_url or operator.redis_url, print_fn)
+    env.update(_role_env(args, port, nats_at.url, redis_at.url, env))
+    convert_sources(env["ARENA_MODELS_CONFIG"], print_fn)
+    targets = _spawn_roles(stack, args.inference_replicas, nats_at.credentials, redis_at.users)
+    metrics_port = _serve_metrics(stack, targets, print_fn)
+    url = f"http://{args.host}:{port}"
+    _private_file(
+        state / "endpoints.json",
+        json.dumps(
+            {
+                # The operator's URLs (with their credentials when the servers have users): what
+                # `arena replay`, `audit`, `models` and `rebuild-readmodel` connect with.
+                "nats_url": nats_at.operator_url,
+                "redis_url": redis_at.users.get(redis_auth.OPERATOR, redis_at.url),
+                "gateway_url": url,
+                "pid": os.getpid(),
+                "supervisor_metrics_port": metrics_port,
+            }
+        ),
     )
+    return stack, url
+
+
+@dataclass
+class _Endpoint:
+    """A server the roles use: its URL, and its per-role credentials when `arena up` started it."""
+
+    url: str
+    operator_url: str | None = None
+    credentials: dict[str, str] = field(default_factory=dict)  # NATS: each role's password
+    users: dict[str, str] = field(default_factory=dict)  # Redis: each user's URL
+
+
+def _nats(stack: Stack, args, url: str | None, print_fn) -> _Endpoint:
+    """The NATS server given, else one (or a cluster) started here, with per-role users
+    (unless --no-nats-auth) and the stream and durables created by the operator."""
+    if url:
+        return _Endpoint(url, operator_url=url)
+    state = stack.state
+    credentials: dict[str, str] = {}
+    auth = None
+    if getattr(args, "nats_auth", True):
+        credentials = nats_auth.new_passwords()  # per run: a local process without them cannot connect
+        auth = _private_file(state / "nats-auth.conf", nats_auth.server_config(credentials)).name
+    sync = getattr(args, "nats_sync", None) or NATS_SYNC_DEFAULT
+    config = _private_file(state / "nats-server.conf", nats_server_config(sync, include=auth))
+    nodes = getattr(args, "nats_cluster", 1) or 1
+    if nodes > 1:
+        cluster = start_nats_cluster(state / "nats-cluster", nodes, log_dir=state / "logs", config=config)
+        stack.servers.append(cluster)
+        url = operator_url = cluster.url
+        stack.env["ARENA_STREAM_REPLICAS"] = str(min(3, nodes))
+        where = f"a {nodes}-node cluster, stream at R{min(3, nodes)}, stores in {state / 'nats-cluster'}"
+    else:
+        server = start_nats(state / "nats", log_file=state / "logs" / "nats-server.log", config=config)
+        stack.servers.append(server)
+        url = operator_url = server.url
+        where = f"store {state / 'nats'}"
+    if credentials:
+        operator_url = ",".join(
+            with_credentials(u, nats_auth.OPERATOR, credentials[nats_auth.OPERATOR]) for u in jetstream.servers(url)
+        )
+        # the roles may not create it: they wait for it
+        asyncio.run(create_topology(operator_url, int(stack.env.get("ARENA_STREAM_REPLICAS", "1"))))
+    print_fn(
+        f"nats-server (JetStream) on {url}, {where}, per-role users: {bool(credentials)}, "
+        f"fsync: {sync if sync == 'always' else 'every ' + sync}"
+    )
+    return _Endpoint(url, operator_url, credentials=credentials)
+
+
+def _redis(stack: Stack, url: str | None, print_fn) -> _Endpoint:
+    """The Redis given, else one started here with a user per role."""
+    if url:
+        return _Endpoint(url)
+    state = stack.state
+    passwords = redis_auth.new_passwords()  # per run, as NATS's: anonymous clients are refused
+    acl = _private_file(state / "redis-users.acl", redis_auth.acl_file(passwords))  # a restart reads it again
+    server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log", acl=acl)
+    stack.servers.append(server)
+    print_fn(f"redis-server on {server.url} (append-only file in {state / 'redis'}), per-role users: True")
+    return _Endpoint(server.url, users=redis_auth.urls(server.url, passwords))
+
+
+def _role_env(args, port: int, nats_url: str, redis_url: str, base: dict) -> dict[str, str]:
+    """What every role reads from `arena up`'s flags (ARENA_* variables) over the `base`
+    environment; the models config defaults to DEFAULT_MODELS_CONFIG."""
+    env = {
+        "NATS_URL": nats_url,
+        "REDIS_URL": redis_url,
+        "ARENA_PORT": str(port),
+        "ARENA_HOST": args.host,
+        "ARENA_ENGINE": args.engine,
+        "ARENA_MAX_BATCH_SIZE": str(args.max_batch_size),
+    }
     if getattr(args, "engine_process", None) is not None:  # else ARENA_ENGINE_PROCESS, or the default (a process)
         env["ARENA_ENGINE_PROCESS"] = "1" if args.engine_process else "0"
     if args.models_config:
         env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
-    elif not env.get("ARENA_MODELS_CONFIG"):
+    elif not base.get("ARENA_MODELS_CONFIG"):
         env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # SmolLM2 (default), stories-260k, a variant
-        env.setdefault("ARENA_DEFAULT_MODEL", DEFAULT_MODEL)
-        env.setdefault("ARENA_WARM_MODELS", json.dumps(DEFAULT_WARM))
+        env["ARENA_DEFAULT_MODEL"] = base.get("ARENA_DEFAULT_MODEL", DEFAULT_MODEL)
+        env["ARENA_WARM_MODELS"] = base.get("ARENA_WARM_MODELS", json.dumps(DEFAULT_WARM))
     if args.default_model:
         env["ARENA_DEFAULT_MODEL"] = args.default_model
-    convert_sources(env["ARENA_MODELS_CONFIG"], print_fn)
+    return env
+
+
+def _spawn_roles(
+    stack: Stack, inference_replicas: int, credentials: dict[str, str], redis_users: dict[str, str]
+) -> list[scrape.Target]:
+    """Every role's processes (`inference_replicas` of the replicated one), each with its
+    NATS and Redis user and a metrics port of its own; their scrape targets."""
     targets: list[scrape.Target] = []
     for role in topology.ROLES:
-        replicas = args.inference_replicas if role.replicated else 1
-        extra = torch_threads(env, replicas) if role.replicated else {}
+        replicas = inference_replicas if role.replicated else 1
+        extra = torch_threads(stack.env, replicas) if role.replicated else {}
         if credentials:
             extra |= {
                 "ARENA_NATS_USER": role.name,
@@ -291,29 +346,19 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
             # its API port wants a key when ARENA_API_KEYS is set, its metrics port none.
             targets.append(scrape.Target(name, role.name, free_port()))
             stack.spawn(role.name, name, extra | {"ARENA_METRICS_PORT": str(targets[-1].port)})
-    url = f"http://{args.host}:{port}"
+    return targets
+
+
+def _serve_metrics(stack: Stack, targets: list[scrape.Target], print_fn) -> int:
+    """The supervisor's own /metrics (restarts), and a Prometheus scrape config of every target; its port."""
     metrics_port = free_port()
     for name in [*stack.children, *(name for name, _ in stack._local_servers())]:
         RESTARTS.labels(name)  # at 0 from the start: increase() then counts the first restart
     start_http_server(metrics_port, addr="127.0.0.1")
-    targets.append(scrape.Target("supervisor", "supervisor", metrics_port))
-    prometheus = scrape.write(state / "prometheus", targets)
+    targets = [*targets, scrape.Target("supervisor", "supervisor", metrics_port)]
+    prometheus = scrape.write(stack.state / "prometheus", targets)
     print_fn(f"Prometheus scrape config: prometheus --config.file {prometheus}")
-    _private_file(
-        state / "endpoints.json",
-        json.dumps(
-            {
-                # The operator's URLs (with their credentials when the servers have users): what
-                # `arena replay`, `audit`, `models` and `rebuild-readmodel` connect with.
-                "nats_url": operator_url,
-                "redis_url": redis_users.get(redis_auth.OPERATOR, redis_url),
-                "gateway_url": url,
-                "pid": os.getpid(),
-                "supervisor_metrics_port": metrics_port,
-            }
-        ),
-    )
-    return stack, url
+    return metrics_port
 
 
 def convert_sources(models_config: str, print_fn=print) -> None:

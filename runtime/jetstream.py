@@ -12,7 +12,6 @@ import ssl
 import time
 
 import nats
-from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -97,8 +96,7 @@ async def ensure_topology(js: JetStreamContext, retention_days: float = 7.0, rep
 
 
 def connect_options(settings) -> dict:
-    """nats-py connect arguments for a process's credentials and TLS (`CommonSettings`):
-    the same for its own connection and its FastStream broker."""
+    """nats-py connect arguments for a process's credentials and TLS (`CommonSettings`)."""
     options: dict = {}
     if settings.nats_user:
         options["user"] = settings.nats_user
@@ -109,16 +107,6 @@ def connect_options(settings) -> dict:
             context.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
         options["tls"] = context
     return options
-
-
-def broker_security(settings) -> NatsSecurity | None:
-    """The same credentials and TLS for a process's FastStream broker."""
-    options = connect_options(settings)
-    if "user" in options:
-        return NatsUserPassword(options["user"], options["password"], ssl_context=options.get("tls"))
-    if "tls" in options:
-        return NatsSecurity(ssl_context=options["tls"])
-    return None
 
 
 async def connect(url: str, name: str, **options) -> nats.NATS:

@@ -1,13 +1,27 @@
-"""What every consumer process shares: a management connection and heartbeats."""
+"""What every consumer process shares: its one NATS connection, heartbeats, readiness,
+and the lifecycle `serve` runs (start in order, wait for SIGTERM or SIGINT, drain in
+the reverse order).
+
+A consumer process opens one NATS connection (`ProcessRuntime`): it publishes, pulls
+its durable, subscribes (cancels, hot swap) and sends heartbeats on it. The lifecycle:
+
+    start:  /healthz answers -> connect, topology in place, heartbeats
+            -> the process's own lifespan is entered (Redis checked, models warmed,
+               a projection rebuilt...) -> pulling starts -> ready
+    stop:   not ready -> pulling stops (what was fetched and not started is naked)
+            -> the lifespan exits (inference drains what it holds) -> the connection
+            drains -> the endpoint stops
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, suppress
 from typing import Any
 
 import nats
@@ -38,7 +52,8 @@ REDELIVERED = Counter(
 
 
 class ProcessRuntime:
-    """A NATS connection for publishing and heartbeats, opened before the broker subscribes."""
+    """The process's one NATS connection (publishing, pulling, subscriptions, heartbeats)
+    and its /healthz, /readyz and /metrics endpoint."""
 
     def __init__(self, role: str, settings, describe: Callable[[ProcessBeat], ProcessBeat] | None = None):
         self.role = role
@@ -115,35 +130,68 @@ class ProcessRuntime:
         tracing.shutdown()
 
 
-def wire_lifecycle(
-    app, runtime: ProcessRuntime, consumer: DurableConsumer | None = None, before=None, after_stop=None
-) -> None:
-    """Start the runtime (topology, heartbeats), then the durable `consumer`'s pulls, and
-    report ready; on shutdown stop pulling (what was fetched and not started is naked),
-    then the runtime. `before` / `after_stop` are extra async steps."""
+#: A process's own start and drain around the pull loop: entered once the connection and
+#: the topology are there, exited once pulling has stopped (FastStream's, FastAPI's lifespan).
+Lifespan = Callable[["ProcessRuntime"], AbstractAsyncContextManager[None]]
 
-    @app.on_startup
-    async def _start() -> None:
-        if before:
-            await before()
+
+class Process:
+    """One consumer process: its runtime (connection, heartbeats, endpoint), its own
+    `lifespan`, and the durable `consumer` it pulls (see the module doc for the order)."""
+
+    def __init__(
+        self, runtime: ProcessRuntime, consumer: DurableConsumer | None = None, lifespan: Lifespan | None = None
+    ):
+        self.runtime, self.consumer, self.lifespan = runtime, consumer, lifespan
+        self._exits = AsyncExitStack()
+
+    async def start(self) -> None:
+        """Everything up to ready; what started is stopped by `stop()` even if this fails half way."""
+        runtime = self.runtime
+        self._exits.push_async_callback(runtime.stop)
         await runtime.start()
-
-    @app.after_startup
-    async def _ready() -> None:
-        heap.freeze()
-        if consumer is not None:
+        if self.lifespan is not None:
+            await self._exits.enter_async_context(self.lifespan(runtime))
+        heap.freeze()  # startup's objects out of the collector (inference: torch and the warm models, 280 ms a walk)
+        if self.consumer is not None:
             assert runtime.js is not None
-            await consumer.start(runtime.js)
+            self._exits.push_async_callback(self.consumer.stop)
+            await self.consumer.start(runtime.js)
         runtime.ready = True
+        log.info("%s ready", runtime.role)
 
-    @app.on_shutdown
-    async def _stop() -> None:
-        runtime.ready = False
-        if consumer is not None:
-            await consumer.stop()
-        await runtime.stop()
-        if after_stop:
-            await after_stop()
+    async def stop(self) -> None:
+        """Not ready, then every started part stopped in the reverse of its start."""
+        self.runtime.ready = False
+        await self._exits.aclose()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT (one that comes during a slow start cuts
+        it short), then stop."""
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        starting = asyncio.create_task(self.start())
+        waiting = asyncio.create_task(stopping.wait())
+        try:
+            done, _ = await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if starting in done:
+                starting.result()  # a failed start raises here, after the stop below
+                await waiting
+            log.info("%s stopping", self.runtime.role)
+        finally:
+            starting.cancel()
+            waiting.cancel()
+            await asyncio.gather(starting, waiting, return_exceptions=True)
+            await self.stop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+
+def serve(process: Process) -> None:
+    """Run a consumer process until it is told to stop (`arena run ROLE`)."""
+    asyncio.run(process.run())
 
 
 async def decode_or_term(role: str, raw: Msg) -> Any:

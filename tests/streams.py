@@ -11,7 +11,7 @@ from datetime import timedelta
 import httpx
 import nats
 
-from infra.replay import audit_window
+from infra.audit import audit_window
 from runtime import jetstream
 
 

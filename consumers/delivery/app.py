@@ -11,24 +11,22 @@ dropped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
-from faststream import FastStream
 from faststream.exceptions import NackMessage
-from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
+from consumers.delivery.settings import DeliverySettings
 from events import subjects, topology
 from events.models import TERMINAL_TYPES
 from events.readmodel import ReadModel
-from runtime import jetstream, tracing
+from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
-from runtime.process import ProcessRuntime, decode_or_term, wire_lifecycle
+from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 from runtime.redis import REDIS_DOWN, redis_client
-from runtime.settings import DeliverySettings
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +77,9 @@ def handler(store: ReadModel, fanout: Fanout) -> Handler:
 
 def build_app(
     settings: DeliverySettings | None = None, store: ReadModel | None = None, fanout: Fanout | None = None
-) -> FastStream:
+) -> Process:
     """The delivery process; `store` and `fanout` (core-NATS publish) are replaceable in tests."""
     settings = settings or DeliverySettings()
-    broker = NatsBroker(
-        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
-    )
     runtime = ProcessRuntime(topology.DELIVERY.name, settings)
     store = store or ReadModel(redis_client(settings.redis_url), settings.result_ttl_s)
 
@@ -92,14 +87,18 @@ def build_app(
         # The trace goes back to the gateway with the event.
         await runtime.connection().publish(subject, raw, headers=tracing.headers())
 
-    fanout = fanout or live
-    on_output = handler(store, fanout)
+    @asynccontextmanager
+    async def redis(_: ProcessRuntime) -> AsyncIterator[None]:
+        await store.redis.ping()  # Redis unreachable at start: the process exits and is restarted
+        try:
+            yield
+        finally:
+            await store.redis.aclose()
 
-    app = FastStream(broker)
+    on_output = handler(store, fanout or live)
     consumer = DurableConsumer(topology.DELIVERY, on_output, "auto", settings.workers, batch=settings.workers)
-    wire_lifecycle(app, runtime, consumer, before=store.redis.ping, after_stop=store.redis.aclose)
-    return app
+    return Process(runtime, consumer, redis)
 
 
 def main() -> None:
-    asyncio.run(build_app().run())
+    serve(build_app())

@@ -6,8 +6,6 @@ import asyncio
 import logging
 from typing import overload
 
-from faststream import FastStream
-from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 
 from consumers.filter.classifier import Classifier
@@ -16,6 +14,7 @@ from consumers.filter.ensemble import Ensemble
 from consumers.filter.metrics import METRICS, FilterMetrics
 from consumers.filter.policy import deciding, inspect_messages
 from consumers.filter.reload import ClassifierSlot, slot_for
+from consumers.filter.settings import FilterSettings
 from consumers.filter.stage import SINGLE, ClassifierOutcome, strongest
 from events import topology
 from events.models import (
@@ -27,10 +26,9 @@ from events.models import (
     PromptAccepted,
     PromptRejected,
 )
-from runtime import jetstream, tracing
+from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
-from runtime.process import ProcessRuntime, Publish, decode_or_term, wire_lifecycle
-from runtime.settings import FilterSettings
+from runtime.process import Process, ProcessRuntime, Publish, decode_or_term, serve
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +85,7 @@ def _report(outcome: ClassifierOutcome | None) -> ClassifierReport | None:
 
 def filter_config(settings: FilterSettings) -> FilterConfig:
     """The filter's config from its settings (ARENA_FILTER__*), with the shared prompt limit."""
-    return FilterConfig(**{"max_prompt_chars": settings.max_prompt_chars, **settings.filter})
+    return settings.config()
 
 
 def handler(
@@ -124,21 +122,16 @@ def handler(
 
 def build_app(
     settings: FilterSettings | None = None, config: FilterConfig | None = None, publish: Publish | None = None
-) -> FastStream:
+) -> Process:
     """The filter process; `publish` (default: the runtime's, with dedupe keys) is replaceable in tests."""
     settings = settings or FilterSettings()
     config = config or filter_config(settings)
-    broker = NatsBroker(
-        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
-    )
     runtime = ProcessRuntime(topology.FILTER.name, settings)
     publish = publish or runtime.publish
     slot = slot_for(config)  # loaded at build: a missing artifact stops the process at start
     on_requested = handler(config, publish, slot)
-    app = FastStream(broker)
     consumer = DurableConsumer(topology.FILTER, on_requested, "auto", settings.workers, batch=settings.workers)
-    wire_lifecycle(app, runtime, consumer)
-    return app
+    return Process(runtime, consumer)
 
 
 def _count_stages(report: FilterReport, metrics: FilterMetrics, request_id: str) -> None:
@@ -170,4 +163,4 @@ def _current(slot: ClassifierSlot | None, metrics: FilterMetrics) -> Classifier 
 
 
 def main() -> None:
-    asyncio.run(build_app().run())
+    serve(build_app())

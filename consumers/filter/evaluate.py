@@ -245,7 +245,7 @@ def _stage(rows: list[_Row], stage: str) -> StageRates:
 def served_config(reject_threshold: float | None = None, classifier: str | None = None) -> FilterConfig:
     """The filter process's config (its settings, ARENA_FILTER__*), with the command's overrides."""
     from consumers.filter.app import filter_config  # noqa: PLC0415 - the process's own reading of its settings
-    from runtime.settings import FilterSettings  # noqa: PLC0415
+    from consumers.filter.settings import FilterSettings  # noqa: PLC0415
 
     config = filter_config(FilterSettings())
     update: dict[str, Any] = {}

@@ -1,15 +1,15 @@
-"""The inference consumer: a FastStream app pulling micro-batches of PromptAccepted."""
+"""The inference consumer: pulls PromptAccepted into its model engines, publishes what they generate."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import psutil
 import torch
-from faststream import FastStream
-from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 
 from consumers.inference import admin, forks
@@ -17,12 +17,11 @@ from consumers.inference.metrics import register_pool
 from consumers.inference.models import load_model, load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
+from consumers.inference.settings import InferenceSettings
 from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ProcessBeat
-from runtime import heap, jetstream
 from runtime.consume import DurableConsumer
-from runtime.process import ProcessRuntime, decode_or_term
-from runtime.settings import InferenceSettings
+from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ def budget_bytes(settings: InferenceSettings) -> int:
     return int(psutil.virtual_memory().total * 0.6)
 
 
-def build_app(settings: InferenceSettings | None = None) -> FastStream:
+def build_app(settings: InferenceSettings | None = None) -> Process:
     settings = settings or InferenceSettings()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -71,9 +70,6 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
         publish_nowait=runtime.publish_nowait,
         live=runtime.publish_live,
     )
-    broker = NatsBroker(
-        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
-    )
 
     async def on_accepted(message: Msg) -> None:
         event = await decode_or_term(topology.INFERENCE.name, message)
@@ -92,41 +88,30 @@ def build_app(settings: InferenceSettings | None = None) -> FastStream:
     async def on_cancel(msg) -> None:
         service.cancel(decode(msg.data).request_id)
 
-    app = FastStream(broker)
-
-    @app.on_startup
-    async def _start() -> None:
+    @asynccontextmanager
+    async def serving(runtime: ProcessRuntime) -> AsyncIterator[None]:
+        """Models warm before the first pull; on stop (pulls stopped), what is held is
+        finished within the drain grace or given back, then the engine processes end."""
         register_pool(pool)
-        await runtime.start()
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
         await runtime.connection().subscribe(
             subjects.ADMIN_MODELS,
             cb=admin.handler(pool, settings.instance_id, settings.models_dir, settings.default_model),
         )
         service.start()
-        warm = settings.warm_models or [settings.default_model]
-        await service.warm([w for w in warm if any(s.name == w for s in specs)])
-        log.info("warm: %s; metrics on :%d", pool.resident(), runtime.endpoint.port)
+        try:
+            warm = settings.warm_models or [settings.default_model]
+            await service.warm([w for w in warm if any(s.name == w for s in specs)])
+            log.info("warm: %s; metrics on :%d", pool.resident(), runtime.endpoint.port)
+            yield
+            naked = await service.drain(settings.drain_grace_s)
+            log.info("drained; %d unfinished requests given back", naked)
+        finally:
+            await service.stop()  # its engine processes first,
+            await asyncio.to_thread(forks.stop)  # then what they were forked from: nothing is left behind
 
-    @app.after_startup
-    async def _ready() -> None:
-        heap.freeze()  # torch, transformers and the warm models: a full collection took 280 ms
-        assert runtime.js is not None
-        await subscriber.start(runtime.js)
-        runtime.ready = True
-
-    @app.on_shutdown
-    async def _drain() -> None:
-        runtime.ready = False
-        await subscriber.stop()  # stop pulling before finishing what we hold
-        naked = await service.drain(settings.drain_grace_s)
-        log.info("drained; %d unfinished requests given back", naked)
-        await service.stop()  # its engine processes first,
-        await asyncio.to_thread(forks.stop)  # then what they were forked from: nothing is left behind
-        await runtime.stop()
-
-    return app
+    return Process(runtime, subscriber, serving)
 
 
 def main() -> None:
-    asyncio.run(build_app().run())
+    serve(build_app())

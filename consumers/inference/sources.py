@@ -155,7 +155,7 @@ def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.settings import InferenceSettings  # noqa: PLC0415
+    from consumers.inference.settings import InferenceSettings  # noqa: PLC0415
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

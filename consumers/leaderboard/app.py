@@ -10,23 +10,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one fit at a time on a small box
 
-from faststream import FastStream
-from faststream.nats import NatsBroker
 from nats.aio.msg import Msg
 
 from consumers.leaderboard.projection import VoteProjection, config_of
+from consumers.leaderboard.settings import LeaderboardSettings
 from events import decode, topology
 from events.arena_readmodel import save_leaderboard
 from events.battles import BATTLES_SUBJECT
 from events.fleet import LeaderboardBeat
-from runtime import jetstream
 from runtime.consume import DurableConsumer
-from runtime.process import ProcessRuntime, decode_or_term, wire_lifecycle
+from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 from runtime.redis import redis_client
-from runtime.settings import LeaderboardSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +44,16 @@ async def backfill(js, projection: VoteProjection) -> None:
         await sub.unsubscribe()
 
 
-def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
+def build_app(settings: LeaderboardSettings | None = None) -> Process:
     settings = settings or LeaderboardSettings()
     role = topology.LEADERBOARD
     projection = VoteProjection(config_of(settings))
     redis = redis_client(settings.redis_url)
     runtime = ProcessRuntime(role.name, settings, lambda beat: LeaderboardBeat(**beat.base(), seq=projection.seq))
-    broker = NatsBroker(
-        jetstream.servers(settings.nats_url), log_level=logging.DEBUG, security=jetstream.broker_security(settings)
-    )
     dirty = asyncio.Event()
     # The boards are computed on a thread: no event is folded meanwhile, so each stored view
     # is the fold of the events up to its `seq`, exactly what `arena leaderboard --at` replays.
     folding = asyncio.Lock()
-    tasks: list[asyncio.Task] = []
 
     async def on_battle_event(message: Msg) -> None:
         event = await decode_or_term(role.name, message)
@@ -84,22 +79,25 @@ def build_app(settings: LeaderboardSettings | None = None) -> FastStream:
                 dirty.set()
             await asyncio.sleep(settings.refresh_s)
 
-    async def after_start() -> None:
+    @asynccontextmanager
+    async def projected(runtime: ProcessRuntime) -> AsyncIterator[None]:
+        """The projection rebuilt from every stored battle event before the durable's
+        pulls start, then stored in Redis whenever a vote changes it."""
+        assert runtime.js is not None
         await backfill(runtime.js, projection)
         dirty.set()
-        tasks.append(asyncio.create_task(publisher()))
+        storing = asyncio.create_task(publisher())
+        try:
+            yield
+        finally:
+            storing.cancel()
+            with suppress(asyncio.CancelledError):
+                await storing
+            await redis.aclose()
 
-    async def stop() -> None:
-        for t in tasks:
-            t.cancel()
-        await redis.aclose()
-
-    app = FastStream(broker)
     # One worker, one message at a time: votes are folded in stream order.
-    wire_lifecycle(app, runtime, DurableConsumer(role, on_battle_event, "manual"), after_stop=stop)
-    app.after_startup(after_start)
-    return app
+    return Process(runtime, DurableConsumer(role, on_battle_event, "manual"), projected)
 
 
 def main() -> None:
-    asyncio.run(build_app().run())
+    serve(build_app())

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from consumers.leaderboard.bradley_terry import FASTCHAT_PRIOR_L2, Gauge
-from runtime.settings import MIN_VOTES
+from consumers.leaderboard.settings import MIN_VOTES
 
 
 class LeaderboardConfig(BaseModel):

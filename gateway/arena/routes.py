@@ -17,8 +17,8 @@ from gateway.arena.protocol import BattleView, HistoryView, LeaderboardView, Tur
 from gateway.arena.service import ArenaService, view
 from gateway.errors import APIError, errors
 from gateway.serving import ChatService
+from gateway.settings import GatewaySettings
 from runtime.redis import REDIS_DOWN
-from runtime.settings import GatewaySettings
 
 STATIC = Path(__file__).parent / "static"
 CSV_FIELDS = ("rank", "model", "rating", "ci_low", "ci_high", "votes", "provisional", "elo")

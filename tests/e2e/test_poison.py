@@ -16,7 +16,7 @@ import pytest
 
 from events import subjects
 from events.fleet import InferenceBeat, decode_beat
-from infra.replay import audit
+from infra.audit import audit
 from runtime.stream import read_events
 from tests.conftest import STORY_PROMPTS as PROMPTS
 

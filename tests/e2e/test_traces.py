@@ -22,14 +22,17 @@ import websockets
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from consumers.delivery.app import build_app as delivery_app
+from consumers.delivery.settings import DeliverySettings
 from consumers.filter.app import build_app as filter_app
+from consumers.filter.settings import FilterSettings
 from consumers.inference.app import build_app as inference_app
+from consumers.inference.settings import InferenceSettings
 from events import subjects
 from gateway.app import build_app as gateway_app
+from gateway.settings import GatewaySettings
 from infra.servers import start_nats, start_redis
 from runtime import logs
 from runtime.net import free_port
-from runtime.settings import DeliverySettings, FilterSettings, GatewaySettings, InferenceSettings
 from tests.conftest import SHARED, in_memory_traces
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]

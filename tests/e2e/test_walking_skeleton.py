@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference.models import default_specs, load_model, render_chat
-from infra.replay import audit
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
+from infra.audit import audit
 from runtime.stream import request_events
 from tests.conftest import STORIES
 

@@ -18,7 +18,7 @@ import torch
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 from tests.unit.test_engine import run, tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -12,9 +12,9 @@ from functools import cache
 import pytest
 import yaml
 
+from consumers.inference.settings import InferenceSettings
 from events import subjects, topology
 from infra import nats_auth, redis_auth
-from runtime.settings import InferenceSettings
 from tests.conftest import REPO
 
 K8S = REPO / "infra" / "k8s"

@@ -17,11 +17,11 @@ from consumers.inference.engine import BatchEngine
 from consumers.inference.models import ModelSpec
 from consumers.inference.pool import ModelPool
 from consumers.inference.service import InferenceService
+from consumers.inference.settings import InferenceSettings
 from events import decode, subjects, topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams, TokensGenerated
-from infra.replay import audit
+from infra.audit import audit
 from runtime import jetstream
-from runtime.settings import InferenceSettings
 from runtime.stream import read_events
 from tests.conftest import STORIES
 from tests.conftest import STORY_PROMPTS as PROMPTS

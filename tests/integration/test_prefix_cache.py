@@ -17,7 +17,7 @@ from consumers.inference.pool import ModelPool
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams
 from consumers.inference.service import InferenceService
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 from tests.conftest import STORIES, STORY_PROMPTS
 from tests.unit.test_engine import run, tokens
 

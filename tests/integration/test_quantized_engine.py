@@ -13,7 +13,7 @@ from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
 from consumers.inference.quantize import MAX_ROWS, QuantLinear
 from consumers.inference.sampling import SamplingParams
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 from tests.integration.test_chat_parity import CHATS, NEW_TOKENS, greedy, parted_at
 from tests.unit.test_engine import run, tokens
 

@@ -10,9 +10,10 @@ import pytest
 
 from events import topology
 from gateway.pipeline import Pipeline
+from gateway.settings import GatewaySettings
 from runtime import jetstream
 from runtime.process import ProcessRuntime
-from runtime.settings import CommonSettings, GatewaySettings
+from runtime.settings import CommonSettings
 
 pytestmark = pytest.mark.integration
 

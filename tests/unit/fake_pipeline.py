@@ -28,7 +28,7 @@ from events.readmodel import ReadModel
 from gateway.admission import StreamState
 from gateway.keys import GatewayKeys
 from gateway.pipeline import Pipeline, stream_unavailable
-from runtime.settings import GatewaySettings
+from gateway.settings import GatewaySettings
 
 
 @dataclass

@@ -1,6 +1,6 @@
 from events.models import ChatCompleted, ChatMessage, ChatRequested, SamplingParams, Timings, TokensGenerated, Usage
 from gateway.assembler import Assembler
-from infra.replay import audit, parse_window
+from infra.audit import audit, parse_window
 
 
 def chunk(seq, text):

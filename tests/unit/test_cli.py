@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from runtime.settings import OperatorSettings
+from infra.settings import OperatorSettings
 from tests.conftest import REPO
 
 

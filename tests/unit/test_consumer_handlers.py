@@ -13,6 +13,7 @@ from consumers.delivery.app import deliver
 from consumers.delivery.app import handler as delivery_handler
 from consumers.filter.app import filter_config
 from consumers.filter.app import handler as filter_handler
+from consumers.filter.settings import FilterSettings
 from events import encode, subjects
 from events.models import (
     ChatCompleted,
@@ -27,7 +28,6 @@ from events.models import (
 )
 from events.readmodel import ReadModel
 from runtime.process import UNDECODABLE
-from runtime.settings import FilterSettings
 
 IDS = dict(request_id="r1", conv_id="c1", turn_id=0)
 

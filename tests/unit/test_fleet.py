@@ -11,8 +11,8 @@ from events.fleet import InferenceBeat, ModelLoad
 from gateway.admission import StreamState
 from gateway.fleet import FleetCollector
 from gateway.pipeline import LATE_BEAT_S
+from gateway.settings import GatewaySettings
 from infra.monitoring import series
-from runtime.settings import GatewaySettings
 from tests.unit.fake_pipeline import FakePipeline
 
 

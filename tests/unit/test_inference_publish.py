@@ -11,9 +11,9 @@ import pytest
 
 from consumers.inference.engine import StepOutput
 from consumers.inference.service import InferenceService, Job
+from consumers.inference.settings import InferenceSettings
 from events import subjects
 from events.models import ChatMessage, FilterReport, PromptAccepted, SamplingParams
-from runtime.settings import InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -254,6 +254,6 @@ def test_a_variant_with_three_wins_ranks_below_a_model_with_206_votes() -> None:
 
 
 def test_min_votes_has_one_default() -> None:
-    from runtime.settings import MIN_VOTES, LeaderboardSettings
+    from consumers.leaderboard.settings import MIN_VOTES, LeaderboardSettings
 
     assert LeaderboardConfig().min_votes == LeaderboardSettings().min_votes == MIN_VOTES == 30

@@ -21,7 +21,7 @@ from consumers.inference.models import (
     load_models_config,
     render_chat,
 )
-from runtime.settings import InferenceSettings
+from consumers.inference.settings import InferenceSettings
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 

@@ -15,8 +15,8 @@ import pytest
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
 from gateway.edge import HOLD
+from gateway.settings import GatewaySettings
 from gateway.shed import ALONE, DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, Edge, share
-from runtime.settings import GatewaySettings
 
 
 class Pipeline:

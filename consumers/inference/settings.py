@@ -1,0 +1,66 @@
+"""The inference process's settings (`arena run inference`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from runtime.settings import REPO, CommonSettings
+
+
+def _default_models_dir() -> str:
+    return str(REPO.parent / "shared" / "models")
+
+
+class InferenceSettings(CommonSettings):
+    models_config: str | None = Field(None, description="YAML/JSON file listing served models.")
+    models_dir: str = Field(
+        default_factory=_default_models_dir, description="Where relative model paths are looked up."
+    )
+    warm_models: list[str] | None = Field(None, description="Loaded at start; default: the default model.")
+    model_cache: str = Field(
+        str(Path.home() / ".cache" / "arenaflow" / "models"),
+        description="Where a GGUF model source is converted to a checkpoint once (a directory per file hash).",
+    )
+    engine: Literal["static", "continuous"] = Field(
+        "continuous", description="'static' (padded micro-batches) or 'continuous'."
+    )
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        le=512,
+        description="Most requests decoded together (stories260K on one thread: 1,786 tokens/s at 32, 2,230 at 64).",
+    )
+    max_wait_ms: int = Field(
+        10, ge=0, le=10_000, description="Static engine: longest a micro-batch waits to fill before it starts."
+    )
+    chunk_tokens: int = Field(4, ge=1, le=256, description="Tokens per TokensGenerated event.")
+    memory_budget_mb: float | None = Field(None, gt=0, description="Model pool budget; default: 60% of RAM.")
+    kv_cache_mb: float = Field(
+        4096,
+        gt=0,
+        description="Each model engine's KV cache budget (vLLM's CPU default): a request joins a batch only while "
+        "every row at its longest fits; one that alone cannot is a 400.",
+    )
+    cuda_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="On CUDA: the share of the GPU's memory this process's torch allocator may use "
+        "(set_per_process_memory_fraction).",
+    )
+    drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    prefix_cache_mb: float = Field(
+        256.0,
+        ge=0,
+        description="Per model engine: MB of finished sequences' keys and values kept, so a conversation's next "
+        "turn on this worker prefills only its new tokens (least recently used out first; 0: off).",
+    )
+    engine_process: bool = Field(
+        True,
+        description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "
+        "false: on a thread of the worker (no second Python runtime, ~0.4 GB less).",
+    )
