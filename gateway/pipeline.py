@@ -22,7 +22,7 @@ from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ModelLoad, ProcessBeat, decode_beat
 from events.models import ChatCancelled, RequestEvent
 from events.readmodel import ReadModel
-from gateway.admission import ModelQueue, StreamState
+from gateway.admission.estimate import ModelQueue, StreamState
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
 from gateway.access import limits_of, principal_of
+from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
 from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
 from gateway.serving import ChatService, store_unavailable
@@ -105,7 +106,11 @@ def router(chat: ChatService) -> APIRouter:
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
         ticket, event = await chat.admit(
-            task.to_chat(), request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+            task.to_chat(),
+            request.headers.get("idempotency-key"),
+            principal_of(request),
+            limits_of(request),
+            lease=lease_of(request),
         )
         await chat.remember(ticket)
         if event is None:  # attached: the earlier request's own watcher follows it

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.access import limits_of, principal_of
+from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChatService
@@ -107,7 +108,11 @@ async def serve(
     """Admit, run and answer one generation request (JSON, or SSE with `stream: true`)."""
     with named_as(req):
         ticket, event = await chat.admit(
-            req, request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+            req,
+            request.headers.get("idempotency-key"),
+            principal_of(request),
+            limits_of(request),
+            lease=lease_of(request),
         )
     headers = {"x-request-id": ticket.request_id, **ticket.headers}
     shape = shape_for(ticket)

@@ -13,8 +13,6 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -23,8 +21,9 @@ import anyio
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
-from gateway import admission, ratelimit, shed
+from gateway import ratelimit
 from gateway.access import not_found
+from gateway.admission.service import Admission, Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
@@ -34,7 +33,6 @@ from gateway.session import Leave, RequestSession, Ticket, ending
 from gateway.settings import GatewaySettings
 from gateway.variants import model_defaults, with_model_defaults
 from runtime import tracing
-from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
 log = logging.getLogger(__name__)
@@ -70,15 +68,11 @@ def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
 
 
 class ChatService:
-    def __init__(self, settings: GatewaySettings, pipeline: Pipeline):
+    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, admission: Admission | None = None):
         self.settings = settings
         self.pipeline = pipeline
-        self.in_flight: dict[str, int] = {}
-        self.recent = admission.FleetAdmissions(
-            pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
-        )
+        self.admission = admission or Admission(settings, pipeline)
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
-        self._background = Background()  # admission's bookkeeping after a publish
 
     # ---- admission -------------------------------------------------------------------
 
@@ -101,41 +95,10 @@ class ChatService:
             )
         if (context := self.pipeline.context_len(model)) is not None and req.token_limit() >= context:
             raise context_exceeded(req, context)
-        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
-            METRICS.rejections.labels(reason="overloaded").inc()
-            raise shed.backstop(model, self.in_flight[model])
         return model
 
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
-
-    def judge(
-        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
-    ) -> admission.Judge:
-        """The fleet-wide check of one request (FleetAdmissions): the estimate when the
-        fleet cannot finish it within `budget_s`, None to admit it. `workers`: the
-        workers' queue to judge with (the early gate's, so the two judge the same fleet
-        and differ only in what the others admitted); else as the heartbeats say then."""
-
-        def judge(stream: admission.StreamState, n: int, ahead: int) -> admission.Estimate | None:
-            queue = admission.combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
-            est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
-            return est if est.finish_s > budget_s else None
-
-        return judge
-
-    async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
-        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
-        its entry among the fleet's recent admissions (see admission.py) when it can.
-
-        The request is added to the fleet's recent admissions atomically with reading the
-        others' (with every request waiting for the same check), so concurrent
-        admissions on any gateway see each other."""
-        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s))
-        if refused is None:
-            return model, member, tokens
-        METRICS.rejections.labels(reason="deadline_unreachable").inc()
-        raise shed.overloaded(model, refused, budget_s)
 
     async def admit(
         self,
@@ -144,16 +107,19 @@ class ChatService:
         principal: str,
         limits: Limits | None = None,
         started: float | None = None,
+        lease: Lease | None = None,
     ) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request for `principal`; the event to publish is None when it attaches
         to an earlier one. A conversation another principal started is 404 (not 403);
         over the caller's rate `limits`, 429. The request's trace starts here, and its
-        recorded latency at `started` (time.perf_counter(); default: now)."""
+        recorded latency at `started` (time.perf_counter(); default: now). `lease`: the
+        admission the HTTP edge gave it (gateway.admission.hook.lease_of), if any."""
         started = time.perf_counter() if started is None else started
         root = tracing.start("chat.request", model=req.model or self.settings.default_model, stream=req.stream)
         span = tracing.start("gateway.admission", parent=root)
         try:
-            ticket, event = await self._admission(req, idem_key, principal, limits, {"trace": root, "started": started})
+            held = {"trace": root, "started": started}
+            ticket, event = await self._admission(req, idem_key, principal, limits, lease, held)
         except BaseException as exc:
             why = f"{exc.status} {exc.code}" if isinstance(exc, APIError) else type(exc).__name__
             if isinstance(exc, APIError) and exc.status == 429:  # refused for a served model: counted as answered
@@ -162,8 +128,8 @@ class ChatService:
             tracing.end(root, why)
             raise
         tracing.end(span)
-        if event is None:  # attached to an earlier request: no new work ahead of anyone
-            await self._settle(ticket, published=False)
+        if event is None and ticket.lease is not None:  # attached to an earlier request: no new work
+            await ticket.lease.refused()
         if root is not None:
             root.set_attribute("arena.request_id", ticket.request_id)
             root.set_attribute("arena.attached", ticket.attached)
@@ -175,21 +141,18 @@ class ChatService:
         idem_key: str | None,
         principal: str,
         limits: Limits | None,
+        edge: Lease | None,
         held: dict[str, Any],
     ) -> tuple[Ticket, ChatRequested | None]:
         """`held`: what the ticket carries beside the request's own fields (its trace, ...)."""
         model = self._check(req)
-        # Counted from here, with no await since the queue check, so a burst sees itself.
-        release = self.reserve(model)
-        if (edge := shed.current()) is not None:  # (the early gate counted it until now)
-            edge.gate.reserved(edge.model, edge.member)
-        admission_entry: tuple[str, str, int] | None = None
+        # Counted from here, with no await since the checks, so a burst sees itself.
+        lease = self.admission.lease(model, req.token_limit(), edge)
         try:
-            if edge is None or edge.entry is None:  # not judged fleet-wide at the edge
-                try:
-                    admission_entry = await self.in_time(model, req.token_limit(), self.budget_s(req))
-                except REDIS_DOWN as exc:
-                    raise store_unavailable() from exc
+            try:
+                await self.admission.judged(lease, self.budget_s(req))  # fleet-wide, unless the edge did
+            except REDIS_DOWN as exc:
+                raise store_unavailable() from exc
             verdict = None
             if limits is not None and not limits.off:
                 cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())
@@ -197,35 +160,12 @@ class ChatService:
                     verdict = await self.limiter.take(principal, limits, cost)
                 except REDIS_DOWN as exc:
                     raise store_unavailable() from exc
-            headers = verdict.headers() if verdict else {}
-            held = {**held, "release": release, "admission": admission_entry, "headers": headers}
+            held = {**held, "lease": lease, "headers": verdict.headers() if verdict else {}}
             return await self._admit(req, idem_key, principal, model, held)
         except BaseException:
-            release()
-            if admission_entry is not None:  # refused after the deadline check: not ahead of anyone
-                with suppress(*REDIS_DOWN):
-                    await self.recent.remove(*admission_entry)
+            lease.release()
+            await lease.refused()  # refused after the fleet-wide check: not ahead of anyone
             raise
-
-    async def _settle(self, ticket: Ticket, published: bool) -> None:
-        """The request is published (it shows in the consumers' state from now on), or will
-        not be (attached to an earlier one, or its publish failed)."""
-        if (edge := shed.current()) is not None:
-            await edge.settle(published)
-        if ticket.admission is not None:
-            model, member, tokens = ticket.admission
-            ticket.admission = None
-            with suppress(*REDIS_DOWN):
-                await self.recent.settle(model, member, tokens, published)
-
-    def _published(self, ticket: Ticket) -> None:
-        """`_settle(published=True)` off the request's path: its first token need not wait
-        for the Redis and NATS calls that only admission's counting needs."""
-        edge = shed.current()
-        if edge is not None and edge.claim():
-            self._background.spawn(edge.record(published=True))
-        if ticket.admission is not None:
-            self._background.spawn(self._settle(ticket, published=True))
 
     async def _admit(
         self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, held: dict[str, Any]
@@ -352,8 +292,8 @@ class ChatService:
                 await output.close()
                 await self.abandon(ticket, unbind=isinstance(exc, APIError))
             raise
-        if event is not None:
-            self._published(ticket)
+        if event is not None and ticket.lease is not None:
+            ticket.lease.published()
         return RequestSession(ticket, output, span, self.cancel if leave is None else leave)
 
     async def abandon(self, ticket: Ticket, unbind: bool = True) -> None:
@@ -361,7 +301,8 @@ class ChatService:
         never started): its queue place and trace given back, its admission dropped, and
         (`unbind`) its idempotency key unbound, so a retry runs it."""
         ticket.close(ending(None))
-        await self._settle(ticket, published=False)
+        if ticket.lease is not None:
+            await ticket.lease.refused()
         if unbind and ticket.key and not ticket.attached:
             try:
                 await self.pipeline.keys.release_key(ticket.key, ticket.request_id)
@@ -395,18 +336,3 @@ class ChatService:
             raise store_unavailable() from bound
         if isinstance(bound, BaseException):
             raise bound
-
-    def reserve(self, model: str) -> Callable[[], None]:
-        """Count a request against its model's queue until the returned function is called."""
-        self.in_flight[model] = self.in_flight.get(model, 0) + 1
-        METRICS.in_flight.labels(model).inc()
-        done = False
-
-        def release() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.in_flight[model] -= 1
-                METRICS.in_flight.labels(model).dec()
-
-        return release

@@ -20,6 +20,7 @@ import anyio
 from opentelemetry.trace import Span
 
 from events.models import TokenLogprob, TokensGenerated
+from gateway.admission.service import Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output
@@ -41,10 +42,6 @@ NAMED_FIELDS = ("max_tokens", "messages", "logit_bias")
 FOLLOW_GRACE_S = 2.0
 
 
-def _kept() -> None:
-    return None
-
-
 @dataclass
 class Ticket:
     """A request admitted into the pipeline (or attached to an earlier identical one)."""
@@ -56,17 +53,14 @@ class Ticket:
     deadline_at: float
     attached: bool  # True when this is a retry of an earlier request
     key: str | None = None  # the idempotency key bound to it, if any
-    #: Gives back the request's place in its model's queue (ChatService.reserve).
-    release: Callable[[], None] = field(default=_kept, repr=False)
+    #: Its admission (None for a resumed request, admitted where it began).
+    lease: Lease | None = field(default=None, repr=False)
     #: The caller's `x-ratelimit-*` headers (empty without limits).
     headers: dict[str, str] = field(default_factory=dict)
     #: The request's trace (its root span; None when tracing is off).
     trace: Span | None = field(default=None, repr=False)
     #: When the transport began serving it (time.perf_counter()): the recorded latency's start.
     started: float = field(default_factory=time.perf_counter, repr=False)
-    #: Its entry among the fleet's recent admissions (model, member, tokens; admission.py),
-    #: when admission made it here and not at the edge (shed.py); marked when published.
-    admission: tuple[str, str, int] | None = field(default=None, repr=False)
     #: The owner binding still to store (`ChatService.start` runs it beside the publish):
     #: set for a new conversation, which no other principal can own yet.
     bind: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
@@ -80,7 +74,8 @@ class Ticket:
         """Give back the request's queue place and end its trace (failed with `error`); once."""
         if not self.closed:
             self.closed = True
-            self.release()
+            if self.lease is not None:
+                self.lease.release()
             tracing.end(self.trace, error)
 
 

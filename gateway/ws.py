@@ -35,8 +35,9 @@ from events import subjects
 from events.models import ChatMessage, new_id
 from gateway import errors
 from gateway.access import limits_of, not_found, principal_of
+from gateway.admission.uvicorn_adapter import WebSocketProtocol
 from gateway.conversation import conversation_state
-from gateway.edge import FrameError, WebSocketProtocol, parse_frame
+from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens

@@ -43,14 +43,14 @@ async def test_a_session_run_to_its_end_records_once_and_gives_back_its_place():
     chat, pipeline = service()
     before = answered("200")
     ticket, event = await chat.admit(request(), None, "anonymous")
-    assert chat.in_flight[MODEL] == 1
+    assert chat.admission.in_flight[MODEL] == 1
     session = await chat.start(ticket, event)
     async with session:
         text = "".join([chunk.text async for chunk in session])
         assert session.terminal.text == text == "Once upon a time" and session.error is None
     await session.close()  # a second close does nothing
     assert answered("200") == before + 1
-    assert chat.in_flight[MODEL] == 0 and cancels(pipeline) == []
+    assert chat.admission.in_flight[MODEL] == 0 and cancels(pipeline) == []
 
 
 async def test_a_client_leaving_mid_stream_stops_the_request_once():
@@ -63,7 +63,7 @@ async def test_a_client_leaving_mid_stream_stops_the_request_once():
             break  # the client went away after its first chunk
     await session.close()
     assert cancels(pipeline) == [ticket.request_id]
-    assert chat.in_flight[MODEL] == 0
+    assert chat.admission.in_flight[MODEL] == 0
     assert answered("200") == before  # no outcome: nobody got one
 
 
@@ -86,7 +86,7 @@ async def test_a_request_nobody_follows_runs_on_when_its_session_closes_early():
     ticket, event = await chat.admit(request(), None, "anonymous")
     session = await chat.start(ticket, event, leave=keep_running)
     await session.close()
-    assert cancels(pipeline) == [] and chat.in_flight[MODEL] == 0
+    assert cancels(pipeline) == [] and chat.admission.in_flight[MODEL] == 0
 
 
 async def test_a_failed_publish_gives_back_the_place_and_the_key():
@@ -96,7 +96,7 @@ async def test_a_failed_publish_gives_back_the_place_and_the_key():
     with pytest.raises(APIError) as refused:
         await chat.start(ticket, event)
     assert refused.value.status == 503
-    assert chat.in_flight[MODEL] == 0
+    assert chat.admission.in_flight[MODEL] == 0
     pipeline.fail_publish = False
     retry, event = await chat.admit(request(), "retry-me", "anonymous")
     assert event is not None and not retry.attached  # the key was unbound: the retry runs
