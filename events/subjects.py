@@ -107,7 +107,7 @@ def heartbeat_subject(role: str, instance: str) -> str:
 
 
 # Core-NATS subject on which gateways tell each other what admission let through during a
-# burst, and each its demand every second (gateway/shed.py; not stored).
+# burst, and each its demand every second (gateway/admission/gate.py; not stored).
 GATEWAY_ADMITTED = "arena.gw.admitted"
 
 # Core-NATS request subject for hot swap: every inference process answers.

@@ -10,6 +10,7 @@ import logging
 import resource
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 from typing import Any
 
 import uvicorn
@@ -21,14 +22,16 @@ from pydantic.json_schema import models_json_schema
 
 from gateway import errors, routes_async, routes_openai, ws
 from gateway.access import Access, KeyGuard
+from gateway.admission.hook import EarlyAdmission, refusal
+from gateway.admission.service import Admission
+from gateway.admission.uvicorn_adapter import WebSocketProtocol, head_timeout_protocol
 from gateway.arena import routes as arena_routes
-from gateway.edge import BodyGuard, ServerTiming, WebSocketProtocol, head_timeout_protocol
+from gateway.edge import BodyGuard, ServerTiming
 from gateway.fleet import FLEET
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.serving import ChatService
 from gateway.settings import GatewaySettings
-from gateway.shed import EarlyAdmission, EarlyGate
 from runtime import heap, tracing
 from runtime.http import ProcessEndpoint
 
@@ -38,8 +41,8 @@ log = logging.getLogger(__name__)
 def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     pipeline = pipeline or Pipeline(settings)
-    chat = ChatService(settings, pipeline)
-    gate = EarlyGate(chat)
+    admission = Admission(settings, pipeline)
+    chat = ChatService(settings, pipeline, admission)
     # The operator's port: scraped without an API key, and answering while the API port
     # sheds load (its connection limit, the early gate) or Redis is down (key checks).
     endpoint = ProcessEndpoint(
@@ -52,19 +55,19 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
         if settings.metrics_port:
             await endpoint.start()
         await pipeline.start()
-        await gate.start()
+        await admission.start()
         watcher = asyncio.create_task(FLEET.watch(pipeline))  # the fleet's series on /metrics
         heap.freeze()  # startup's objects: no full collection walks them in a burst
         yield
         watcher.cancel()
-        await gate.stop()
+        await admission.stop()
         await pipeline.stop()
         await endpoint.stop()
         tracing.shutdown()
 
     app = FastAPI(title="arenaflow gateway", version="0.1.0", lifespan=lifespan)
     app.state.pipeline, app.state.chat, app.state.settings = pipeline, chat, settings
-    app.state.gate = gate
+    app.state.admission = admission
     errors.install(app)
     app.include_router(ops_router(settings, pipeline))
     app.include_router(routes_openai.router(chat))
@@ -72,7 +75,7 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     app.include_router(ws.router(chat, settings))
     app.include_router(arena_routes.router(chat, settings))
     # Middleware added first runs last: the early gate sees a caller with a key and a read body.
-    app.add_middleware(EarlyAdmission, gate=gate)
+    app.add_middleware(EarlyAdmission, admission=admission)
     app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
     # Added last, so it runs first: no body is read for a caller without a key.
     app.add_middleware(KeyGuard, access=Access(settings, pipeline.keys.redis))
@@ -190,8 +193,8 @@ def main() -> None:
         timeout_graceful_shutdown=10,
         # Slow and idle clients: a head must arrive within header_timeout_s (HeadTimeout),
         # a body within body_timeout_s (BodyGuard), an idle keep-alive connection closes.
-        # A burst's refusals are answered as their bodies are read (gateway/shed.py).
-        http=head_timeout_protocol(settings.header_timeout_s, refuse=app.state.gate.refusal),
+        # A burst's refusals are answered as their bodies are read (gateway/admission/hook.py).
+        http=head_timeout_protocol(settings.header_timeout_s, refuse=partial(refusal, app.state.admission)),
         timeout_keep_alive=settings.keep_alive_s,
         limit_concurrency=settings.max_connections,
         ws=WebSocketProtocol,

@@ -17,7 +17,7 @@ from prometheus_client.core import REGISTRY, GaugeMetricFamily
 
 from events import subjects, topology
 from events.models import DEFAULT_MAX_TOKENS
-from gateway import admission
+from gateway.admission.estimate import combine, estimate
 from gateway.pipeline import NATS_DOWN
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class FleetCollector:
             "Requests the workers holding the model report: running, waiting, pulled",
             labels=["model"],
         )
-        estimate = GaugeMetricFamily(
+        estimates = GaugeMetricFamily(
             "arena_model_queue_estimate_seconds",
             "Admission's estimate of when a new request of the default budget would finish",
             labels=["model"],
@@ -84,11 +84,11 @@ class FleetCollector:
             workers_queue = self.pipeline.queue(model)
             queue.add_metric([model], workers_queue.requests)
             # As admission sees it: the stream's requests (any model's) are ahead too.
-            q = admission.combine(workers_queue, self.pipeline.stream_state, 0, 0, DEFAULT_MAX_TOKENS)
-            est = admission.estimate(q, DEFAULT_MAX_TOKENS, self.pipeline.settings.admission_overhead_s)
+            q = combine(workers_queue, self.pipeline.stream_state, 0, 0, DEFAULT_MAX_TOKENS)
+            est = estimate(q, DEFAULT_MAX_TOKENS, self.pipeline.settings.admission_overhead_s)
             if est.finish_s != float("inf"):
-                estimate.add_metric([model], est.finish_s)
-        yield from (workers, queue, estimate)
+                estimates.add_metric([model], est.finish_s)
+        yield from (workers, queue, estimates)
         memory = GaugeMetricFamily(
             "arena_fleet_resident_bytes", "Resident model weights per inference process", labels=["instance"]
         )

@@ -10,7 +10,7 @@ Key layout (all with the read model's TTL):
   arena:owner:conv:{conv_id}     the principal that started the conversation (the first one wins)
 
 Besides: the rate limits' buckets (gateway/ratelimit.py, BUCKETS) and the fleet's recent
-admissions (gateway/admission.py, RECENT_KEY). The gateway's Redis user may write these
+admissions (gateway/admission/recent.py, RECENT_KEY). The gateway's Redis user may write these
 keys and no other (infra/redis_auth.py).
 
 Idempotency keys are stored under the caller's principal: two callers using the same

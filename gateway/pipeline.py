@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any
 
@@ -22,7 +22,7 @@ from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ModelLoad, ProcessBeat, decode_beat
 from events.models import ChatCancelled, RequestEvent
 from events.readmodel import ReadModel
-from gateway.admission import ModelQueue, StreamState
+from gateway.admission.estimate import ModelQueue, StreamState
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
@@ -275,7 +275,6 @@ class Output:
         self.after_seq, self.replay = after_seq, replay
         self.assembler = Assembler()
         self.sub: Any = None
-        self.on_close: Callable[[], None] = lambda: None
 
     @property
     def terminal(self) -> Any:
@@ -290,7 +289,6 @@ class Output:
         return self
 
     async def close(self) -> None:
-        self.on_close()
         if self.sub is not None:
             with suppress(Exception):
                 await self.sub.unsubscribe()

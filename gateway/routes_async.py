@@ -22,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from events import decode, subjects
 from gateway.access import limits_of, principal_of
+from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
-from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, ConvId, Deadline, Seed, Temperature, Text, Tokens, TurnId
-from gateway.serving import ChatService, Ticket, deadline_error, failure, outcome, store_unavailable, usage_of
+from gateway.serving import ChatService, store_unavailable
+from gateway.session import RequestSession, deadline_error, failure, keep_running, usage_of
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
@@ -95,25 +96,27 @@ def router(chat: ChatService) -> APIRouter:
     results = chat.pipeline.results
     watchers = Background()
 
-    async def watch(ticket: Ticket, output: Output, started: float) -> None:
+    async def watch(session: RequestSession) -> None:
         """Count the request as in flight until it ends (admission control sees it), and
         record its outcome like every other transport."""
-        terminal = await chat.finish(ticket, output)
-        chat.record(ticket.model, outcome(terminal), started)
+        async with session:
+            await session.finish()
 
     @r.post("/chat", status_code=202, responses=errors(400, 404, 409, 429, 503))
     async def submit(task: ChatTask, request: Request) -> JSONResponse:
         """Accept a prompt and answer 202 with the URL to poll for its result."""
-        started = time.perf_counter()
         ticket, event = await chat.admit(
-            task.to_chat(), request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+            task.to_chat(),
+            request.headers.get("idempotency-key"),
+            principal_of(request),
+            limits_of(request),
+            lease=lease_of(request),
         )
         await chat.remember(ticket)
-        if event is None:
-            ticket.release()
-        else:
-            output = await chat.start(ticket, event)  # published (or 503) before the 202
-            watchers.spawn(watch(ticket, output, started))
+        if event is None:  # attached: the earlier request's own watcher follows it
+            ticket.close()
+        else:  # published (or 503) before the 202; no client follows it: it runs on to its result
+            watchers.spawn(watch(await chat.start(ticket, event, leave=keep_running)))
         response = pending(ticket.request_id)
         response.headers.update(ticket.headers)
         return response

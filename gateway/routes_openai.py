@@ -4,65 +4,41 @@ admission, events and output, shaped by `gateway.shapes`."""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.access import limits_of, principal_of
+from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
-from gateway.metrics import METRICS
-from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving import ChatService, Ticket, extra_of, outcome, usage_of
-from gateway.shapes import ChatShape, CompletionShape, Shape
+from gateway.serving import ChatService
+from gateway.session import RequestSession, Ticket, extra_of, usage_of
+from gateway.shapes import ChatShape, CompletionShape, Shape, sse
 
 
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def stream_events(
-    chat: ChatService, ticket: Ticket, output: Output, include_usage: bool, started: float, shape: Shape
-) -> AsyncIterator[str]:
+async def stream_events(session: RequestSession, include_usage: bool, shape: Shape) -> AsyncIterator[str]:
     """The SSE body: the opening chunks, the text chunks, the finish (or an error object), [DONE]."""
-    model = ticket.model
-    finished = False
-    try:
+    async with session:
         for opening in shape.opening():
             yield sse(opening)
-        first = True
-        async for chunk in output:
-            if first:
-                METRICS.ttft.labels(model).observe(time.perf_counter() - started)
-                first = False
+        async for chunk in session:
             yield sse(shape.chunk(chunk.text, chunk.logprobs))
-        terminal, err = output.terminal, outcome(output.terminal)
-        chat.record(model, err, started)
+        terminal, err = session.terminal, session.error
         if err is not None:
             yield sse(err.body())
         else:
-            if rest := output.remainder():
+            if rest := session.remainder():
                 yield sse(shape.chunk(rest, None))
             # The finish chunk carries what the JSON answer's `x_arena` does (ids, the
             # server's own timings), so a streaming client can tell its wait from the model's.
-            yield sse(shape.finish(terminal.finish_reason) | {"x_arena": extra_of(ticket, terminal)})
+            yield sse(shape.finish(terminal.finish_reason) | {"x_arena": extra_of(session.ticket, terminal)})
             if include_usage:
                 yield sse(shape.usage(usage_of(terminal)))
-        finished = True
         yield "data: [DONE]\n\n"
-    finally:
-        await output.close()
-        if not finished and not ticket.attached:
-            # The client went away mid-stream: stop spending the model on it. The
-            # shield lets the publish finish inside the cancelled response task.
-            with anyio.CancelScope(shield=True):
-                await chat.pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
 
 
 def router(chat: ChatService) -> APIRouter:
@@ -130,27 +106,31 @@ async def serve(
     chat: ChatService, req: ChatCompletionRequest, request: Request, shape_for: Callable[[Ticket], Shape]
 ) -> Response:
     """Admit, run and answer one generation request (JSON, or SSE with `stream: true`)."""
-    started = time.perf_counter()
     with named_as(req):
         ticket, event = await chat.admit(
-            req, request.headers.get("idempotency-key"), principal_of(request), limits_of(request)
+            req,
+            request.headers.get("idempotency-key"),
+            principal_of(request),
+            limits_of(request),
+            lease=lease_of(request),
         )
     headers = {"x-request-id": ticket.request_id, **ticket.headers}
     shape = shape_for(ticket)
-    output = await chat.start(ticket, event)  # published before the response head
+    session = await chat.start(ticket, event)  # published before the response head
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = stream_events(chat, ticket, output, include_usage, started, shape)
         # The background close also runs when the client left before the body started.
         return StreamingResponse(
-            body, media_type="text/event-stream", headers=headers, background=BackgroundTask(output.close)
+            stream_events(session, include_usage, shape),
+            media_type="text/event-stream",
+            headers=headers,
+            background=BackgroundTask(session.close),
         )
-    terminal = await chat.finish(ticket, output)
-    err = outcome(terminal)
-    chat.record(ticket.model, err, started)
-    if err is not None:
+    async with session:
+        terminal = await session.finish()
+    if (err := session.error) is not None:
         err.headers.update(headers)
         with named_as(req):
             raise err
-    answer = shape.answer(terminal.text, terminal.finish_reason, usage_of(terminal), output.assembler.logprobs)
+    answer = shape.answer(terminal.text, terminal.finish_reason, usage_of(terminal), session.logprobs)
     return JSONResponse(answer | {"x_arena": extra_of(ticket, terminal)}, headers=headers)

@@ -1,5 +1,6 @@
-"""Serving a chat request, whatever the transport (HTTP, SSE, `/chat`, WebSocket):
-admission, idempotency, publishing, following the output, and recording the outcome.
+"""Serving a chat request, whatever the transport (HTTP, SSE, `/chat`, WebSocket, arena):
+admission, idempotency and publishing; `start` hands the transport the request's
+session (gateway/session.py), which follows the output and records the outcome.
 
 The routers only parse, call this, and shape the response.
 """
@@ -12,74 +13,29 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from opentelemetry.trace import Span
+import anyio
 
 from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
-from gateway import admission, ratelimit, shed
+from gateway import ratelimit
 from gateway.access import not_found
+from gateway.admission.service import Admission, Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import Output, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.protocol import UNSERVED, ChatCompletionRequest
 from gateway.ratelimit import Limits
+from gateway.session import Leave, RequestSession, Ticket, ending
 from gateway.settings import GatewaySettings
 from gateway.variants import model_defaults, with_model_defaults
 from runtime import tracing
-from runtime.background import Background
 from runtime.redis import REDIS_DOWN
 
 log = logging.getLogger(__name__)
-
-FAILURE_STATUS = {
-    "deadline_exceeded": 504,
-    "unknown_model": 404,
-    "prompt_too_long": 400,
-    "cancelled": 499,
-    "overloaded": 429,
-    "internal_error": 500,
-    "invalid_request": 400,
-}
-#: The fields a worker's failure message may name first ("max_tokens: ..."): its `param`.
-NAMED_FIELDS = ("max_tokens", "messages", "logit_bias")
-#: Output is followed this long past the deadline: a terminal event published at the
-#: deadline (inference ends a running request there) still reaches the client.
-FOLLOW_GRACE_S = 2.0
-
-
-@dataclass
-class Ticket:
-    """A request admitted into the pipeline (or attached to an earlier identical one)."""
-
-    request_id: str
-    conv_id: str
-    turn_id: int
-    model: str
-    deadline_at: float
-    attached: bool  # True when this is a retry of an earlier request
-    key: str | None = None  # the idempotency key bound to it, if any
-    #: Gives back the request's place in its model's queue (see ChatService.reserve); idempotent.
-    release: Callable[[], None] = field(default=lambda: None, repr=False)
-    #: The caller's `x-ratelimit-*` headers (empty without limits).
-    headers: dict[str, str] = field(default_factory=dict)
-    #: The request's trace (its root span; None when tracing is off).
-    trace: Span | None = field(default=None, repr=False)
-    #: Its entry among the fleet's recent admissions (model, member, tokens; admission.py),
-    #: when admission made it here and not at the edge (shed.py); marked when published.
-    admission: tuple[str, str, int] | None = field(default=None, repr=False)
-    #: The owner binding still to store (`ChatService.start` runs it beside the publish):
-    #: set for a new conversation, which no other principal can own yet.
-    bind: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
-
-    @property
-    def until(self) -> float:
-        return self.deadline_at + FOLLOW_GRACE_S
 
 
 def body_hash(req: ChatCompletionRequest, model: str) -> str:
@@ -89,10 +45,6 @@ def body_hash(req: ChatCompletionRequest, model: str) -> str:
     if req.prompt_format != "chat":  # a completion's prompt is no chat's message (older hashes unchanged)
         fields["prompt_format"] = req.prompt_format
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def deadline_error() -> APIError:
-    return APIError(504, "no answer before the request's deadline", "deadline_exceeded")
 
 
 def store_unavailable() -> APIError:
@@ -115,49 +67,12 @@ def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
     )
 
 
-def failure(terminal: Any) -> APIError:
-    """The client error for a terminal event that is not an answer."""
-    if terminal.type == "prompt.rejected":
-        return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
-    headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
-    # A worker's message names the field at fault first ("max_tokens: ..."), as the edge's do.
-    named = terminal.message.partition(":")[0]
-    param = named if named in NAMED_FIELDS else None
-    code = "context_length_exceeded" if terminal.code == "prompt_too_long" and param == "max_tokens" else terminal.code
-    return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, code, param, headers=headers)
-
-
-def outcome(terminal: Any) -> APIError | None:
-    """None for an answer, else the error the client gets (504 when no terminal came)."""
-    if terminal is None:
-        return deadline_error()
-    return None if terminal.type == "chat.completed" else failure(terminal)
-
-
-def usage_of(terminal: Any) -> dict:
-    return terminal.usage.model_dump()
-
-
-def extra_of(ticket: Ticket, terminal: Any) -> dict:
-    return {
-        "request_id": ticket.request_id,
-        "conv_id": ticket.conv_id,
-        "turn_id": ticket.turn_id,
-        "timings": terminal.timings.model_dump(),
-        "attached": ticket.attached,
-    }
-
-
 class ChatService:
-    def __init__(self, settings: GatewaySettings, pipeline: Pipeline):
+    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, admission: Admission | None = None):
         self.settings = settings
         self.pipeline = pipeline
-        self.in_flight: dict[str, int] = {}
-        self.recent = admission.FleetAdmissions(
-            pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
-        )
+        self.admission = admission or Admission(settings, pipeline)
         self.limiter = ratelimit.RateLimiter(pipeline.keys.redis)
-        self._background = Background()  # admission's bookkeeping after a publish
 
     # ---- admission -------------------------------------------------------------------
 
@@ -180,52 +95,31 @@ class ChatService:
             )
         if (context := self.pipeline.context_len(model)) is not None and req.token_limit() >= context:
             raise context_exceeded(req, context)
-        if self.in_flight.get(model, 0) >= self.settings.max_queue_per_model:  # the backstop
-            METRICS.rejections.labels(reason="overloaded").inc()
-            raise shed.backstop(model, self.in_flight[model])
         return model
 
     def budget_s(self, req: ChatCompletionRequest) -> float:
         return min(req.deadline_s or self.settings.deadline_s, self.settings.max_deadline_s)
 
-    def judge(
-        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
-    ) -> admission.Judge:
-        """The fleet-wide check of one request (FleetAdmissions): the estimate when the
-        fleet cannot finish it within `budget_s`, None to admit it. `workers`: the
-        workers' queue to judge with (the early gate's, so the two judge the same fleet
-        and differ only in what the others admitted); else as the heartbeats say then."""
-
-        def judge(stream: admission.StreamState, n: int, ahead: int) -> admission.Estimate | None:
-            queue = admission.combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
-            est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, self.settings.admission_margin)
-            return est if est.finish_s > budget_s else None
-
-        return judge
-
-    async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
-        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
-        its entry among the fleet's recent admissions (see admission.py) when it can.
-
-        The request is added to the fleet's recent admissions atomically with reading the
-        others' (with every request waiting for the same check), so concurrent
-        admissions on any gateway see each other."""
-        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s))
-        if refused is None:
-            return model, member, tokens
-        METRICS.rejections.labels(reason="deadline_unreachable").inc()
-        raise shed.overloaded(model, refused, budget_s)
-
     async def admit(
-        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None = None
+        self,
+        req: ChatCompletionRequest,
+        idem_key: str | None,
+        principal: str,
+        limits: Limits | None = None,
+        started: float | None = None,
+        lease: Lease | None = None,
     ) -> tuple[Ticket, ChatRequested | None]:
         """Admit a request for `principal`; the event to publish is None when it attaches
         to an earlier one. A conversation another principal started is 404 (not 403);
-        over the caller's rate `limits`, 429. The request's trace starts here."""
+        over the caller's rate `limits`, 429. The request's trace starts here, and its
+        recorded latency at `started` (time.perf_counter(); default: now). `lease`: the
+        admission the HTTP edge gave it (gateway.admission.hook.lease_of), if any."""
+        started = time.perf_counter() if started is None else started
         root = tracing.start("chat.request", model=req.model or self.settings.default_model, stream=req.stream)
         span = tracing.start("gateway.admission", parent=root)
         try:
-            ticket, event = await self._admission(req, idem_key, principal, limits)
+            held = {"trace": root, "started": started}
+            ticket, event = await self._admission(req, idem_key, principal, limits, lease, held)
         except BaseException as exc:
             why = f"{exc.status} {exc.code}" if isinstance(exc, APIError) else type(exc).__name__
             if isinstance(exc, APIError) and exc.status == 429:  # refused for a served model: counted as answered
@@ -234,36 +128,31 @@ class ChatService:
             tracing.end(root, why)
             raise
         tracing.end(span)
-        if event is None:  # attached to an earlier request: no new work ahead of anyone
-            await self._settle(ticket, published=False)
+        if event is None and ticket.lease is not None:  # attached to an earlier request: no new work
+            await ticket.lease.refused()
         if root is not None:
             root.set_attribute("arena.request_id", ticket.request_id)
             root.set_attribute("arena.attached", ticket.attached)
-            release = ticket.release
-
-            def release_and_end() -> None:  # a request whose output nobody follows ends its trace here
-                release()
-                tracing.end(root)
-
-            ticket.release = release_and_end
-        ticket.trace = root
         return ticket, event
 
     async def _admission(
-        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, limits: Limits | None
+        self,
+        req: ChatCompletionRequest,
+        idem_key: str | None,
+        principal: str,
+        limits: Limits | None,
+        edge: Lease | None,
+        held: dict[str, Any],
     ) -> tuple[Ticket, ChatRequested | None]:
+        """`held`: what the ticket carries beside the request's own fields (its trace, ...)."""
         model = self._check(req)
-        # Counted from here, with no await since the queue check, so a burst sees itself.
-        release = self.reserve(model)
-        if (edge := shed.current()) is not None:  # (the early gate counted it until now)
-            edge.gate.reserved(edge.model, edge.member)
-        admission_entry: tuple[str, str, int] | None = None
+        # Counted from here, with no await since the checks, so a burst sees itself.
+        lease = self.admission.lease(model, req.token_limit(), edge)
         try:
-            if edge is None or edge.entry is None:  # not judged fleet-wide at the edge
-                try:
-                    admission_entry = await self.in_time(model, req.token_limit(), self.budget_s(req))
-                except REDIS_DOWN as exc:
-                    raise store_unavailable() from exc
+            try:
+                await self.admission.judged(lease, self.budget_s(req))  # fleet-wide, unless the edge did
+            except REDIS_DOWN as exc:
+                raise store_unavailable() from exc
             verdict = None
             if limits is not None and not limits.off:
                 cost = ratelimit.cost_of(sum(len(m.text()) for m in req.messages), req.token_limit())
@@ -271,58 +160,41 @@ class ChatService:
                     verdict = await self.limiter.take(principal, limits, cost)
                 except REDIS_DOWN as exc:
                     raise store_unavailable() from exc
-            ticket, event = await self._admit(req, idem_key, principal, model, release)
+            held = {**held, "lease": lease, "headers": verdict.headers() if verdict else {}}
+            return await self._admit(req, idem_key, principal, model, held)
         except BaseException:
-            release()
-            if admission_entry is not None:  # refused after the deadline check: not ahead of anyone
-                with suppress(*REDIS_DOWN):
-                    await self.recent.remove(*admission_entry)
+            lease.release()
+            await lease.refused()  # refused after the fleet-wide check: not ahead of anyone
             raise
-        ticket.headers = verdict.headers() if verdict else {}
-        ticket.admission = admission_entry
-        return ticket, event
-
-    async def _settle(self, ticket: Ticket, published: bool) -> None:
-        """The request is published (it shows in the consumers' state from now on), or will
-        not be (attached to an earlier one, or its publish failed)."""
-        if (edge := shed.current()) is not None:
-            await edge.settle(published)
-        if ticket.admission is not None:
-            model, member, tokens = ticket.admission
-            ticket.admission = None
-            with suppress(*REDIS_DOWN):
-                await self.recent.settle(model, member, tokens, published)
-
-    def _published(self, ticket: Ticket) -> None:
-        """`_settle(published=True)` off the request's path: its first token need not wait
-        for the Redis and NATS calls that only admission's counting needs."""
-        edge = shed.current()
-        if edge is not None and edge.claim():
-            self._background.spawn(edge.record(published=True))
-        if ticket.admission is not None:
-            self._background.spawn(self._settle(ticket, published=True))
 
     async def _admit(
-        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, release: Callable[[], None]
+        self, req: ChatCompletionRequest, idem_key: str | None, principal: str, model: str, held: dict[str, Any]
     ) -> tuple[Ticket, ChatRequested | None]:
         req = with_model_defaults(req, model_defaults(self.pipeline.live_beats()).get(model))
         request_id = new_id()
         conv_id = req.conv_id or request_id
         turn_id = req.turn_id if req.turn_id is not None else 0
-        budget = self.budget_s(req)
         key = idem_key or (f"turn:{req.conv_id}:{req.turn_id}" if req.conv_id and req.turn_id is not None else None)
-        ticket = Ticket(request_id, conv_id, turn_id, model, time.time() + budget, attached=False, key=key)
+        # A new conversation's owner is bound beside the publish; no other principal can own it yet.
+        new = req.conv_id is None and key is None
+        ticket = Ticket(
+            request_id,
+            conv_id,
+            turn_id,
+            model,
+            time.time() + self.budget_s(req),
+            attached=False,
+            key=f"{principal}:{key}" if key else None,  # one caller's key never meets another's
+            bind=partial(self.pipeline.keys.bind_owner, request_id, conv_id, principal) if new else None,
+            **held,
+        )
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         event: ChatRequested | None = None
         try:
-            if req.conv_id is None and key is None:  # a new conversation: bound beside the publish
-                ticket.bind = partial(self.pipeline.keys.bind_owner, request_id, conv_id, principal)
-            elif await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
+            if not new and await self.pipeline.keys.bind_owner(request_id, conv_id, principal) != principal:
                 METRICS.rejections.labels(reason="not_owner").inc()
                 raise not_found("conversation", conv_id, "conv_id")
-            key = f"{principal}:{key}" if key else None  # one caller's key never meets another's
-            ticket.key = key
-            if key and (earlier := await self._claim(key, req, ticket)) is not None:
+            if ticket.key and (earlier := await self._claim(ticket.key, req, ticket)) is not None:
                 ticket = earlier
             else:
                 if req.conv_id and req.seed is None:
@@ -331,7 +203,6 @@ class ChatService:
         except REDIS_DOWN as exc:
             log.warning("redis unavailable at admission: %s", exc, extra={"request_id": request_id})
             raise store_unavailable() from exc
-        ticket.release = release
         return ticket, event
 
     async def remember(self, ticket: Ticket, holder: str | None = None) -> None:
@@ -344,7 +215,7 @@ class ChatService:
             if holder is not None:
                 await self.pipeline.keys.hold(ticket.request_id, holder)
         except REDIS_DOWN as exc:
-            ticket.release()
+            await self.abandon(ticket)
             raise store_unavailable() from exc
 
     async def _claim(self, key: str, req: ChatCompletionRequest, ticket: Ticket) -> Ticket | None:
@@ -362,9 +233,7 @@ class ChatService:
         if held["request_id"] == ticket.request_id:
             return None
         METRICS.idempotent_hits.inc()
-        return Ticket(
-            held["request_id"], ticket.conv_id, ticket.turn_id, ticket.model, ticket.deadline_at, attached=True, key=key
-        )
+        return replace(ticket, request_id=held["request_id"], attached=True)
 
     @staticmethod
     def _event(
@@ -398,8 +267,11 @@ class ChatService:
 
     # ---- running ---------------------------------------------------------------------
 
-    async def start(self, ticket: Ticket, event: ChatRequested | None, *, after_seq: int = -1) -> Output:
-        """Follow the request's output, then publish it (when it is new).
+    async def start(
+        self, ticket: Ticket, event: ChatRequested | None, *, after_seq: int = -1, leave: Leave | None = None
+    ) -> RequestSession:
+        """Follow the request's output, then publish it (when it is new): its session.
+        `leave`: what to do with it when its client leaves before the end (default: `cancel`).
 
         A publish that fails gives a 503 before any response is sent, and unbinds the
         idempotency key, so the client's retry runs the request instead of waiting on one
@@ -407,29 +279,41 @@ class ChatService:
         output = self.pipeline.output(
             ticket.request_id, ticket.until, after_seq=after_seq, replay=ticket.attached or after_seq >= 0
         )
-        output.on_close = _closer(ticket, output, tracing.start("client.stream", parent=ticket.trace))
+        span = tracing.start("client.stream", parent=ticket.trace)
         try:
             await output.open()
-        except BaseException:
-            await self._settle(ticket, published=False)
-            await output.close()
+            if event is not None:
+                with tracing.within(ticket.trace):  # the event carries the request's trace
+                    await self._publish(ticket, event)
+        except BaseException as exc:
+            tracing.end(span, ending(None))
+            ticket.close(ending(None))
+            with anyio.CancelScope(shield=True):
+                await output.close()
+                await self.abandon(ticket, unbind=isinstance(exc, APIError))
             raise
-        if event is None:
-            return output
-        try:
-            with tracing.within(ticket.trace):  # the event carries the request's trace
-                await self._publish(ticket, event)
-        except APIError:
-            await self._settle(ticket, published=False)
-            await output.close()
-            if ticket.key:
-                try:
-                    await self.pipeline.keys.release_key(ticket.key, ticket.request_id)
-                except REDIS_DOWN:
-                    log.warning("could not release the idempotency key", extra={"request_id": ticket.request_id})
-            raise
-        self._published(ticket)
-        return output
+        if event is not None and ticket.lease is not None:
+            ticket.lease.published()
+        return RequestSession(ticket, output, span, self.cancel if leave is None else leave)
+
+    async def abandon(self, ticket: Ticket, unbind: bool = True) -> None:
+        """An admitted request that will not run from here (refused after admission, or
+        never started): its queue place and trace given back, its admission dropped, and
+        (`unbind`) its idempotency key unbound, so a retry runs it."""
+        ticket.close(ending(None))
+        if ticket.lease is not None:
+            await ticket.lease.refused()
+        if unbind and ticket.key and not ticket.attached:
+            try:
+                await self.pipeline.keys.release_key(ticket.key, ticket.request_id)
+            except REDIS_DOWN:
+                log.warning("could not release the idempotency key", extra={"request_id": ticket.request_id})
+
+    async def cancel(self, ticket: Ticket) -> None:
+        """Stop a request whose client left (the sessions' default `leave`); not one this
+        client attached to, which another client may still be waiting for."""
+        if not ticket.attached:
+            await self.pipeline.cancel(ticket.request_id, ticket.conv_id, ticket.turn_id)
 
     async def _publish(self, ticket: Ticket, event: ChatRequested) -> None:
         """Publish the request; a new conversation's owner is stored at the same time (one
@@ -452,48 +336,3 @@ class ChatService:
             raise store_unavailable() from bound
         if isinstance(bound, BaseException):
             raise bound
-
-    async def finish(self, ticket: Ticket, output: Output) -> Any:
-        """Wait for a started request's terminal event (None past its deadline)."""
-        async with output:
-            async for _ in output:
-                pass
-            return output.terminal
-
-    def reserve(self, model: str) -> Callable[[], None]:
-        """Count a request against its model's queue until the returned function is called."""
-        self.in_flight[model] = self.in_flight.get(model, 0) + 1
-        METRICS.in_flight.labels(model).inc()
-        done = False
-
-        def release() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.in_flight[model] -= 1
-                METRICS.in_flight.labels(model).dec()
-
-        return release
-
-    @staticmethod
-    def record(model: str, err: APIError | None, started: float) -> None:
-        """The request's outcome in the metrics, for every transport."""
-        METRICS.requests.labels(model, "200" if err is None else str(err.status)).inc()
-        if err is None:
-            METRICS.latency.labels(model).observe(time.perf_counter() - started)
-
-
-def _closer(ticket: Ticket, output: Output, stream: Span | None) -> Callable[[], None]:
-    """What closing a request's output does: give back its queue place, end its trace
-    (failed when no answer came: an error, the deadline, or a client gone first)."""
-
-    def close() -> None:
-        terminal = output.terminal
-        error = None if terminal is not None and terminal.type == "chat.completed" else "no answer"
-        if terminal is not None and error:
-            error = getattr(terminal, "code", None) or terminal.type
-        tracing.end(stream, error)
-        tracing.end(ticket.trace, error)
-        ticket.release()
-
-    return close

@@ -7,11 +7,17 @@ of the answer looks like on the wire, and nothing else.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from events.models import TokenLogprob
+
+
+def sse(body: dict) -> str:
+    """One server-sent event carrying `body` as JSON."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:

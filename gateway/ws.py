@@ -32,15 +32,17 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from events import subjects
-from events.models import FAILURE_TYPES, ChatMessage, new_id
+from events.models import ChatMessage, new_id
 from gateway import errors
 from gateway.access import limits_of, not_found, principal_of
-from gateway.edge import FrameError, WebSocketProtocol, parse_frame
+from gateway.admission.uvicorn_adapter import WebSocketProtocol
+from gateway.conversation import conversation_state
+from gateway.edge import FrameError, parse_frame
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import Output
 from gateway.protocol import ChatCompletionRequest, Deadline, Seed, Temperature, Text, Tokens
-from gateway.serving import ChatService, Ticket, outcome, usage_of
+from gateway.serving import ChatService
+from gateway.session import RequestSession, Ticket, usage_of
 from gateway.settings import GatewaySettings
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
@@ -63,29 +65,6 @@ class TurnFrame(BaseModel):
     temperature: Temperature | None = None
     seed: Seed | None = None
     deadline_s: Deadline | None = None
-
-
-@dataclass
-class Conversation:
-    turn_id: int = 0
-    attempt: int = 0
-    messages: list[ChatMessage] = field(default_factory=list)
-
-
-def conversation_state(events: list) -> Conversation:
-    """The next turn of a conversation, from its events in stream order (pure logic)."""
-    requested = {e.request_id: e for e in events if e.type == "chat.requested"}
-    failed = {e.request_id for e in events if e.type in FAILURE_TYPES}
-    last = None
-    for e in events:
-        if e.type == "chat.completed" and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
-            last = e
-    conv = Conversation()
-    if last is not None:
-        conv.turn_id = last.turn_id + 1
-        conv.messages = [*requested[last.request_id].messages, ChatMessage(role="assistant", content=last.text)]
-    conv.attempt = sum(1 for r in requested.values() if r.turn_id == conv.turn_id and r.request_id in failed)
-    return conv
 
 
 class Gone(Exception):
@@ -203,29 +182,28 @@ class Session:
             stream=True,
             **frame.model_dump(include={"max_tokens", "temperature", "seed", "deadline_s"}, exclude_none=True),
         )
-        admission = asyncio.ensure_future(self._admit(req, f"ws:{self.conv_id}:{conv.turn_id}:{conv.attempt}"))
+        admission = asyncio.ensure_future(self._admit(req, f"ws:{self.conv_id}:{conv.turn_id}:{conv.attempt}", started))
         try:
-            ticket, output = await asyncio.shield(admission)
+            session = await asyncio.shield(admission)
         except APIError as err:
             return await self.error(err, turn_id=conv.turn_id)
         except asyncio.CancelledError:
             admission.add_done_callback(self._abandon)
             raise
-        await self.follow(ticket, output, started)
+        await self.follow(session)
 
-    async def _admit(self, req: ChatCompletionRequest, key: str) -> tuple[Ticket, Output]:
+    async def _admit(self, req: ChatCompletionRequest, key: str, started: float) -> RequestSession:
         """Admit and publish in one step that a client leaving cannot cut in half: a
         claimed idempotency key with no request behind it would hang the turn's retry."""
         chat = self.deps.chat
-        ticket, event = await chat.admit(req, key, self.principal, self.limits)
+        ticket, event = await chat.admit(req, key, self.principal, self.limits, started)
         await chat.remember(ticket, holder=self.token)
-        return ticket, await chat.start(ticket, event)
+        return await chat.start(ticket, event, leave=self._cancel_later)
 
     def _abandon(self, admission: asyncio.Future) -> None:
+        """The turn's admission went on after its client left: its session ends (`_cancel_later`)."""
         if not admission.cancelled() and admission.exception() is None:
-            ticket, output = admission.result()
-            self.deps.spawn(output.close())
-            self.deps.spawn(self._cancel_later(ticket))
+            self.deps.spawn(admission.result().close())
 
     async def resume(self, request_id: str, last_seq: int) -> None:
         pipeline = self.deps.chat.pipeline
@@ -245,20 +223,16 @@ class Session:
             request_id, self.conv_id, record["turn_id"], record["model"], record["deadline_at"], attached=True
         )
         await pipeline.keys.hold(request_id, self.token)
-        output = await pipeline.output(request_id, ticket.until, after_seq=last_seq, replay=True).open()
-        await self.follow(ticket, output, time.perf_counter())
+        await self.follow(await self.deps.chat.start(ticket, None, after_seq=last_seq, leave=self._cancel_later))
 
-    async def follow(self, ticket: Ticket, output: Output, started: float) -> None:
+    async def follow(self, session: RequestSession) -> None:
         """Send the request's chunks, then `done` or `error`; a client gone midway leaves
-        the request running for the resume grace."""
-        chat = self.deps.chat
-        ids = {"request_id": ticket.request_id, "turn_id": ticket.turn_id}
-        finished = False
-        try:
-            async for chunk in output:
+        the request running for the resume grace (`_cancel_later`)."""
+        ids = {"request_id": session.ticket.request_id, "turn_id": session.ticket.turn_id}
+        async with session:
+            async for chunk in session:
                 await self.send({"type": "chunk", **ids, "seq": chunk.seq, "text": chunk.text})
-            terminal, err = output.terminal, outcome(output.terminal)
-            chat.record(ticket.model, err, started)
+            terminal, err = session.terminal, session.error
             if err is not None:
                 await self.error(err, **ids)
             else:
@@ -272,14 +246,13 @@ class Session:
                         "text": terminal.text,
                     }
                 )
-            finished = True
-        finally:
-            await output.close()
-            if not finished:
-                self.deps.spawn(self._cancel_later(ticket))
 
     async def _cancel_later(self, ticket: Ticket) -> None:
-        """Cancel a request whose client went away, unless a socket resumed it meanwhile."""
+        """The `leave` of this socket's requests: off the socket's path, cancel the request
+        after the resume grace, unless a socket resumed it meanwhile."""
+        self.deps.spawn(self._cancel_after_grace(ticket))
+
+    async def _cancel_after_grace(self, ticket: Ticket) -> None:
         await asyncio.sleep(self.grace_s)
         pipeline = self.deps.chat.pipeline
         try:

@@ -36,7 +36,8 @@ import yaml
 from events import arena_readmodel as arm
 from events import readmodel as rm
 from events import topology
-from gateway import admission, keys, ratelimit
+from gateway import keys, ratelimit
+from gateway.admission import recent
 from infra.nats_auth import kubernetes_secret
 
 #: The operator's user (`arena rebuild-readmodel`): every key and command.
@@ -106,12 +107,12 @@ ACCESS: dict[str, Access] = {
             pattern(keys.SEED),
             pattern(keys.HOLDER),
             pattern(ratelimit.BUCKETS),
-            pattern(admission.RECENT_KEY),
+            pattern(recent.RECENT_KEY),
             arm.SECRET,
             f"{arm.INTEGRITY}:*",  # the vote rules' counters and voter records
         ),
         commands=("get", "set", "del", "zrem", "incrby", "expire"),  # as redis-py sends them (incr: INCRBY)
-        scripts=(ratelimit.TAKE, admission.RECENT, admission.PUBLISHED, admission.PUBLISHED_HERE),
+        scripts=(ratelimit.TAKE, recent.RECENT, recent.PUBLISHED, recent.PUBLISHED_HERE),
     ),
     topology.LEADERBOARD.name: Access(writes=LEADERBOARDS, commands=("set",)),
 }

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from events.arena_readmodel import HISTORY, load_leaderboard
 from gateway.access import limits_of, principal_of
 from gateway.arena.categories import CATEGORIES
 from gateway.arena.pairing import PairPolicy
 from gateway.arena.protocol import BattleView, HistoryView, LeaderboardView, TurnRequest, VoteRequest
-from gateway.arena.service import ArenaService, view
+from gateway.arena.service import ArenaService, close_turn, view
 from gateway.errors import APIError, errors
 from gateway.serving import ChatService
 from gateway.settings import GatewaySettings
@@ -78,7 +79,13 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         Each side keeps its own conversation, so later turns see that side's earlier answers."""
         battle = await load(battle_id, request)
         n, sides = await arena.open_turn(battle, body, principal_of(request), limits_of(request))
-        return StreamingResponse(arena.stream_turn(battle, n, sides), media_type="text/event-stream", headers=NO_STORE)
+        # The background close also runs when the client left before the body started.
+        return StreamingResponse(
+            arena.stream_turn(battle, n, sides),
+            media_type="text/event-stream",
+            headers=NO_STORE,
+            background=BackgroundTask(close_turn, sides),
+        )
 
     @r.post("/battles/{battle_id}/vote", response_model=BattleView, responses=errors(400, 404, 409, 503))
     async def vote(battle_id: str, body: VoteRequest, request: Request) -> BattleView:

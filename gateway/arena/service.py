@@ -10,9 +10,7 @@ are never sent.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,22 +28,20 @@ from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identi
 from gateway.arena.pairing import NoPair, PairPolicy, active_pair, pair_stats, sample_pair
 from gateway.arena.protocol import BattleView, TurnRequest
 from gateway.arena.state import Battle, fold
+from gateway.conversation import conversation_state
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import NATS_DOWN, Output, stream_unavailable
+from gateway.pipeline import NATS_DOWN, stream_unavailable
 from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
-from gateway.serving import ChatService, Ticket, outcome
+from gateway.serving import ChatService
+from gateway.session import RequestSession, Ticket
+from gateway.shapes import sse
 from gateway.variants import model_defaults, model_owners
-from gateway.ws import conversation_state
 from runtime.redis import REDIS_DOWN
 from runtime.stream import read_events
 
 log = logging.getLogger(__name__)
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 @dataclass
@@ -53,7 +49,7 @@ class Side:
     side: str
     ticket: Ticket
     event: Any  # ChatRequested, or None when it attached to a running request
-    output: Output | None = None
+    session: RequestSession | None = None
 
 
 class ArenaService:
@@ -223,42 +219,30 @@ class ArenaService:
                 )
             )
             for s in sides:
-                s.output = await self.chat.start(s.ticket, s.event)
+                s.session = await self.chat.start(s.ticket, s.event)
         except APIError as err:
-            await self._abandon(sides)
+            for s in sides:  # a started side is stopped; a side only admitted is let go
+                await (s.session.close() if s.session is not None else self.chat.abandon(s.ticket))
             raise self.neutral(err, battle) from None
         return n, sides
 
-    async def _abandon(self, sides: list[Side]) -> None:
-        for s in sides:
-            s.ticket.release()
-            if s.output is not None:
-                await s.output.close()
-                await self.pipeline.cancel(s.ticket.request_id, s.ticket.conv_id, s.ticket.turn_id)
-            elif s.ticket.key and not s.ticket.attached:
-                try:
-                    await self.pipeline.keys.release_key(s.ticket.key, s.ticket.request_id)
-                except REDIS_DOWN:
-                    log.warning("could not release a battle turn's key", extra={"request_id": s.ticket.request_id})
-
     async def stream_turn(self, battle: Battle, n: int, sides: list[Side]) -> AsyncIterator[str]:
-        """SSE: both sides' chunks as they come, each tagged with its side; then [DONE]."""
-        started = time.perf_counter()
+        """SSE: both sides' chunks as they come, each tagged with its side; then [DONE]. A
+        client gone first stops both sides (their sessions' exits)."""
         queue: asyncio.Queue = asyncio.Queue()
         head = {"object": "arena.battle.chunk", "battle_id": battle.battle_id, "turn_id": n}
 
         async def pump(s: Side) -> None:
+            assert s.session is not None, "start() every side before streaming"
             err: APIError | None = None
             terminal = None
             try:
-                assert s.output is not None, "start() every side before streaming"
-                async with s.output:  # closing it gives back the side's queue place
-                    async for chunk in s.output:
+                async with s.session:  # closing it gives back the side's queue place
+                    async for chunk in s.session:
                         await queue.put((s.side, chunk.text, None, None))
-                    if rest := s.output.remainder():
+                    if rest := s.session.remainder():
                         await queue.put((s.side, rest, None, None))
-                terminal, err = s.output.terminal, outcome(s.output.terminal)
-                self.chat.record(s.ticket.model, err, started)
+                    terminal, err = s.session.terminal, s.session.error
             except Exception as exc:
                 log.error("battle side failed", exc_info=exc, extra={"request_id": s.ticket.request_id})
                 err = APIError(500, f"internal error ({type(exc).__name__})", "internal_error")
@@ -282,10 +266,8 @@ class ArenaService:
         finally:
             for t in tasks:
                 t.cancel()
-            if ended < len(sides):  # the client went away: stop both models
-                with anyio.CancelScope(shield=True):
-                    for s in sides:
-                        await self.pipeline.cancel(s.ticket.request_id, s.ticket.conv_id, s.ticket.turn_id)
+            with anyio.CancelScope(shield=True):
+                await close_turn(sides)
 
     # ---- voting ----------------------------------------------------------------------
 
@@ -370,6 +352,13 @@ class ArenaService:
     async def answers(self, battle: Battle) -> list[tuple[Any, Any]]:
         """Each turn's two terminal events (None while a side runs), in turn order."""
         return [(await self.terminal(t.request_a), await self.terminal(t.request_b)) for t in battle.turns]
+
+
+async def close_turn(sides: list[Side]) -> None:
+    """Close both sides' sessions (each stops its request when its client left before its end)."""
+    for s in sides:
+        if s.session is not None:
+            await s.session.close()
 
 
 def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:

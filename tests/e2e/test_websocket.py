@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from events.models import ChatCompleted, ChatFailed, ChatMessage, ChatRequested, SamplingParams, Timings, Usage, new_id
-from gateway.ws import Conversation, conversation_state
+from gateway.conversation import Conversation, conversation_state
 from runtime.stream import conversation_events, request_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

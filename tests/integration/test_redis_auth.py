@@ -18,7 +18,8 @@ from redis.retry import Retry
 
 from events import arena_readmodel as arm
 from events.readmodel import RESULT, ReadModel
-from gateway.admission import FleetAdmissions, StreamState
+from gateway.admission.estimate import StreamState
+from gateway.admission.recent import FleetAdmissions
 from gateway.arena.integrity import Integrity, IntegrityConfig
 from gateway.keys import GatewayKeys
 from gateway.ratelimit import Limits, RateLimiter

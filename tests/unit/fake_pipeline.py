@@ -25,7 +25,7 @@ from events.models import (
     Usage,
 )
 from events.readmodel import ReadModel
-from gateway.admission import StreamState
+from gateway.admission.estimate import StreamState
 from gateway.keys import GatewayKeys
 from gateway.pipeline import Pipeline, stream_unavailable
 from gateway.settings import GatewaySettings

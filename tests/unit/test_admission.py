@@ -8,7 +8,8 @@ import time
 import fakeredis
 import pytest
 
-from gateway.admission import FleetAdmissions, ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
+from gateway.admission.estimate import ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
+from gateway.admission.recent import FleetAdmissions
 
 
 def q(requests=0, tokens=0, slots=32, step_s=0.01, full_step_s=0.02, measured_at=None) -> ModelQueue:

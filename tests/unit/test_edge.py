@@ -194,7 +194,7 @@ async def test_over_the_connection_limit_is_json_503_not_uvicorns_text():
     protocol answers the same limit in the API's error shape (real uvicorn server)."""
     import uvicorn
 
-    from gateway.edge import head_timeout_protocol
+    from gateway.admission.uvicorn_adapter import head_timeout_protocol
     from runtime.net import free_port
 
     s = settings()

@@ -1,4 +1,4 @@
-"""The gateway protocol's timers against connections that outlive them (gateway/edge.py),
+"""The gateway protocol's timers against connections that outlive them (gateway/admission/uvicorn_adapter.py),
 on a real uvicorn server over loopback with a head timeout of 0.3 s: a timer armed for
 one protocol must never fire into a connection that now speaks another (a WebSocket
 was cut with a 408 written into its frames 10 s after it opened), nor into a response
@@ -16,8 +16,8 @@ import websockets
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from gateway.admission.uvicorn_adapter import WebSocketProtocol, head_timeout_protocol
 from gateway.app import build_app
-from gateway.edge import WebSocketProtocol, head_timeout_protocol
 from tests.unit.fake_pipeline import FakePipeline, settings
 
 HEAD_TIMEOUT_S = 0.3

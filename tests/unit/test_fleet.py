@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 
 from events.fleet import InferenceBeat, ModelLoad
-from gateway.admission import StreamState
+from gateway.admission.estimate import StreamState
 from gateway.fleet import FleetCollector
 from gateway.pipeline import LATE_BEAT_S
 from gateway.settings import GatewaySettings

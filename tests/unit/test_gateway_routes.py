@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
+from gateway.admission.estimate import ModelQueue
 from gateway.app import build_app
 from tests.unit.fake_pipeline import FakePipeline, settings
 
@@ -202,7 +204,7 @@ async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
     assert codes.count(429) == 6, codes
     assert REGISTRY.get_sample_value("arena_req_total", refused) == before + 6  # counted per model
     assert all(r.headers["content-type"].startswith(("application/json", "text/event-stream")) for r in rs)
-    assert app.state.chat.in_flight["stories-260k"] == 0
+    assert app.state.chat.admission.in_flight["stories-260k"] == 0
 
 
 def test_a_temperature_the_sampler_cannot_honour_is_400_on_every_transport():
@@ -248,3 +250,23 @@ def test_redis_lost_while_a_new_conversation_is_bound_is_503_and_the_request_is_
     assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
     kinds = [e.type for e in pipeline.published]
     assert kinds == ["chat.requested", "chat.cancelled"]
+
+
+async def test_the_edge_lease_is_the_one_the_request_is_served_and_published_with():
+    """The early gate's lease (middleware) travels to the route and the serving layer: it
+    is published with the request (the gate's entry marked, not dropped), the fleet-wide
+    entry recorded once, and the queue place given back; no second check in between."""
+    s = settings()
+    pipeline = FakePipeline(s)
+    pipeline.queue = lambda model: ModelQueue(32, 0, 0, 0.02, 0.02, time.time())  # measured: the gate judges
+    app = build_app(s, pipeline)
+    admission = app.state.admission
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        r = await client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    await asyncio.gather(*admission.background)
+    [(member, (_, tokens))] = admission.gate.passed["stories-260k"].items()  # published, not dropped
+    assert tokens == 64 and admission.gate.unreserved["stories-260k"] == {}
+    recent = await admission.recent.redis.zrange("arena:admitted:stories-260k", 0, -1)
+    assert recent == [f"{member}:64".encode()]  # the lone gateway's entry, recorded once published
+    assert admission.in_flight["stories-260k"] == 0

@@ -1,5 +1,5 @@
-"""The HTTP protocol holding a request for a later verdict (gateway/edge.py, used by the
-early gate in gateway/shed.py), on a real uvicorn server over loopback: a held request's
+"""The HTTP protocol holding a request for a later verdict (gateway/admission/uvicorn_adapter.py, used by
+the early gate in gateway/admission/hook.py), on a real uvicorn server over loopback: a held request's
 task does not get the end of its body until the verdict; a refusal is written by the protocol and
 the app never sees the request; requests let on resume in arrival order."""
 
@@ -10,7 +10,7 @@ import socket
 
 import uvicorn
 
-from gateway.edge import HOLD, head_timeout_protocol
+from gateway.admission.uvicorn_adapter import HOLD, head_timeout_protocol
 
 
 async def _serve(refuse):

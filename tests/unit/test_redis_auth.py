@@ -14,7 +14,8 @@ from redis.connection import parse_url
 from events import arena_readmodel as arm
 from events import readmodel as rm
 from events import topology
-from gateway import admission, keys, ratelimit
+from gateway import keys, ratelimit
+from gateway.admission import recent
 from infra import redis_auth
 from runtime.redis import masked
 from tests.conftest import REPO
@@ -56,7 +57,7 @@ def test_a_new_role_gets_a_user_that_may_only_authenticate_and_ping(monkeypatch)
         (keys.SEED.format("c", 1), {"gateway"}, {"gateway"}),
         (keys.HOLDER.format("r1"), {"gateway"}, {"gateway"}),
         (ratelimit.BUCKETS.format("key:ab12", "req"), {"gateway"}, {"gateway"}),
-        (admission.RECENT_KEY.format("stories-260k"), {"gateway"}, {"gateway"}),
+        (recent.RECENT_KEY.format("stories-260k"), {"gateway"}, {"gateway"}),
         (arm.SECRET, {"gateway"}, {"gateway"}),
         (arm.integrity_daily("v1", "2026-01-01"), {"gateway"}, {"gateway"}),
         (arm.LEADERBOARD, {"leaderboard"}, {"gateway"}),

@@ -7,7 +7,8 @@ import json
 from events import topology
 from events.models import ChatFailed, FilterReport, PromptRejected
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import body_hash, failure, outcome
+from gateway.serving import body_hash
+from gateway.session import failure, outcome
 from infra.asyncapi import schema_json
 
 

@@ -5,14 +5,14 @@ The event loop serves a burst in arrival order, stage by stage: without this, a 
 refused by admission waits behind every earlier request's body validation, Redis calls
 and publish, and its 429 leaves after about a second on a busy gateway. On the admission
 routes (`POST /v1/chat/completions`, `POST /chat`), the gate reads the token budget and
-deadline from the body itself as uvicorn's protocol reads it (`EarlyGate.refusal`), and
+deadline from the body itself as uvicorn's protocol reads it (`edge.refusal`), and
 
 1. judges the request from what this process already knows, with no I/O: the fleet's
    queue (heartbeats, the consumers' state) plus the requests this gateway and its
    peers let through lately (peers tell each other on core NATS, `SUBJECT`); past the
    deadline, the protocol writes the whole 429 before any task runs;
 2. holds a request it let through from its task (the task does no work) until the
-   fleet-wide check answers (`ChatService.judge` in `FleetAdmissions`: one Redis script
+   fleet-wide check answers (`Admission.judge` in `FleetAdmissions`: one Redis script
    for every request waiting, shared by all gateways); a refusal there is written by
    the protocol too, at once, so a burst split over several gateways is refused after
    one Redis round trip, not behind the admitted requests' validation and publish.
@@ -30,13 +30,12 @@ is split evenly among the gateways heard from. A gateway with no peer alive (`AL
 skips step 2 and the news: its gate sees what the check would, so the request goes on
 with no Redis round trip before its publish.
 
-`EarlyAdmission` (middleware) does the same for a request the protocol did not judge
-(the check with `ChatService.in_time`, before any heavier step).
+`edge.EarlyAdmission` (middleware) does the same for a request the protocol did not
+judge (the check with `Admission.in_time`, before any heavier step).
 
 Refusals are the same 429 with Retry-After that admission gives elsewhere (WebSocket and
-arena turns are judged by `ChatService.admit` alone). `Edge` follows the request: its
-entries are marked when it is published (`ChatService.start`) and dropped when it is
-refused or fails.
+arena turns are judged by the serving layer alone). The request's `Lease` follows it:
+its entries are marked when it is published and dropped when it is refused or fails.
 
 (A window letting only a few admitted requests do their heavier steps at once was
 tried: refusals came no sooner with two gateways, and admission slowed enough that
@@ -48,50 +47,31 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
 from contextlib import suppress
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from events import subjects
-from events.models import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, new_id
-from gateway import admission
-from gateway.access import bearer
-from gateway.edge import ARRIVED, HOLD, TIMINGS
+from events.models import new_id
+from gateway.admission import estimate
+from gateway.admission.estimate import backstop, overloaded
+from gateway.admission.recent import PENDING_S, VISIBILITY_LAG_S, FleetAdmissions
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import NATS_DOWN
-from gateway.protocol import COMPLETION_MAX_TOKENS
+from gateway.settings import GatewaySettings
 from runtime.background import Background
-from runtime.redis import REDIS_DOWN
 
-#: The routes whose requests go through admission, how each names its token budget, and
-#: the budget when the body names none.
-ROUTES = {
-    "/v1/chat/completions": (("max_completion_tokens", "max_tokens"), DEFAULT_MAX_TOKENS),
-    "/chat": (("max_tokens",), DEFAULT_MAX_TOKENS),
-    "/v1/completions": (("max_tokens",), COMPLETION_MAX_TOKENS),
-}
 SUBJECT = subjects.GATEWAY_ADMITTED
 #: The early gate judges with a margin this much wider than the fleet-wide check's: its
 #: view (local, peers' news, heartbeats of the moment) differs a little from the one the
 #: Redis-backed check sees a moment later, and a request near the limit had better be
 #: refused at once than let on and refused there, behind the burst's work.
 STRICTER = 1.1
-#: Scope keys: (model, member, tokens) of a request the protocol's gate let through, and
-#: its entry among the fleet's recent admissions once the fleet-wide check admitted it.
-PASSED, CHECKED = "arena.passed", "arena.checked"
 #: Demand (requests judged) is compared over this many whole seconds before the current
 #: one; peers report theirs every DEMAND_EVERY_S and are gone when silent PEER_SILENT_S.
 DEMAND_WINDOW_S, DEMAND_EVERY_S, PEER_SILENT_S = 5, 1.0, 3.5
-#: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
-#: peer alive, the gate sees every request the fleet-wide check would (its own), so
-#: neither the check's Redis round trip nor news to peers is spent on it; it is recorded
-#: among the fleet's recent admissions once published, off the request's path.
-ALONE: tuple[str, str, int] = ("", "", 0)
 
 
 class Demand:
@@ -124,82 +104,14 @@ def share(mine: float, theirs: list[float]) -> float:
     return even if total <= 0 else max(even, mine / total)
 
 
-@dataclass
-class Edge:
-    """What the edge did for a request: its early-gate and fleet-wide entries; `settle`
-    marks or drops them once (published or not)."""
-
-    gate: EarlyGate
-    model: str
-    member: str  # in the early gate
-    entry: tuple[str, str, int] | None = None  # among the fleet's recent admissions
-    settled: bool = False
-
-    def claim(self) -> bool:
-        """True once: the caller records the outcome (`record`)."""
-        claimed, self.settled = not self.settled, True
-        return claimed
-
-    async def settle(self, published: bool) -> None:
-        if self.claim():
-            await self.record(published)
-
-    async def record(self, published: bool) -> None:
-        recent = self.gate.chat.recent
-        tokens = self.gate.passed.get(self.model, {}).get(self.member, (0.0, 0))[1]
-        if published:
-            await self.gate.published(self.model, self.member)
-        else:
-            await self.gate.forget(self.model, self.member)
-        with suppress(*REDIS_DOWN):
-            if self.entry is ALONE:
-                if published:  # off the request's path (ChatService._published)
-                    await recent.published_here(self.model, self.member, tokens)
-            elif self.entry is not None:
-                await recent.settle(*self.entry, published)
-
-
-_EDGE: ContextVar[Edge | None] = ContextVar("arena_edge_admission", default=None)
-
-
-def current() -> Edge | None:
-    """The edge's admission of the request being served (None off the admission routes)."""
-    return _EDGE.get()
-
-
-def overloaded(model: str, est: admission.Estimate, budget_s: float) -> APIError:
-    """The 429 admission answers for a request the fleet cannot finish within `budget_s`."""
-    return APIError(
-        429,
-        f"model '{model}' cannot answer within {budget_s:g} s now (estimated {est.finish_s:.1f} s); retry later"
-        if not math.isinf(est.finish_s)
-        else f"model '{model}' is being measured; retry shortly",
-        "overloaded",
-        None,
-        headers={"Retry-After": str(admission.retry_after_s(est, budget_s))},
-    )
-
-
-def backstop(model: str, queued: int) -> APIError:
-    """The 429 past the hard cap of requests in flight per model and gateway."""
-    return APIError(
-        429,
-        f"model '{model}' has {queued} requests queued; retry later",
-        "overloaded",
-        None,
-        headers={"Retry-After": "1"},
-    )
-
-
-def _number(value: Any) -> float | None:
-    return value if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
-
-
 class EarlyGate:
     """What this gateway and its peers let through lately, per model, and the decision."""
 
-    def __init__(self, chat: Any):
-        self.chat, self.pipeline, self.settings = chat, chat.pipeline, chat.settings
+    def __init__(self, settings: GatewaySettings, pipeline: Any, recent: FleetAdmissions, in_flight: dict[str, int]):
+        """`pipeline`: the fleet as the heartbeats and the consumers' state say (`queue`,
+        `context_len`, `stream_state`) and the NATS connection peers talk on; `in_flight`:
+        the requests the routes count per model (Admission's)."""
+        self.settings, self.pipeline, self.recent, self.in_flight = settings, pipeline, recent, in_flight
         self.name = new_id()
         self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
         self._telling: list[tuple[str, str, int]] = []  # let through by the protocol, peers not told yet
@@ -276,7 +188,7 @@ class EarlyGate:
         if state == "drop":
             passed.pop(member, None)
         elif state == "pass" or member in passed:
-            passed[member] = (time.time() + (admission.PENDING_S if state == "pass" else 0.0), tokens)
+            passed[member] = (time.time() + (PENDING_S if state == "pass" else 0.0), tokens)
 
     def _ahead(self, model: str, since: float, share: float = 1.0) -> tuple[int, int]:
         """Requests and tokens let through and not visible at `since` (older ones are
@@ -293,7 +205,7 @@ class EarlyGate:
         return max(n, math.ceil(len(own) / share)), max(tokens, math.ceil(sum(own) / share))
 
     def decide(
-        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
+        self, model: str, tokens: int, budget_s: float, workers: estimate.ModelQueue | None = None
     ) -> tuple[APIError | None, str | None]:
         """(the 429, None) for a request to refuse; (None, its member) for one let
         through, counted at once so the next one is judged with it (peers are told by
@@ -313,7 +225,7 @@ class EarlyGate:
         waiting = self.unreserved.setdefault(model, {})
         for member in [m for m, until in waiting.items() if until <= now]:
             del waiting[member]
-        if (queued := self.chat.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
+        if (queued := self.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
             METRICS.rejections.labels(reason="overloaded").inc()
             return backstop(model, queued), None
         if (est := self.judge(model, tokens, budget_s, workers)) is not None:
@@ -321,7 +233,7 @@ class EarlyGate:
             return overloaded(model, est, budget_s), None
         member = new_id()
         self._mark(model, member, tokens, "pass")
-        waiting[member] = now + admission.PENDING_S
+        waiting[member] = now + PENDING_S
         return None, member
 
     def reserved(self, model: str, member: str) -> None:
@@ -329,15 +241,15 @@ class EarlyGate:
         self.unreserved.get(model, {}).pop(member, None)
 
     def judge(
-        self, model: str, tokens: int, budget_s: float, workers: admission.ModelQueue | None = None
-    ) -> admission.Estimate | None:
+        self, model: str, tokens: int, budget_s: float, workers: estimate.ModelQueue | None = None
+    ) -> estimate.Estimate | None:
         """The estimate when the request cannot finish within `budget_s`; None to let it on."""
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
-        n, ahead = self._ahead(model, stream.read_at - admission.VISIBILITY_LAG_S, self.share(model, time.time()))
-        queue = admission.combine(workers, stream, n, ahead, self.chat.recent.mean_budget)
+        n, ahead = self._ahead(model, stream.read_at - VISIBILITY_LAG_S, self.share(model, time.time()))
+        queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget)
         margin = self.settings.admission_margin * STRICTER
-        est = admission.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
+        est = estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
         return est if est.finish_s > budget_s else None
 
     async def published(self, model: str, member: str) -> None:
@@ -383,162 +295,3 @@ class EarlyGate:
         if nc is not None and nc.is_connected and not self.alone():
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
                 await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
-
-    def refusal(self, scope: dict, body: bytes, arrived: float, reply: Callable[[bytes | None], None]) -> Any:
-        """The whole HTTP response refusing a request as the protocol reads its body, before
-        any task runs for it (HeadTimeoutProtocol.REFUSE); None to serve it; HOLD when
-        this gate let it through: its task waits for the fleet-wide check, whose refusal
-        `reply` writes at once. Only for a caller whose key is accepted (or keys off),
-        with a readable body in the limits, a served model, and a deadline the fleet
-        cannot meet: else the routes answer."""
-        if scope.get("method") != "POST" or scope.get("path") not in ROUTES or scope.get("query_string"):
-            return None
-        if self.settings.api_keys and bearer(scope.get("headers", [])) not in self.settings.api_keys:
-            return None
-        if len(body) > self.settings.max_body_bytes or (request := self.request_of(scope["path"], body)) is None:
-            return None
-        model, tokens, budget_s = request
-        judging = time.perf_counter()
-        read = ("read", (judging - arrived) * 1000)  # from its first bytes to its whole body
-        workers = self.pipeline.queue(model)  # the fleet-wide check judges with the same (a heartbeat may come between)
-        err, member = self.decide(model, tokens, budget_s, workers)
-        if err is not None:
-            return self._refused(model, err, arrived, [read])
-        if member is None:
-            return None
-        scope[PASSED] = (model, member, tokens)
-        if self.alone():  # the gate's verdict is the fleet's: served at once
-            self.chat.recent.observe(tokens)
-            scope[CHECKED] = ALONE
-            scope.setdefault(TIMINGS, []).append(read)
-            return None
-        self.tell_soon(model, member, tokens)
-        checking = time.perf_counter()
-        gate = ("gate", (checking - judging) * 1000)
-
-        def checked(done) -> None:
-            took = (time.perf_counter() - checking) * 1000
-            if done.cancelled() or done.exception() is not None:  # the middleware checks again
-                return reply(None)
-            entry, est = done.result()
-            if est is None:
-                scope[CHECKED] = (model, entry, tokens)
-                scope.setdefault(TIMINGS, []).extend([read, ("admission", took)])
-                return reply(None)
-            self.forget_soon(model, member)
-            METRICS.rejections.labels(reason="deadline_unreachable").inc()
-            reply(self._refused(model, overloaded(model, est, budget_s), arrived, [read, gate, ("admission", took)]))
-
-        self.chat.recent.submit(model, tokens, self.chat.judge(model, tokens, budget_s, workers), at_once=checked)
-        return HOLD
-
-    @staticmethod
-    def _refused(model: str, err: APIError, arrived: float, timings: Sequence[tuple[str, float]] = ()) -> bytes:
-        METRICS.requests.labels(model, "429").inc()
-        payload = orjson.dumps(err.body())
-        stages = [("gateway", (time.perf_counter() - arrived) * 1000), *timings]
-        head = [
-            b"HTTP/1.1 429 Too Many Requests",
-            b"content-type: application/json",
-            b"content-length: %d" % len(payload),
-            b"retry-after: " + err.headers["Retry-After"].encode(),
-            b"server-timing: " + ", ".join(f"{name};dur={ms:.1f}" for name, ms in stages).encode(),
-            b"connection: close",
-        ]
-        return b"\r\n".join(head) + b"\r\n\r\n" + payload
-
-    def request_of(self, path: str, body: bytes) -> tuple[str, int, float] | None:
-        """(model, token budget, deadline) of an admission route's body; None when the
-        body is not one this gate can read (the route answers it, 400 included)."""
-        if (route := ROUTES.get(path)) is None:
-            return None
-        names, default = route
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(doc, dict):
-            return None
-        model = doc.get("model") or self.settings.default_model
-        if not isinstance(model, str):
-            return None
-        # Fields this reads must be valid as the schema says, or the route's 400 names them.
-        budgets = [doc[n] for n in names if doc.get(n) is not None]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TOKENS_LIMIT for v in budgets):
-            return None
-        deadline = doc.get("deadline_s")
-        if deadline is not None and _number(deadline) is None:
-            return None
-        tokens = budgets[0] if budgets else default
-        return model, tokens, min(deadline or self.settings.deadline_s, self.settings.max_deadline_s)
-
-
-class EarlyAdmission:
-    """ASGI middleware running `EarlyGate` on the admission routes (inside KeyGuard and
-    BodyGuard: the caller has a key and the body is read)."""
-
-    def __init__(self, app, gate: EarlyGate):
-        self.app, self.gate = app, gate
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
-            return await self.app(scope, receive, send)
-        entered = time.perf_counter()
-        state = scope.setdefault("state", {})
-        if state.get("principal") is None:  # no valid key: the route answers 401
-            return await self.app(scope, receive, send)
-        message = await receive()  # BodyGuard's buffered body, at once
-        body = message.get("body", b"") if message["type"] == "http.request" else b""
-        delivered = False
-
-        async def replay() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return message
-            return await receive()
-
-        request = self.gate.request_of(scope["path"], body)
-        if request is None:
-            return await self.app(scope, replay, send)
-        model, tokens, budget_s = request
-        if (passed := scope.get(PASSED)) is not None:  # judged as the protocol read it
-            member = passed[1]
-        else:
-            err, member = self.gate.decide(model, tokens, budget_s)
-            if err is not None:
-                return await self._refuse(model, err, scope, replay, send)
-            if member is None:  # not served, or not yet: the route answers
-                return await self.app(scope, replay, send)
-        if passed is None:  # (the protocol told the peers of its own)
-            await self.gate.tell(model, member, tokens, "pass")
-        edge = Edge(self.gate, model, member)
-        token = _EDGE.set(edge)
-        try:
-            if (checked := scope.get(CHECKED)) is not None:  # admitted fleet-wide as the protocol held it
-                edge.entry = checked
-                return await self.app(scope, replay, send)
-            if self.gate.alone():  # the gate's verdict is the fleet's (ALONE)
-                self.gate.chat.recent.observe(tokens)
-                edge.entry = ALONE
-                return await self.app(scope, replay, send)
-            await asyncio.sleep(0)  # every request that arrived with this one is judged first
-            checking = time.perf_counter()
-            timings = scope.setdefault(TIMINGS, [])
-            timings.append(("queued", (entered - scope.get(ARRIVED, entered)) * 1000))
-            try:
-                with suppress(*REDIS_DOWN):  # the route's admission answers 503 then
-                    edge.entry = await self.gate.chat.in_time(model, tokens, budget_s)
-            except APIError as err:  # refused fleet-wide
-                timings.append(("admission", (time.perf_counter() - checking) * 1000))
-                return await self._refuse(model, err, scope, replay, send)
-            timings.append(("admission", (time.perf_counter() - checking) * 1000))
-            return await self.app(scope, replay, send)
-        finally:
-            await edge.settle(published=False)  # nothing, when the request was published
-            _EDGE.reset(token)
-
-    @staticmethod
-    async def _refuse(model: str, err: APIError, scope, receive, send) -> None:
-        METRICS.requests.labels(model, str(err.status)).inc()
-        await err.response()(scope, receive, send)

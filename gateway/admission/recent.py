@@ -1,123 +1,20 @@
-"""Deadline-aware admission: would a new request finish before its deadline?
-
-The queue a model has is the fleet's, not one gateway's: the inference heartbeats say
-what each worker holds (running and waiting requests, their remaining token budgets) and
-how long its decode steps take; JetStream's consumer state says how many requests are
-still in the stream ahead of the workers (filter and inference consumers); and this
-gateway adds what it admitted since that state was read. Every gateway reads the same
-state, so adding gateways does not multiply the queue.
-
-Continuous batching serves `slots` requests at once (the workers' batch sizes): a new
-request waits for the work ahead of it beyond those slots to drain, then decodes its own
-token budget, one token per step. Budgets are upper bounds (a request may stop
-early), so the estimate errs towards refusing: an admitted request must be served within
-its deadline, and a refused one is told when to retry.
-"""
+"""The fleet-wide check: what every gateway admitted lately and the consumers' state
+does not show yet, in Redis, judged in batches (`FleetAdmissions`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
 from events.models import DEFAULT_MAX_TOKENS, new_id
+from gateway.admission.estimate import Estimate, StreamState
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
-from runtime.steps import step_time
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelQueue:
-    """A model's fleet-wide queue, as the gateway sees it now."""
-
-    slots: int  # requests decoded at once (sum of max batch sizes of the workers holding it)
-    requests: int  # ahead of a new request: running, waiting, and still in the stream
-    tokens: int  # their remaining token budgets
-    step_s: float | None  # decode step time at a small batch (None: never measured)
-    full_step_s: float | None  # ... at a batch of half the slots or more
-    measured_at: float = 0.0  # when the newest of those steps ran
-    full_batch: int | None = None  # the batch full_step_s was measured at (None: all the slots)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    finish_s: float  # from now until the request's last token, at worst
-    wait_s: float  # of which waiting for a slot
-
-
-@dataclass(frozen=True)
-class StreamState:
-    """The consumers' state, read from JetStream (every gateway reads the same)."""
-
-    ahead: int = 0  # not yet held by a worker: being filtered, or waiting to be pulled
-    held: int = 0  # delivered to inference workers and not yet acked (every model's)
-    read_at: float = 0.0  # when the read began: what was published before is in it
-
-
-def combine(
-    workers: ModelQueue, stream: StreamState, local_requests: int, local_tokens: int, mean_budget: float
-) -> ModelQueue:
-    """The queue a new request joins: the stream's requests (counted by the consumers'
-    state when it was read), the admissions not visible in it yet (`local_*`: every
-    gateway's), and the workers' token budgets and step times (heartbeats, up to a beat
-    old). A heartbeat newer than the stream state may already hold some of those recent
-    admissions: they are counted once (the workers never hold more than all of them).
-    Requests whose budgets no heartbeat reported count `mean_budget` tokens each."""
-    requests = max(stream.ahead + stream.held + local_requests, workers.requests)
-    known, known_tokens = workers.requests + local_requests, workers.tokens + local_tokens
-    if known > requests:  # some recent admissions are in the heartbeat already
-        tokens = round(known_tokens * requests / known)
-    else:
-        tokens = known_tokens + round((requests - known) * mean_budget)
-    return ModelQueue(
-        workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at, workers.full_batch
-    )
-
-
-def step_at(q: ModelQueue, batch: int) -> float | None:
-    """Step time at a batch size (`runtime.steps.step_time`, from the heartbeats' figures)."""
-    return step_time(q.step_s, q.full_step_s, q.full_batch, q.slots, batch)
-
-
-#: An idle fleet whose step times are older than this is probed with one request instead
-#: of judged by them: a slow spell measured once must not refuse everything forever.
-STALE_S = 10.0
-
-
-def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None) -> Estimate:
-    """When a request of `budget` tokens would finish. Without step times (nothing
-    measured yet, or an idle fleet with stale measurements) only the fixed overhead is
-    counted: the request is let through, unless its deadline is shorter than that."""
-    probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
-    if q.slots <= 0:  # no worker reported a load for the model yet (it has not run)
-        return probe
-    if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
-        return probe
-    batch = min(q.slots, q.requests + 1)
-    step = step_at(q, batch)
-    if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
-        return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
-    # An idle fleet is judged without the margin: refused there, a request would never
-    # run, and nothing would refresh the measurements that refused it.
-    step *= margin if q.requests else 1.0
-    beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
-    wait_s = 0.0
-    if beyond > 0 and q.requests:
-        mean_tokens = q.tokens / q.requests
-        wait_s = math.ceil(beyond / q.slots) * mean_tokens * step
-    return Estimate(overhead_s + wait_s + budget * step, wait_s)
-
-
-def retry_after_s(est: Estimate, deadline_s: float) -> int:
-    """Whole seconds until the work ahead would have drained enough to fit (at least 1)."""
-    return 1 if math.isinf(est.finish_s) else max(1, math.ceil(est.finish_s - deadline_s))
-
 
 # Every gateway's admissions of the last seconds, in one sorted set per model. The score
 # is when the request became visible in the consumers' state: its publish (Redis's

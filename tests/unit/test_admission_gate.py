@@ -1,4 +1,5 @@
-"""The early gate (gateway/shed.py): reading a body's budget, and judging a burst
+"""The early gate (gateway/admission/gate.py, and its hook at the HTTP edge in hook.py):
+reading a body's budget, and judging a burst
 in arrival order from what the process knows (pure logic, a stand-in pipeline)."""
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import orjson
 import pytest
 
 from events.models import DEFAULT_MAX_TOKENS
-from gateway.admission import FleetAdmissions, ModelQueue, StreamState, estimate
-from gateway.edge import HOLD
+from gateway.admission.estimate import ModelQueue, StreamState, estimate
+from gateway.admission.gate import DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, share
+from gateway.admission.hook import LEASE, refusal, request_of
+from gateway.admission.recent import FleetAdmissions
+from gateway.admission.service import ALONE, Admission
+from gateway.admission.uvicorn_adapter import HOLD
 from gateway.settings import GatewaySettings
-from gateway.shed import ALONE, DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, Edge, share
 
 
 class Pipeline:
@@ -45,30 +49,36 @@ class FleetCheck:
 
 
 @pytest.fixture
-def gate() -> EarlyGate:
+def admission() -> Admission:
     settings = GatewaySettings(default_model="m", admission_overhead_s=0.0, admission_margin=1.0)
     pipeline = Pipeline()
     recent = FleetAdmissions(fakeredis.FakeAsyncRedis(), lambda: pipeline.stream_state)
-    chat = SimpleNamespace(pipeline=pipeline, settings=settings, recent=recent, judge=FleetCheck(), in_flight={})
-    return EarlyGate(chat)
+    admission = Admission(settings, pipeline, recent)
+    admission.judge = FleetCheck()  # type: ignore[method-assign]
+    return admission
+
+
+@pytest.fixture
+def gate(admission: Admission) -> EarlyGate:
+    return admission.gate
 
 
 def test_the_budget_and_deadline_are_read_from_the_body(gate):
     body = orjson.dumps({"model": "x", "max_tokens": 64, "deadline_s": 30, "messages": []})
-    assert gate.request_of("/v1/chat/completions", body) == ("x", 64, 30.0)
-    assert gate.request_of("/v1/chat/completions", b'{"max_completion_tokens": 8}') == ("m", 8, 15.0)
-    assert gate.request_of("/chat", b'{"prompt": "hi", "deadline_s": 999}') == (
+    assert request_of(gate.settings, "/v1/chat/completions", body) == ("x", 64, 30.0)
+    assert request_of(gate.settings, "/v1/chat/completions", b'{"max_completion_tokens": 8}') == ("m", 8, 15.0)
+    assert request_of(gate.settings, "/chat", b'{"prompt": "hi", "deadline_s": 999}') == (
         "m",
         DEFAULT_MAX_TOKENS,
         120.0,
     )  # capped
     # Not this gate's to answer: the route gives the 400 (or serves it).
     for bad in (b"not json", b"[1]", b'{"model": 3}'):
-        assert gate.request_of("/v1/chat/completions", bad) is None
-    assert gate.request_of("/v1/models", b"{}") is None
+        assert request_of(gate.settings, "/v1/chat/completions", bad) is None
+    assert request_of(gate.settings, "/v1/models", b"{}") is None
     # A field it reads that the schema refuses is left to validation, which names it.
     for bad in (b'{"max_tokens": true}', b'{"max_tokens": 0}', b'{"max_tokens": 1e9}', b'{"deadline_s": "9"}'):
-        assert gate.request_of("/chat", bad) is None
+        assert request_of(gate.settings, "/chat", bad) is None
 
 
 async def test_a_burst_is_cut_where_the_deadline_is_reached(gate):
@@ -116,7 +126,7 @@ async def test_the_backstop_counts_what_the_gate_let_through(gate):
     the requests it let through and the route has not counted yet, so a burst past the
     cap is refused as it is read, not after the admitted requests' work."""
     gate.settings.max_queue_per_model = 50
-    gate.chat.in_flight["m"] = 20
+    gate.in_flight["m"] = 20
     verdicts = [gate.decide("m", 1, 15.0) for _ in range(40)]
     assert sum(member is not None for _, member in verdicts) == 30
     err = verdicts[-1][0]
@@ -124,7 +134,7 @@ async def test_the_backstop_counts_what_the_gate_let_through(gate):
     # The route counts one (reserve): the gate stops counting it. A forgotten one frees its place.
     first, second = verdicts[0][1], verdicts[1][1]
     gate.reserved("m", first)
-    gate.chat.in_flight["m"] += 1
+    gate.in_flight["m"] += 1
     assert gate.decide("m", 1, 15.0)[0] is not None
     await gate.forget("m", second)
     assert gate.decide("m", 1, 15.0)[1] is not None
@@ -188,7 +198,7 @@ def _with_an_idle_peer(gate: EarlyGate) -> None:
     assert not gate.alone() and gate.share("m", now) == 1.0
 
 
-async def test_a_lone_gateway_admits_on_its_gate_alone(gate):
+async def test_a_lone_gateway_admits_on_its_gate_alone(admission, gate):
     """With no peer alive, the gate sees every request the fleet-wide check would: a
     request let through is served at once, with no Redis round trip and no news."""
     published: list = []
@@ -197,33 +207,36 @@ async def test_a_lone_gateway_admits_on_its_gate_alone(gate):
     body = orjson.dumps({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
     assert gate.alone()
     scopes = [dict(scope) for _ in range(200)]
-    answers = [gate.refusal(sc, body, time.perf_counter(), lambda _: None) for sc in scopes]
-    assert answers[: 6 * 32] == [None] * (6 * 32) and all(sc["arena.checked"] is ALONE for sc in scopes[: 6 * 32])
+    answers = [refusal(admission, sc, body, time.perf_counter(), lambda _: None) for sc in scopes]
+    assert answers[: 6 * 32] == [None] * (6 * 32) and all(sc[LEASE].entry is ALONE for sc in scopes[: 6 * 32])
     assert answers[-1].startswith(b"HTTP/1.1 429 ")  # the gate still refuses past the room
-    assert gate.chat.recent.mean_budget > DEFAULT_MAX_TOKENS  # what unknown requests ahead count follows them
+    assert gate.recent.mean_budget > DEFAULT_MAX_TOKENS  # what unknown requests ahead count follows them
     await gate.tell("m", "r1", 100, "pass")
     await asyncio.sleep(0.01)
-    assert published == [] and await gate.chat.recent.redis.keys("*") == []
+    assert published == [] and await gate.recent.redis.keys("*") == []
     # Published: recorded among the fleet's recent admissions (for peers joining later,
     # and this gateway's turns judged by the Redis-backed check), after the fact.
     member = next(iter(gate.passed["m"]))
-    await Edge(gate, "m", member, ALONE).settle(published=True)
-    assert await gate.chat.recent.redis.zrange("arena:admitted:m", 0, -1) == [f"{member}:100".encode()]
-    await gate.chat.recent.redis.delete("arena:admitted:m")
+    lease = admission.passed("m", 100, member)
+    lease.entry = ALONE
+    lease.published()
+    await asyncio.gather(*admission.background)
+    assert await gate.recent.redis.zrange("arena:admitted:m", 0, -1) == [f"{member}:100".encode()]
+    await gate.recent.redis.delete("arena:admitted:m")
     # A peer reports: news and the fleet-wide check again.
     await gate._on_peer(SimpleNamespace(data=orjson.dumps({"gateway": "other", "demand": {"m": 1.0}})))
     assert not gate.alone()
     gate.passed.clear()
-    assert gate.refusal(dict(scope), body, time.perf_counter(), lambda _: None) is HOLD
+    assert refusal(admission, dict(scope), body, time.perf_counter(), lambda _: None) is HOLD
     await _until(lambda: bool(published))
-    await _until(lambda: gate.chat.recent.redis.keys("*"))
-    assert published and await gate.chat.recent.redis.keys("*") != []
+    await _until(lambda: gate.recent.redis.keys("*"))
+    assert published and await gate.recent.redis.keys("*") != []
     # Silent for PEER_SILENT_S: alone again.
     gate.peers["other"] = (time.time() - PEER_SILENT_S - 1, {"m": 1.0})
     assert gate.alone()
 
 
-async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(gate):
+async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_check(admission, gate):
     """`refusal` runs as uvicorn's protocol reads a body: a request let through is counted
     at once (the next one read is judged with it) and held for the fleet-wide check;
     past the limit, a complete response at once."""
@@ -232,27 +245,27 @@ async def test_the_protocol_gets_a_whole_429_or_holds_the_request_for_the_fleet_
     replies: list = []
     _with_an_idle_peer(gate)
     scopes = [dict(scope) for _ in range(200)]
-    answers = [gate.refusal(sc, body, time.perf_counter(), replies.append) for sc in scopes]
+    answers = [refusal(admission, sc, body, time.perf_counter(), replies.append) for sc in scopes]
     assert answers[: 6 * 32] == [HOLD] * (6 * 32)
     head, _, payload = answers[-1].partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: " in head and b"server-timing: gateway;dur=" in head
     assert orjson.loads(payload)["error"]["code"] == "overloaded"
     await _until(lambda: len(replies) == 6 * 32)  # the fleet-wide check: one batch, every one admitted
     assert replies == [None] * (6 * 32)
-    assert all(sc["arena.checked"][0] == "m" and sc["arena.passed"][0] == "m" for sc in scopes[: 6 * 32])
+    assert all(sc[LEASE].entry[0] == "m" and sc[LEASE].model == "m" for sc in scopes[: 6 * 32])
     # Refused fleet-wide (another gateway's share): the protocol writes the 429, and this
     # gate no longer counts it.
     gate.passed.clear()
-    gate.chat.judge.room = 0
+    admission.judge.room = 0
     replies.clear()
     held = dict(scope)
-    assert gate.refusal(held, body, time.perf_counter(), replies.append) is HOLD
+    assert refusal(admission, held, body, time.perf_counter(), replies.append) is HOLD
     assert gate._ahead("m", 0.0) == (1, 100)
     await _until(lambda: bool(replies))
     [refused] = replies
-    assert refused.startswith(b"HTTP/1.1 429 ") and b"admission;dur=" in refused and "arena.checked" not in held
+    assert refused.startswith(b"HTTP/1.1 429 ") and b"admission;dur=" in refused and held[LEASE].entry is None
     assert gate._ahead("m", 0.0) == (0, 0)
     # Not the protocol's to answer: the routes do (401, 400, or a request in the URL's terms).
     gate.settings.api_keys = ["sk-a"]
-    assert gate.refusal(dict(scope), body, time.perf_counter(), replies.append) is None  # no key: 401
-    assert gate.refusal({**scope, "path": "/v1/models"}, body, time.perf_counter(), replies.append) is None
+    assert refusal(admission, dict(scope), body, time.perf_counter(), replies.append) is None  # no key: 401
+    assert refusal(admission, {**scope, "path": "/v1/models"}, body, time.perf_counter(), replies.append) is None

@@ -1,0 +1,162 @@
+"""`Admission`, the one owner of whether a request is let on, and the `Lease` it hands
+each request.
+
+A lease is taken where the request is first judged (the protocol's hook or the
+middleware at the HTTP edge, else the serving layer for WebSocket and arena turns) and
+travels with it: the serving layer counts it in its model's queue (`reserve`, the
+backstop), judges it fleet-wide unless the edge did, and settles it once: `published()`
+when the request is in the stream (its entries then count until a stream state shows
+it), or `refused()` when it never will be (not ahead of anyone); `release()` gives back
+its place in the queue when it ends.
+"""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from typing import Any
+
+from gateway.admission.estimate import Estimate, ModelQueue, StreamState, backstop, combine, estimate, overloaded
+from gateway.admission.gate import EarlyGate
+from gateway.admission.recent import FleetAdmissions, Judge
+from gateway.metrics import METRICS
+from gateway.settings import GatewaySettings
+from runtime.background import Background
+from runtime.redis import REDIS_DOWN
+
+#: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
+#: peer alive, the gate sees every request the fleet-wide check would (its own), so
+#: neither the check's Redis round trip nor news to peers is spent on it; it is recorded
+#: among the fleet's recent admissions once published, off the request's path.
+ALONE: tuple[str, str, int] = ("", "", 0)
+
+
+class Lease:
+    """One request's admission (see the module doc)."""
+
+    def __init__(self, admission: Admission, model: str, tokens: int, member: str | None = None):
+        self.admission, self.model, self.tokens = admission, model, tokens
+        #: Its member in the early gate, when the gate let it through.
+        self.member = member
+        #: Its entry among the fleet's recent admissions once judged fleet-wide (ALONE: by
+        #: a lone gateway's gate); None while it is not.
+        self.entry: tuple[str, str, int] | None = None
+        self.counted = False  # holds a place in its model's queue
+        self.settled = False  # published() or refused() ran
+
+    def reserve(self) -> None:
+        """Count the request in its model's queue, past the backstop (`max_queue_per_model`
+        requests in flight on this gateway): 429 there."""
+        admission, model = self.admission, self.model
+        if (queued := admission.in_flight.get(model, 0)) >= admission.settings.max_queue_per_model:
+            METRICS.rejections.labels(reason="overloaded").inc()
+            raise backstop(model, queued)
+        admission.in_flight[model] = queued + 1
+        METRICS.in_flight.labels(model).inc()
+        self.counted = True
+        if self.member is not None:  # the early gate counted it until now
+            admission.gate.reserved(model, self.member)
+
+    def release(self) -> None:
+        """Give back its place in the queue (once)."""
+        if self.counted:
+            self.counted = False
+            self.admission.in_flight[self.model] -= 1
+            METRICS.in_flight.labels(self.model).dec()
+
+    def published(self) -> None:
+        """In the stream now: its entries are marked off the request's path (its first
+        token need not wait for the Redis and NATS calls only admission's counting needs)."""
+        if self._claim():
+            self.admission.background.spawn(self._record(published=True))
+
+    async def refused(self) -> None:
+        """It will not be published from here (refused after admission, attached to an
+        earlier request, or failed): not ahead of anyone."""
+        if self._claim():
+            await self._record(published=False)
+
+    def refused_soon(self) -> None:
+        """`refused`, from a callback (the protocol's)."""
+        if self._claim():
+            self.admission.background.spawn(self._record(published=False))
+
+    def _claim(self) -> bool:
+        claimed, self.settled = not self.settled, True
+        return claimed
+
+    async def _record(self, published: bool) -> None:
+        gate, recent = self.admission.gate, self.admission.recent
+        if self.member is not None:
+            await (gate.published if published else gate.forget)(self.model, self.member)
+        with suppress(*REDIS_DOWN):
+            if self.entry is ALONE:
+                if published and self.member is not None:
+                    await recent.published_here(self.model, self.member, self.tokens)
+            elif self.entry is not None:
+                await recent.settle(*self.entry, published)
+
+
+class Admission:
+    """The gateway's admission: the requests in flight per model (the backstop), the
+    fleet-wide check (`recent`) and the early gate (`gate`)."""
+
+    def __init__(self, settings: GatewaySettings, pipeline: Any, recent: FleetAdmissions | None = None):
+        """`pipeline`: the fleet as the heartbeats and the consumers' state say
+        (`queue`, `context_len`, `stream_state`), and the NATS connection (`nc`)."""
+        self.settings, self.pipeline = settings, pipeline
+        self.in_flight: dict[str, int] = {}
+        self.recent = recent or FleetAdmissions(
+            pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
+        )
+        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight)
+        self.background = Background()  # the leases' bookkeeping after a publish
+
+    async def start(self) -> None:
+        await self.gate.start()
+
+    async def stop(self) -> None:
+        await self.gate.stop()
+
+    def lease(self, model: str, tokens: int, edge: Lease | None = None) -> Lease:
+        """The request's lease, counted in its model's queue from now (no await since the
+        caller's checks, so a burst sees itself): `edge`'s when the HTTP edge judged it."""
+        lease = edge if edge is not None and edge.model == model and not edge.counted else Lease(self, model, tokens)
+        lease.reserve()
+        return lease
+
+    def passed(self, model: str, tokens: int, member: str) -> Lease:
+        """The lease of a request the early gate let through as `member`."""
+        return Lease(self, model, tokens, member)
+
+    async def judged(self, lease: Lease, budget_s: float) -> None:
+        """Judge the request fleet-wide, unless the edge did: 429 when the fleet cannot
+        finish it within `budget_s`. Raises what Redis raises."""
+        if lease.entry is None:
+            lease.entry = await self.in_time(lease.model, lease.tokens, budget_s)
+
+    def judge(self, model: str, tokens: int, budget_s: float, workers: ModelQueue | None = None) -> Judge:
+        """The fleet-wide check of one request (FleetAdmissions): the estimate when the
+        fleet cannot finish it within `budget_s`, None to admit it. `workers`: the
+        workers' queue to judge with (the early gate's, so the two judge the same fleet
+        and differ only in what the others admitted); else as the heartbeats say then."""
+        settings = self.settings
+
+        def judge(stream: StreamState, n: int, ahead: int) -> Estimate | None:
+            queue = combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
+            est = estimate(queue, tokens, settings.admission_overhead_s, settings.admission_margin)
+            return est if est.finish_s > budget_s else None
+
+        return judge
+
+    async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
+        """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
+        its entry among the fleet's recent admissions (see recent.py) when it can.
+
+        The request is added to the fleet's recent admissions atomically with reading the
+        others' (with every request waiting for the same check), so concurrent
+        admissions on any gateway see each other."""
+        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s))
+        if refused is None:
+            return model, member, tokens
+        METRICS.rejections.labels(reason="deadline_unreachable").inc()
+        raise overloaded(model, refused, budget_s)

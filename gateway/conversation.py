@@ -1,0 +1,36 @@
+"""A conversation's next turn, read from its events in the stream (pure logic).
+
+The conversation lives in the stream, not in a socket or a battle: a WebSocket turn
+(gateway/ws.py) and each side of an arena battle (gateway/arena/service.py) send the
+model the last completed turn's messages, that turn's answer and the new user message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from events.models import FAILURE_TYPES, ChatMessage
+
+
+@dataclass
+class Conversation:
+    turn_id: int = 0
+    attempt: int = 0
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+def conversation_state(events: list) -> Conversation:
+    """The next turn of a conversation, from its events in stream order: its turn_id (the
+    completed turns), the failed attempts at it, and the messages so far."""
+    requested = {e.request_id: e for e in events if e.type == "chat.requested"}
+    failed = {e.request_id for e in events if e.type in FAILURE_TYPES}
+    last = None
+    for e in events:
+        if e.type == "chat.completed" and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
+            last = e
+    conv = Conversation()
+    if last is not None:
+        conv.turn_id = last.turn_id + 1
+        conv.messages = [*requested[last.request_id].messages, ChatMessage(role="assistant", content=last.text)]
+    conv.attempt = sum(1 for r in requested.values() if r.turn_id == conv.turn_id and r.request_id in failed)
+    return conv
