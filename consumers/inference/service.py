@@ -33,20 +33,13 @@ from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.engine import (
-    BatchEngine,
-    GenRequest,
-    StepOutput,
-    check_kv,
-    check_prompt,
-    check_room,
-    kv_room,
-)
+from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt, encode_text, vocab_size
+from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events import encode, subjects
@@ -366,6 +359,7 @@ class InferenceService:
         if runner is None or runner.loaded is not loaded:
             assert self.loop is not None, "start() the service first"
             s = self.settings
+            hold_s = s.max_wait_ms / 1000 if s.engine == "static" else 0.0  # a micro-batch's wait to fill
             if s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -373,13 +367,13 @@ class InferenceService:
                     s.max_batch_size,
                     self.loop,
                     self.on_outputs,
-                    s.max_wait_ms / 1000,
+                    hold_s,
                     s.torch_threads,
                     self.engine_options,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
-                runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
+                runner = EngineRunner(engine, self.loop, self.on_outputs, hold_s)
             self.runners[id(loaded)] = runner
         return runner
 
