@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
@@ -48,17 +47,17 @@ from events.models import (
     ChatCompleted,
     ChatFailed,
     PromptAccepted,
+    Terminal,
     Timings,
     TokensGenerated,
     Usage,
 )
 from runtime import tracing
-from runtime.jetstream import PUBLISH_TIMEOUT_S
+from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 #: A chunk send or acknowledgement that failed: the chunk is published again, awaited.
-SEND_ERRORS = (NatsError, TimeoutError, OSError)
 #: What steps a model's engine: a thread beside the loop, or a process of its own.
 Runner = EngineRunner | ProcessRunner
 
@@ -304,7 +303,7 @@ class InferenceService:
             await self._drop(rid, pin)
             await self._fail(event, msg, "internal_error", f"the worker could not start this request: {exc!r}")
 
-    async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Any]:
+    async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Terminal | None]:
         """What earlier workers put in the stream for `rid`: its chunks from seq 0 without
         a gap, and its terminal event if there is one. A failed read costs the shortcut,
         not the request: it is then regenerated from the start (chunks deduplicated)."""
@@ -315,7 +314,7 @@ class InferenceService:
         except Exception as exc:  # noqa: BLE001 - any read failure falls back to regeneration
             log.warning("cannot read what was delivered (%r); regenerating", exc, extra={"request_id": rid})
             return [], None
-        terminal = next((e for e in events if e.terminal), None)
+        terminal = next((e for e in events if isinstance(e, Terminal)), None)
         by_seq = {e.seq: e for e in events if isinstance(e, TokensGenerated)}
         chunks: list[TokensGenerated] = []
         while len(chunks) in by_seq:
@@ -514,7 +513,7 @@ class InferenceService:
                 await self.live(subjects.live_subject(event.request_id), raw)
         try:
             job.unconfirmed.append((event, await self.publish_nowait(event, raw)))
-        except SEND_ERRORS:
+        except NATS_DOWN:
             log.warning("chunk not sent; retried before the terminal event", extra={"request_id": event.request_id})
             job.unconfirmed.append((event, None))
 
