@@ -116,47 +116,62 @@ def _child(
     if threads:
         torch.set_num_threads(threads)
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
-    send_lock = threading.Lock()
-    steps: list[StepRecord] = []  # since the last message: for the worker's metrics
-    unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
-    runner: EngineRunner
-
-    def send(outputs: list[StepOutput]) -> None:
-        stats = runner.stats()
-        with send_lock:  # the main thread sends too (a refused add)
-            done, steps[:] = list(steps), []
-            joined = {o.request_id: unjoined.pop(o.request_id).admitted_at for o in outputs if o.request_id in unjoined}
-            at = {rid: t for rid, t in joined.items() if t is not None}
-            conn.send(EngineOutputs(outputs, stats, done, at))
-
-    def on_step(step: StepRecord, _stats: EngineStats) -> None:
-        with send_lock:
-            steps.append(step)
-
-    runner = EngineRunner(engine, _Immediate(), send, max_wait_s, on_step=on_step)  # type: ignore[arg-type]
-    with send_lock:
-        conn.send(EngineReady(runner.stats()))
+    end = _EngineEnd(conn)
+    end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step)  # type: ignore[arg-type]
     try:
-        while True:
-            command: EngineCommand = conn.recv()
-            match command:
-                case AddRequest(req):
-                    try:
-                        with send_lock:
-                            unjoined[req.request_id] = req
-                        runner.add(req)
-                    except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
-                        send([StepOutput.ended(req, "error")])
-                        log.warning("engine refused a request: %r", exc, extra={"request_id": req.request_id})
-                case CancelRequest(request_id):
-                    runner.cancel(request_id)
-                case StopEngine():
-                    break
+        end.serve()
     except (EOFError, OSError):  # the parent is gone
         pass
     finally:
-        runner.stop()
+        end.runner.stop()
         os._exit(0)
+
+
+class _EngineEnd:
+    """The child's end of the pipe: commands in, each step's outputs and state out."""
+
+    runner: EngineRunner
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # the engine thread sends, and so does the main thread (a refused add)
+        self.steps: list[StepRecord] = []  # since the last message: for the worker's metrics
+        self.unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
+
+    def send(self, outputs: list[StepOutput]) -> None:
+        stats = self.runner.stats()
+        with self.lock:
+            done, self.steps = self.steps, []
+            joined = {o.request_id: self.unjoined.pop(o.request_id) for o in outputs if o.request_id in self.unjoined}
+            at = {rid: req.admitted_at for rid, req in joined.items() if req.admitted_at is not None}
+            self.conn.send(EngineOutputs(outputs, stats, done, at))
+
+    def on_step(self, step: StepRecord, _stats: EngineStats) -> None:
+        with self.lock:
+            self.steps.append(step)
+
+    def serve(self) -> None:
+        """Say ready, then apply each command until the parent says stop (or goes away: EOFError)."""
+        with self.lock:
+            self.conn.send(EngineReady(self.runner.stats()))
+        while True:
+            command: EngineCommand = self.conn.recv()
+            match command:
+                case AddRequest(req):
+                    self.add(req)
+                case CancelRequest(request_id):
+                    self.runner.cancel(request_id)
+                case StopEngine():
+                    return
+
+    def add(self, req: GenRequest) -> None:
+        try:
+            with self.lock:
+                self.unjoined[req.request_id] = req
+            self.runner.add(req)
+        except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
+            self.send([StepOutput.ended(req, "error")])
+            log.warning("engine refused a request: %r", exc, extra={"request_id": req.request_id})
 
 
 @dataclass

@@ -46,6 +46,7 @@ from events.fleet import ModelLoad
 from events.models import (
     ChatCompleted,
     ChatFailed,
+    FailureCode,
     PromptAccepted,
     Terminal,
     Timings,
@@ -244,64 +245,60 @@ class InferenceService:
                 return
         pin = AsyncExitStack()
         try:
-            loaded = await pin.enter_async_context(self.pool.use(event.model))
-            if params.logit_bias and (top := params.logit_bias[-1][0]) >= (vocab := vocab_size(loaded)):
-                await self._drop(rid, pin)
-                message = f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
-                await self._fail(event, msg, "invalid_request", message)
-                return
-            if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
-                prompt_ids = encode_text(loaded, event.messages[-1].content)
-            else:
-                prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
-            resume_ids = [t for c in chunks for t in c.token_ids]
-            gen = GenRequest(
-                request_id=rid,
-                prompt_ids=prompt_ids,
-                deadline=event.deadline_at,
-                params=params,
-                resume_ids=resume_ids,
-            )
-            # One that can never fit is a 400 before anything judges its time (a 429 would
-            # tell its client to retry it).
-            check_prompt(gen, loaded.context_len)
-            if not resume_ids:
-                check_room(gen, loaded.context_len)
-                check_kv(gen, loaded, self.kv_budget)
-            runner = self._runner_for(loaded)
-            late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
-            if late and msg.metadata.num_delivered == 1:
-                # It waited too long to finish in time at the speed measured now: refuse it
-                # before spending steps on it (429, retry) rather than end it at its deadline.
-                # Work redelivered from a dead worker is run: it was admitted, its client has
-                # waited, and the estimate is a worst case (the whole token budget); the
-                # engine still ends it at its deadline if it really cannot finish.
-                await self._drop(rid, pin)
-                METRICS.deadline_misses.labels(event.model).inc()
-                await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
-                return
-            job = self.jobs[rid] = Job(event, msg, runner, pin, span=span, gen=gen)
-            if chunks:
-                job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
-                METRICS.resumed_tokens.inc(len(resume_ids))
-            runner.add(gen)
-        except UnknownModel as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "unknown_model", str(exc))
-        except PromptTooLong as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "prompt_too_long", str(exc))
-        except PermanentError as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "internal_error", str(exc))
+            await self._start(event, msg, span, params, chunks, pin)
         except RetryableError as exc:
             await self._drop(rid, pin)
             log.warning("retrying later: %s", exc, extra={"request_id": rid})
             await msg.nak(delay=1.0)
-        except Exception as exc:  # a bug: fail this request rather than hold it until its deadline
-            log.exception("intake failed", extra={"request_id": rid})
+        except Exception as exc:  # noqa: BLE001 - each becomes the request's failure; a bug is logged there
             await self._drop(rid, pin)
-            await self._fail(event, msg, "internal_error", f"the worker could not start this request: {exc!r}")
+            code, message = _failure_of(exc, rid)
+            await self._fail(event, msg, code, message)
+
+    async def _start(
+        self,
+        event: PromptAccepted,
+        msg: Msg,
+        span: Span | None,
+        params: EngineParams,
+        chunks: list[TokensGenerated],
+        pin: AsyncExitStack,
+    ) -> None:
+        """Load the model (held by `pin` while the job lives), check the request against
+        it and its engine's speed, and add it to the engine as a job; _Refused when it
+        cannot be served, as the errors of consumers.inference.errors say."""
+        loaded = await pin.enter_async_context(self.pool.use(event.model))
+        if params.logit_bias and (top := params.logit_bias[-1][0]) >= (vocab := vocab_size(loaded)):
+            raise _Refused(
+                "invalid_request", f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
+            )
+        if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
+            prompt_ids = encode_text(loaded, event.messages[-1].content)
+        else:
+            prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+        resume_ids = [t for c in chunks for t in c.token_ids]
+        gen = GenRequest(event.request_id, prompt_ids, params, deadline=event.deadline_at, resume_ids=resume_ids)
+        # One that can never fit is a 400 before anything judges its time (a 429 would
+        # tell its client to retry it).
+        check_prompt(gen, loaded.context_len)
+        if not resume_ids:
+            check_room(gen, loaded.context_len)
+            check_kv(gen, loaded, self.kv_budget)
+        runner = self._runner_for(loaded)
+        late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
+        if late and msg.metadata.num_delivered == 1:
+            # It waited too long to finish in time at the speed measured now: refuse it
+            # before spending steps on it (429, retry) rather than end it at its deadline.
+            # Work redelivered from a dead worker is run: it was admitted, its client has
+            # waited, and the estimate is a worst case (the whole token budget); the
+            # engine still ends it at its deadline if it really cannot finish.
+            METRICS.deadline_misses.labels(event.model).inc()
+            raise _Refused("overloaded", "the worker cannot finish it before its deadline; retry")
+        job = self.jobs[event.request_id] = Job(event, msg, runner, pin, span=span, gen=gen)
+        if chunks:
+            job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
+            METRICS.resumed_tokens.inc(len(resume_ids))
+        runner.add(gen)
 
     async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Terminal | None]:
         """What earlier workers put in the stream for `rid`: its chunks from seq 0 without
@@ -660,3 +657,27 @@ def engine_params(event: PromptAccepted) -> EngineParams:
         logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs,
     )
+
+
+class _Refused(Exception):
+    """A request the worker will not start, and the failure its client gets."""
+
+    def __init__(self, code: FailureCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _failure_of(exc: Exception, request_id: str) -> tuple[FailureCode, str]:
+    """The ChatFailed code and message for a request that could not start."""
+    match exc:
+        case _Refused(code=code, message=message):
+            return code, message
+        case UnknownModel():
+            return "unknown_model", str(exc)
+        case PromptTooLong():
+            return "prompt_too_long", str(exc)
+        case PermanentError():
+            return "internal_error", str(exc)
+    # A bug: fail this request rather than hold it until its deadline.
+    log.error("intake failed", exc_info=exc, extra={"request_id": request_id})
+    return "internal_error", f"the worker could not start this request: {exc!r}"
