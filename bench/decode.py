@@ -125,14 +125,23 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         dtype, quant = VARIANTS[name]
         models[name] = load_model(ModelSpec(name=name, path=args.model, dtype=dtype, quantize=quant))
+    result: dict = {"threads": torch.get_num_threads(), "variants": speeds(models, rows, args.rounds, args.tokens)}
+    if not args.no_quality:
+        quality(models, args.model, args.agree_tokens, result["variants"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def speeds(models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens: int) -> dict[str, dict]:
+    """Each variant's decode speed at each batch size (the median of interleaved rounds), printed as a table."""
     for loaded in models.values():
         decode_speed(loaded, 2, 4)  # warm-up
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for r in rows:
             for name, loaded in models.items():
-                times.setdefault((name, r), []).append(decode_speed(loaded, r, args.tokens))
-    result: dict = {"threads": torch.get_num_threads(), "variants": {}}
+                times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens))
+    out: dict[str, dict] = {}
     header = " ".join(f"{f'{r} row' + ('s' if r > 1 else ''):>20}" for r in rows)
     print(f"\n{'variant':<8} {'MB':>6} {header}   (tok/s, ms a step)")
     for name, loaded in models.items():
@@ -143,25 +152,27 @@ def main(argv: list[str] | None = None) -> None:
             ms = statistics.median(m for _, m in times[(name, r)])
             entry["speed"][r] = {"tok_s": round(tps, 1), "ms_step": round(ms, 1)}
             cells.append(f"{tps:>9.1f} {ms:>7.1f} ms")
-        result["variants"][name] = entry
+        out[name] = entry
         print(f"{name:<8} {loaded.nbytes / 1e6:>6.0f} " + " ".join(f"{c:>20}" for c in cells), flush=True)
-    if not args.no_quality:
-        reference = models.get("fp32") or load_model(ModelSpec(name="fp32", path=args.model, dtype="float32"))
-        ref_tokens = greedy(reference, args.agree_tokens)
+    return out
+
+
+def quality(models: dict[str, LoadedModel], path: str, agree_tokens: int, variants: dict[str, dict]) -> None:
+    """Each variant's perplexity and greedy agreement with fp32, printed and added to `variants`."""
+    reference = models.get("fp32") or load_model(ModelSpec(name="fp32", path=path, dtype="float32"))
+    ref_tokens = greedy(reference, agree_tokens)
+    print(
+        f"\n{'variant':<8} {'perplexity':>10}  greedy agreement with fp32, "
+        f"{len(PROMPTS)} prompts x {agree_tokens} tokens"
+    )
+    for name, loaded in models.items():
+        mean, same = agreement(ref_tokens, greedy(loaded, agree_tokens))
+        ppl = perplexity(loaded)
+        variants[name].update(perplexity=round(ppl, 3), agree_mean=round(mean, 1), identical=same)
         print(
-            f"\n{'variant':<8} {'perplexity':>10}  greedy agreement with fp32, "
-            f"{len(PROMPTS)} prompts x {args.agree_tokens} tokens"
+            f"{name:<8} {ppl:>10.3f}  {mean:5.1f} tokens before the first divergence on average, "
+            f"{same}/{len(PROMPTS)} answers identical"
         )
-        for name, loaded in models.items():
-            mean, same = agreement(ref_tokens, greedy(loaded, args.agree_tokens))
-            ppl = perplexity(loaded)
-            result["variants"][name].update(perplexity=round(ppl, 3), agree_mean=round(mean, 1), identical=same)
-            print(
-                f"{name:<8} {ppl:>10.3f}  {mean:5.1f} tokens before the first divergence on average, "
-                f"{same}/{len(PROMPTS)} answers identical"
-            )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

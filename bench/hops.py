@@ -26,6 +26,7 @@ from bench import procs, targets
 from bench.client import chat_body
 from bench.stats import percentile
 from events import decode
+from events.models import TokensGenerated
 
 STAGES = ("sent", "chat.requested", "prompt.accepted", "first chunk", "terminal", "answered")
 
@@ -50,7 +51,7 @@ async def run(base: str, url: str, model: str, requests: int, tokens: int) -> li
         if rid is None:
             return
         marks = seen.setdefault(rid, {})
-        stage = "first chunk" if event.type == "tokens.generated" else event.type
+        stage = "first chunk" if isinstance(event, TokensGenerated) else event.type
         if getattr(event, "terminal", False):
             stage = "terminal"
         marks.setdefault(stage, now)

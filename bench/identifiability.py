@@ -28,7 +28,8 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 from sklearn.pipeline import make_pipeline, make_union
 
-from events.battles import BATTLES_SUBJECT
+from events.battles import BATTLES_SUBJECT, BattleStarted, BattleTurn
+from events.models import ChatCompleted
 from events.subjects import COMPLETED
 from infra.settings import OperatorSettings
 from runtime import jetstream
@@ -69,12 +70,14 @@ async def stored_answers(nats_url: str) -> tuple[list[str], list[str], list[tupl
     try:
         js = nc.jetstream()
         battle_events = await read_events(js, BATTLES_SUBJECT)
-        completed = {e.request_id: e.text for e in await read_events(js, f"{COMPLETED}.>")}
+        completed = {
+            e.request_id: e.text for e in await read_events(js, f"{COMPLETED}.>") if isinstance(e, ChatCompleted)
+        }
     finally:
         await nc.close()
-    started = {e.battle_id: e for e in battle_events if e.type == "battle.started"}
+    started = {e.battle_id: e for e in battle_events if isinstance(e, BattleStarted)}
     texts, models, pairs = [], [], []
-    for turn in (e for e in battle_events if e.type == "battle.turn" and e.battle_id in started):
+    for turn in (e for e in battle_events if isinstance(e, BattleTurn) and e.battle_id in started):
         battle = started[turn.battle_id]
         if turn.request_a in completed and turn.request_b in completed:
             for rid, model in ((turn.request_a, battle.model_a), (turn.request_b, battle.model_b)):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 
-from events.models import EVENT_TYPES, EventBase, unused_additions
+from events.models import EVENT_TYPES, EventBase, Terminal, unused_additions
 
 # (type, from_version) -> function turning that version's dict into the next version's.
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
@@ -25,7 +24,7 @@ def register(cls: type[EventBase]) -> type[EventBase]:
     return cls
 
 
-def decode(raw: bytes | str | dict) -> Any:
+def decode(raw: bytes | str | dict) -> EventBase:
     """The event model named by the data's `type`, upcast to the current schema version.
 
     Raises ValueError for data that is no known event. Data of the current version is
@@ -44,6 +43,14 @@ def decode(raw: bytes | str | dict) -> Any:
     if upcast_data is data and not isinstance(raw, dict):
         return cls.model_validate_json(raw)
     return cls.model_validate(upcast_data)
+
+
+def decode_terminal(raw: bytes | str) -> Terminal:
+    """A stored result: its request's terminal event; ValueError for any other event."""
+    event = decode(raw)
+    if not isinstance(event, Terminal):
+        raise ValueError(f"a result is a terminal event, not {event.type!r}")
+    return event
 
 
 def encode(event: EventBase) -> bytes:

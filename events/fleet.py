@@ -135,4 +135,6 @@ def decode_beat(raw: bytes | str) -> ProcessBeat:
 
 
 def encode_beat(beat: ProcessBeat) -> bytes:
-    return beat.model_dump_json().encode()
+    """The beat's JSON, less its fields that are None: a reader of the dict beats took a
+    variant's `"top_p": null` for a default to apply (the dicts left unset ones out)."""
+    return beat.model_dump_json(exclude_none=True).encode()

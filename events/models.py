@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -372,5 +372,13 @@ EVENT_TYPES: dict[str, type[EventBase]] = {
     )
 }
 
-TERMINAL_TYPES = frozenset(name for name, cls in EVENT_TYPES.items() if cls.terminal)
-FAILURE_TYPES = TERMINAL_TYPES - {ChatCompleted.type_name()}
+#: The event that ends a request, one per request whatever its outcome: test with
+#: `isinstance(e, Terminal)` or `match`, so mypy knows which fields it has.
+Terminal = PromptRejected | ChatCompleted | ChatFailed
+#: A request's end without an answer.
+Failure = PromptRejected | ChatFailed
+#: A request's output, as delivery fans it out and the gateway follows it.
+Output = TokensGenerated | Terminal
+
+TERMINAL_TYPES = frozenset(cls.type_name() for cls in get_args(Terminal))
+FAILURE_TYPES = frozenset(cls.type_name() for cls in get_args(Failure))

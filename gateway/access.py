@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from events.arena_readmodel import arena_secret
-from gateway.arena.identity import keyed
 from gateway.errors import APIError
+from gateway.keyed import keyed
 from gateway.metrics import METRICS
 from gateway.ratelimit import Limits
 from gateway.settings import GatewaySettings

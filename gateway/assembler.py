@@ -7,26 +7,24 @@ emits each chunk once, in sequence order, and says when the answer is complete.
 
 from __future__ import annotations
 
-from typing import Any
-
-from events.models import TERMINAL_TYPES
+from events.models import ChatCompleted, ChatFailed, EventBase, PromptRejected, Terminal, TokenLogprob, TokensGenerated
 
 
 class Assembler:
     def __init__(self) -> None:
         self.next_seq = 0
-        self.pending: dict[int, Any] = {}
-        self.terminal = None
+        self.pending: dict[int, TokensGenerated] = {}
+        self.terminal: Terminal | None = None
         self.text = ""
         #: The emitted chunks' log probabilities, in order (those that carry any).
-        self.logprobs: list = []
+        self.logprobs: list[TokenLogprob] = []
 
-    def add(self, event) -> list:
+    def add(self, event: EventBase) -> list[TokensGenerated]:
         """Take one event; return the chunk events that are now deliverable, in order."""
-        if event.type in TERMINAL_TYPES:
+        if isinstance(event, Terminal):
             self.terminal = self.terminal or event
             return []
-        if event.type != "tokens.generated" or event.seq < self.next_seq:
+        if not isinstance(event, TokensGenerated) or event.seq < self.next_seq:
             return []
         self.pending[event.seq] = event
         ready = []
@@ -41,11 +39,15 @@ class Assembler:
     @property
     def done(self) -> bool:
         """The terminal event arrived and every chunk before it was emitted."""
-        return self.terminal is not None and self.next_seq >= getattr(self.terminal, "chunks", 0)
+        match self.terminal:
+            case ChatCompleted(chunks=chunks) | ChatFailed(chunks=chunks):
+                return self.next_seq >= chunks
+            case PromptRejected():
+                return True
+        return False
 
     def remainder(self) -> str:
         """Text of the completed answer not yet emitted (chunks that never arrived live)."""
-        full = getattr(self.terminal, "text", None)
-        if full is None or not full.startswith(self.text):
+        if not isinstance(self.terminal, ChatCompleted) or not self.terminal.text.startswith(self.text):
             return ""
-        return full[len(self.text) :]
+        return self.terminal.text[len(self.text) :]

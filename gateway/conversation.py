@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from events.models import FAILURE_TYPES, ChatMessage
+from events.models import ChatCompleted, ChatMessage, ChatRequested, EventBase, Failure
 
 
 @dataclass
@@ -19,14 +19,14 @@ class Conversation:
     messages: list[ChatMessage] = field(default_factory=list)
 
 
-def conversation_state(events: list) -> Conversation:
+def conversation_state(events: list[EventBase]) -> Conversation:
     """The next turn of a conversation, from its events in stream order: its turn_id (the
     completed turns), the failed attempts at it, and the messages so far."""
-    requested = {e.request_id: e for e in events if e.type == "chat.requested"}
-    failed = {e.request_id for e in events if e.type in FAILURE_TYPES}
-    last = None
+    requested = {e.request_id: e for e in events if isinstance(e, ChatRequested)}
+    failed = {e.request_id for e in events if isinstance(e, Failure)}
+    last: ChatCompleted | None = None
     for e in events:
-        if e.type == "chat.completed" and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
+        if isinstance(e, ChatCompleted) and e.request_id in requested and (last is None or e.turn_id >= last.turn_id):
             last = e
     conv = Conversation()
     if last is not None:

@@ -123,11 +123,9 @@ class FrameError(ValueError):
     """A WebSocket frame that is too large, too deep or not JSON."""
 
 
-def parse_frame(text: str, max_bytes: int, max_depth: int) -> Any:
-    """json.loads with bounds: size first, then nesting depth (scanned without recursion,
-    so a deeply nested frame is refused instead of raising RecursionError)."""
-    if len(text) > max_bytes:
-        raise FrameError(f"frame over {max_bytes} characters")
+def _deeper_than(text: str, max_depth: int) -> bool:
+    """Whether JSON `text` nests arrays and objects deeper than `max_depth` (brackets
+    inside strings do not count)."""
     depth, in_string, escaped = 0, False, False
     for ch in text:
         if in_string:
@@ -142,9 +140,19 @@ def parse_frame(text: str, max_bytes: int, max_depth: int) -> Any:
         elif ch in "[{":
             depth += 1
             if depth > max_depth:
-                raise FrameError(f"frame nested deeper than {max_depth} levels")
+                return True
         elif ch in "]}":
             depth -= 1
+    return False
+
+
+def parse_frame(text: str, max_bytes: int, max_depth: int) -> Any:
+    """json.loads with bounds: size first, then nesting depth (scanned without recursion,
+    so a deeply nested frame is refused instead of raising RecursionError)."""
+    if len(text) > max_bytes:
+        raise FrameError(f"frame over {max_bytes} characters")
+    if _deeper_than(text, max_depth):
+        raise FrameError(f"frame nested deeper than {max_depth} levels")
     try:
         return json.loads(text)
     except ValueError as exc:

@@ -18,7 +18,7 @@ from prometheus_client.core import REGISTRY, GaugeMetricFamily
 from events import subjects, topology
 from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission.estimate import combine, estimate
-from gateway.pipeline import NATS_DOWN
+from runtime.jetstream import NATS_DOWN
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from contextlib import suppress
 from typing import Any
 
 import nats
-from nats.errors import Error as NatsError
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ModelLoad, ProcessBeat, decode_beat
-from events.models import ChatCancelled, RequestEvent
+from events.models import ChatCancelled, EventBase, RequestEvent, Terminal, TokensGenerated
 from events.readmodel import ReadModel
 from gateway.admission.estimate import ModelQueue, StreamState
 from gateway.assembler import Assembler
@@ -29,6 +30,7 @@ from gateway.keys import GatewayKeys
 from gateway.metrics import METRICS
 from gateway.settings import GatewaySettings
 from runtime import jetstream
+from runtime.jetstream import NATS_DOWN
 from runtime.recovery import recover_request
 from runtime.redis import redis_client
 from runtime.stream import conversation_events, read_events
@@ -43,7 +45,6 @@ QUIET_MAX_S = 8.0
 #: request's deadline). Long enough to ride out a stream leader's election when a
 #: cluster node dies (raft's election timeout is 4-9 s in nats-server).
 PUBLISH_RETRY_S = 10.0
-NATS_DOWN = (NatsError, asyncio.TimeoutError, OSError)
 #: How often the consumers' state is read for admission control.
 STREAM_POLL_S = 0.25
 #: How long a worker's last heartbeat still counts for admission once it is late and no
@@ -190,11 +191,11 @@ class Pipeline:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def history(self, request_id: str) -> list:
+    async def history(self, request_id: str) -> list[EventBase]:
         """The request's output events already in the stream (chunks and terminal), in order."""
         return await read_events(self.js, subjects.output_filter(request_id))
 
-    async def recover(self, request_id: str) -> tuple[Any, dict | None]:
+    async def recover(self, request_id: str) -> tuple[Terminal | None, dict | None]:
         """A request Redis has forgotten (its data lost), rebuilt from the stream:
         (terminal event or None, pending record or None). The gateway's own keys are
         refilled for a request still running; a result is delivery's to write (a finished
@@ -215,7 +216,7 @@ class Pipeline:
                 self._not_in_stream.popitem(last=False)
         return terminal, record
 
-    async def conversation(self, conv_id: str) -> list:
+    async def conversation(self, conv_id: str) -> list[EventBase]:
         return await conversation_events(self.js, conv_id)
 
     async def cancel(self, request_id: str, conv_id: str, turn_id: int) -> None:
@@ -243,13 +244,13 @@ class LiveSub:
     share of the gateway's work per token.)"""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.sub: Any = None
+        self.queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self.sub: Subscription | None = None
 
-    async def put(self, msg) -> None:
+    async def put(self, msg: Msg) -> None:
         self.queue.put_nowait(msg)
 
-    async def next_msg(self, timeout: float) -> Any:
+    async def next_msg(self, timeout: float) -> Msg:
         """The next message; TimeoutError when none comes within `timeout` seconds."""
         if not self.queue.empty():
             return self.queue.get_nowait()
@@ -274,10 +275,10 @@ class Output:
         self.pipeline, self.request_id, self.until = pipeline, request_id, until
         self.after_seq, self.replay = after_seq, replay
         self.assembler = Assembler()
-        self.sub: Any = None
+        self.sub: LiveSub | None = None
 
     @property
-    def terminal(self) -> Any:
+    def terminal(self) -> Terminal | None:
         return self.assembler.terminal
 
     def remainder(self) -> str:
@@ -300,18 +301,18 @@ class Output:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _stored(self) -> list:
+    async def _stored(self) -> list[EventBase]:
         try:
             return await self.pipeline.history(self.request_id)
         except NATS_DOWN as exc:
             log.warning("cannot read the stream: %s", exc, extra={"request_id": self.request_id})
             return []
 
-    def _deliverable(self, events: list) -> list:
+    def _deliverable(self, events: list[EventBase]) -> list[TokensGenerated]:
         """The chunks these events make deliverable, in order, past the client's last seq."""
         return [c for e in events for c in self.assembler.add(e) if c.seq > self.after_seq]
 
-    async def __aiter__(self) -> AsyncIterator:
+    async def __aiter__(self) -> AsyncIterator[TokensGenerated]:
         asm = self.assembler
         incoming = await self._stored() if self.replay else []
         quiet = QUIET_S
@@ -326,6 +327,7 @@ class Output:
             left = self.until - time.time()
             if left <= 0:
                 return
+            assert self.sub is not None, "open() the output before iterating it"
             try:
                 msg = await self.sub.next_msg(timeout=min(quiet, left))
                 incoming, quiet = [decode(msg.data)], QUIET_S

@@ -20,7 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from events import decode, subjects
+from events import decode_terminal, subjects
+from events.models import ChatCompleted
 from gateway.access import limits_of, principal_of
 from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
@@ -77,7 +78,7 @@ def failed(request_id: str, err: APIError) -> JSONResponse:
     )
 
 
-def completed(request_id: str, terminal) -> JSONResponse:
+def completed(request_id: str, terminal: ChatCompleted) -> JSONResponse:
     body = {
         "request_id": request_id,
         "status": "completed",
@@ -141,14 +142,14 @@ def router(chat: ChatService) -> APIRouter:
             known = known and owner == principal_of(request)
             if known and terminal is None:
                 stored = await results.get_result(request_id)
-                terminal = decode(stored) if stored is not None else None
+                terminal = decode_terminal(stored) if stored is not None else None
                 record = record or (await results.pending(request_id) if terminal is None else None)
             elif not known:
                 terminal, record = None, None
         except REDIS_DOWN as exc:
             raise store_unavailable() from exc
         if terminal is not None:
-            if terminal.type != "chat.completed":
+            if not isinstance(terminal, ChatCompleted):
                 return failed(request_id, failure(terminal))
             return completed(request_id, terminal)
         if record is None:

@@ -16,7 +16,7 @@ from gateway.admission.hook import lease_of
 from gateway.errors import APIError, errors
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChatService
-from gateway.session import RequestSession, Ticket, extra_of, usage_of
+from gateway.session import RequestSession, Ticket, answer_of, extra_of, usage_of
 from gateway.shapes import ChatShape, CompletionShape, Shape, sse
 
 
@@ -27,17 +27,17 @@ async def stream_events(session: RequestSession, include_usage: bool, shape: Sha
             yield sse(opening)
         async for chunk in session:
             yield sse(shape.chunk(chunk.text, chunk.logprobs))
-        terminal, err = session.terminal, session.error
-        if err is not None:
-            yield sse(err.body())
+        answer = session.answer
+        if isinstance(answer, APIError):
+            yield sse(answer.body())
         else:
             if rest := session.remainder():
                 yield sse(shape.chunk(rest, None))
             # The finish chunk carries what the JSON answer's `x_arena` does (ids, the
             # server's own timings), so a streaming client can tell its wait from the model's.
-            yield sse(shape.finish(terminal.finish_reason) | {"x_arena": extra_of(session.ticket, terminal)})
+            yield sse(shape.finish(answer.finish_reason) | {"x_arena": extra_of(session.ticket, answer)})
             if include_usage:
-                yield sse(shape.usage(usage_of(terminal)))
+                yield sse(shape.usage(usage_of(answer)))
         yield "data: [DONE]\n\n"
 
 
@@ -127,10 +127,10 @@ async def serve(
             background=BackgroundTask(session.close),
         )
     async with session:
-        terminal = await session.finish()
-    if (err := session.error) is not None:
-        err.headers.update(headers)
+        answer = answer_of(await session.finish())
+    if isinstance(answer, APIError):
+        answer.headers.update(headers)
         with named_as(req):
-            raise err
-    answer = shape.answer(terminal.text, terminal.finish_reason, usage_of(terminal), session.logprobs)
-    return JSONResponse(answer | {"x_arena": extra_of(ticket, terminal)}, headers=headers)
+            raise answer
+    reply = shape.answer(answer.text, answer.finish_reason, usage_of(answer), session.logprobs)
+    return JSONResponse(reply | {"x_arena": extra_of(ticket, answer)}, headers=headers)

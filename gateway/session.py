@@ -19,7 +19,15 @@ from typing import Any
 import anyio
 from opentelemetry.trace import Span
 
-from events.models import TokenLogprob, TokensGenerated
+from events.models import (
+    ChatCompleted,
+    ChatFailed,
+    Failure,
+    PromptRejected,
+    Terminal,
+    TokenLogprob,
+    TokensGenerated,
+)
 from gateway.admission.service import Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
@@ -83,9 +91,9 @@ def deadline_error() -> APIError:
     return APIError(504, "no answer before the request's deadline", "deadline_exceeded")
 
 
-def failure(terminal: Any) -> APIError:
+def failure(terminal: Failure) -> APIError:
     """The client error for a terminal event that is not an answer."""
-    if terminal.type == "prompt.rejected":
+    if isinstance(terminal, PromptRejected):
         return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
     headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
     # A worker's message names the field at fault first ("max_tokens: ..."), as the edge's do.
@@ -95,18 +103,18 @@ def failure(terminal: Any) -> APIError:
     return APIError(FAILURE_STATUS.get(terminal.code, 500), terminal.message, code, param, headers=headers)
 
 
-def outcome(terminal: Any) -> APIError | None:
-    """None for an answer, else the error the client gets (504 when no terminal came)."""
+def answer_of(terminal: Terminal | None) -> ChatCompleted | APIError:
+    """The answer, else the error the client gets instead (504 when no terminal came)."""
     if terminal is None:
         return deadline_error()
-    return None if terminal.type == "chat.completed" else failure(terminal)
+    return terminal if isinstance(terminal, ChatCompleted) else failure(terminal)
 
 
-def usage_of(terminal: Any) -> dict:
+def usage_of(terminal: ChatCompleted) -> dict:
     return terminal.usage.model_dump()
 
 
-def extra_of(ticket: Ticket, terminal: Any) -> dict:
+def extra_of(ticket: Ticket, terminal: ChatCompleted) -> dict:
     return {
         "request_id": ticket.request_id,
         "conv_id": ticket.conv_id,
@@ -116,14 +124,17 @@ def extra_of(ticket: Ticket, terminal: Any) -> dict:
     }
 
 
-def ending(terminal: Any) -> str | None:
+def ending(terminal: Terminal | None) -> str | None:
     """How a request's trace ends: None for an answer, else the failure's code or type
     ("no answer" when none came: the deadline, or a client gone first)."""
-    if terminal is None:
-        return "no answer"
-    if terminal.type == "chat.completed":
-        return None
-    return getattr(terminal, "code", None) or terminal.type
+    match terminal:
+        case None:
+            return "no answer"
+        case ChatCompleted():
+            return None
+        case ChatFailed(code=code):
+            return code
+    return terminal.type
 
 
 #: What to do with a request whose client left before its end (ChatService.cancel: stop it now).
@@ -159,7 +170,7 @@ class RequestSession:
             yield chunk
         self._end()
 
-    async def finish(self) -> Any:
+    async def finish(self) -> Terminal | None:
         """Wait for the terminal event (None past the deadline), sending nothing."""
         async for _ in self.output:
             pass
@@ -177,13 +188,18 @@ class RequestSession:
             METRICS.latency.labels(model).observe(time.perf_counter() - self.ticket.started)
 
     @property
-    def terminal(self) -> Any:
+    def terminal(self) -> Terminal | None:
         return self.output.terminal
+
+    @property
+    def answer(self) -> ChatCompleted | APIError:
+        """The answer, else the error the client gets instead (`answer_of`)."""
+        return answer_of(self.output.terminal)
 
     @property
     def error(self) -> APIError | None:
         """None for an answer, else the error the client gets."""
-        return outcome(self.output.terminal)
+        return answer if isinstance(answer := self.answer, APIError) else None
 
     def remainder(self) -> str:
         """Completed text no chunk carried (only if the stream lost chunks)."""

@@ -232,18 +232,18 @@ class Session:
         async with session:
             async for chunk in session:
                 await self.send({"type": "chunk", **ids, "seq": chunk.seq, "text": chunk.text})
-            terminal, err = session.terminal, session.error
-            if err is not None:
-                await self.error(err, **ids)
+            answer = session.answer
+            if isinstance(answer, APIError):
+                await self.error(answer, **ids)
             else:
                 await self.send(
                     {
                         "type": "done",
                         **ids,
-                        "model": terminal.model,
-                        "finish_reason": terminal.finish_reason,
-                        "usage": usage_of(terminal),
-                        "text": terminal.text,
+                        "model": answer.model,
+                        "finish_reason": answer.finish_reason,
+                        "usage": usage_of(answer),
+                        "text": answer.text,
                     }
                 )
 

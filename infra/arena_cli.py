@@ -18,6 +18,7 @@ from consumers.leaderboard.votes import Vote
 from events import decode
 from events.battles import (
     BATTLES_SUBJECT,
+    BattleTurn,
     ModelReinstated,
     ModelWithdrawn,
     VoteCast,
@@ -26,15 +27,16 @@ from events.battles import (
     VoteStatusChanged,
     battle_filter,
 )
+from events.models import EventBase
 from gateway.arena.categories import CATEGORIES, categorize
 from runtime import jetstream
 from runtime.stream import read_events, request_events
 
 
-async def battle_events(js, upto: int | None = None) -> list[tuple[int, object]]:
+async def battle_events(js, upto: int | None = None) -> list[tuple[int, EventBase]]:
     """(stream sequence, event) of every stored battle event, up to `upto` when given."""
     sub = await js.subscribe(BATTLES_SUBJECT, ordered_consumer=True)
-    out = []
+    out: list[tuple[int, EventBase]] = []
     try:
         info = await sub.consumer_info()
         left = info.num_pending + info.delivered.consumer_seq
@@ -50,7 +52,7 @@ async def battle_events(js, upto: int | None = None) -> list[tuple[int, object]]
     return out
 
 
-def project(events: list[tuple[int, object]]) -> VoteProjection:
+def project(events: list[tuple[int, EventBase]]) -> VoteProjection:
     projection = VoteProjection(config_of(LeaderboardSettings()))
     for seq, event in events:
         projection.apply(event, seq)
@@ -203,7 +205,7 @@ async def set_vote_status(js, battle_id: str, counted: bool, reason: str) -> int
 async def replay_battle(js, battle_id: str) -> list:
     """The battle's events, then each turn's two requests' events."""
     events = await read_events(js, battle_filter(battle_id))
-    for turn in [e for e in events if e.type == "battle.turn"]:
+    for turn in [e for e in events if isinstance(e, BattleTurn)]:
         events += await request_events(js, turn.request_a)
         events += await request_events(js, turn.request_b)
     return events

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from events.models import TERMINAL_TYPES
+from events.models import ChatRequested, Terminal
 from infra.battle_audit import audit_battles
 from runtime.stream import read_events
 
@@ -26,12 +25,12 @@ def audit(events: list, now: float | None = None, grace_s: float = 5.0) -> dict:
     A request without one whose deadline (plus a grace) has not yet passed is in flight,
     not missing."""
     now = time.time() if now is None else now
-    requested: dict[str, Any] = {}
-    terminals: dict[str, list] = {}
+    requested: dict[str, ChatRequested] = {}
+    terminals: dict[str, list[Terminal]] = {}
     for e in events:
-        if e.type == "chat.requested":
+        if isinstance(e, ChatRequested):
             requested[e.request_id] = e
-        elif e.type in TERMINAL_TYPES:
+        elif isinstance(e, Terminal):
             terminals.setdefault(e.request_id, []).append(e)
     open_ = [r for r in requested if r not in terminals]
     in_flight = sorted(r for r in open_ if requested[r].deadline_at + grace_s > now)

@@ -33,12 +33,12 @@ from typing import Any, Literal
 
 from faststream.exceptions import AckMessage, NackMessage, RejectMessage
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from events import subjects
 from events.topology import Role
+from runtime.jetstream import NATS_DOWN
 from runtime.pulls import fetch_available
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class DurableConsumer:
                 if loop.time() - asked < RETRY_S:  # answered at once (e.g. 409, max ack pending): no spinning
                     await asyncio.sleep(RETRY_S)
                 continue
-            except (NatsError, OSError) as exc:
+            except NATS_DOWN as exc:
                 PULL_ERRORS.labels(self.role.name).inc()
                 log.warning("fetch from %s failed: %r", self.role.durable, exc)
                 await asyncio.sleep(RETRY_S)
@@ -157,5 +157,5 @@ async def _settle(msg: Msg, how: Callable[..., Awaitable[Any]], *args: Any) -> N
         return
     try:
         await how(*args)
-    except (NatsError, OSError) as exc:
+    except NATS_DOWN as exc:
         log.warning("could not settle a message: %r", exc)

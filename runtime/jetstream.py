@@ -29,6 +29,11 @@ from runtime import tracing
 
 log = logging.getLogger(__name__)
 
+#: What callers catch when NATS is unreachable: nats-py's errors (a closed or lost
+#: connection, no responders, its own timeouts), a request that timed out, the socket.
+#: The one definition, as runtime.redis.REDIS_DOWN is Redis's.
+NATS_DOWN = (nats.errors.Error, TimeoutError, OSError)
+
 DAY_S = 86_400
 
 

@@ -5,17 +5,18 @@ filtered read), and by `arena rebuild-readmodel` for everything in a window."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from nats.js import JetStreamContext
 
 from events import encode
-from events.models import TERMINAL_TYPES
+from events.models import ChatRequested, EventBase, RequestEvent, Terminal
 from events.readmodel import ReadModel
 from runtime.stream import read_events, request_events
 
 
-async def restore(store: ReadModel, events: list[Any], results: bool = True) -> tuple[Any, dict | None]:
+async def restore(
+    store: ReadModel, events: list[EventBase], results: bool = True
+) -> tuple[Terminal | None, dict | None]:
     """Write one request's pending record and result from its events; returns its
     terminal event (None while it runs) and its pending record (None if never requested).
 
@@ -23,8 +24,8 @@ async def restore(store: ReadModel, events: list[Any], results: bool = True) -> 
     delivery's may, infra/redis_auth.py) a finished request is answered from its events
     and nothing is written; a pending record and owner without the result would read as
     still running."""
-    requested = next((e for e in events if e.type == "chat.requested"), None)
-    terminal = next((e for e in events if e.type in TERMINAL_TYPES), None)
+    requested = next((e for e in events if isinstance(e, ChatRequested)), None)
+    terminal = next((e for e in events if isinstance(e, Terminal)), None)
     record = None
     write = results or terminal is None
     if requested is not None:
@@ -48,17 +49,16 @@ async def restore(store: ReadModel, events: list[Any], results: bool = True) -> 
 
 async def recover_request(
     js: JetStreamContext, store: ReadModel, request_id: str, results: bool = True
-) -> tuple[Any, dict | None]:
+) -> tuple[Terminal | None, dict | None]:
     return await restore(store, await request_events(js, request_id), results)
 
 
 async def rebuild(js: JetStreamContext, store: ReadModel, since: datetime | None = None) -> dict[str, int]:
     """Every request's pending record and result from the stream (from `since` on)."""
-    by_request: dict[str, list[Any]] = {}
+    by_request: dict[str, list[EventBase]] = {}
     for event in await read_events(js, "arena.>", since=since, timeout=10.0):
-        rid = getattr(event, "request_id", None)
-        if rid is not None:
-            by_request.setdefault(rid, []).append(event)
+        if isinstance(event, RequestEvent):
+            by_request.setdefault(event.request_id, []).append(event)
     results = 0
     for events in by_request.values():
         terminal, _ = await restore(store, events)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from events import decode, subjects
+from events.models import EventBase
 
 
 async def read_events(
     js: JetStreamContext, filter_subject: str, since: datetime | None = None, timeout: float = 5.0
-) -> list[Any]:
+) -> list[EventBase]:
     """Every stored event on `filter_subject` (optionally from `since` on), in stream order."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.BY_START_TIME if since else DeliverPolicy.ALL,
@@ -25,7 +25,7 @@ async def read_events(
         info = await sub.consumer_info()
         # Messages may already be on their way to us: count those as well as the rest.
         total = (info.num_pending or 0) + (info.delivered.consumer_seq or 0 if info.delivered else 0)
-        out: list[Any] = []
+        out: list[EventBase] = []
         while len(out) < total:
             msg = await sub.next_msg(timeout=timeout)
             out.append(decode(msg.data))
@@ -34,9 +34,9 @@ async def read_events(
         await sub.unsubscribe()
 
 
-async def request_events(js: JetStreamContext, request_id: str) -> list[Any]:
+async def request_events(js: JetStreamContext, request_id: str) -> list[EventBase]:
     return await read_events(js, subjects.request_filter(request_id))
 
 
-async def conversation_events(js: JetStreamContext, conv_id: str) -> list[Any]:
+async def conversation_events(js: JetStreamContext, conv_id: str) -> list[EventBase]:
     return await read_events(js, subjects.conversation_filter(conv_id))

@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from consumers.delivery.settings import DeliverySettings
 from events import subjects, topology
-from events.models import TERMINAL_TYPES
+from events.models import Terminal
 from events.readmodel import ReadModel
 from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
@@ -44,7 +44,7 @@ async def deliver(event, raw: bytes, store: ReadModel, fanout: Fanout) -> bool:
     With Redis unreachable the event is fanned out anyway (gateways drop a chunk they
     already have) and the message is redelivered later (NackMessage with a delay), when
     its record can be written: a Redis outage delays no answer and loses no result."""
-    if event.type not in TERMINAL_TYPES:
+    if not isinstance(event, Terminal):
         return False
     try:
         fresh = await store.save_result(event.request_id, raw)

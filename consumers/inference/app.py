@@ -20,6 +20,7 @@ from consumers.inference.service import InferenceService
 from consumers.inference.settings import InferenceSettings
 from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ProcessBeat
+from events.models import ChatCancelled
 from runtime.consume import DurableConsumer
 from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 
@@ -86,7 +87,8 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
     subscriber = DurableConsumer(topology.INFERENCE, on_accepted, "manual", workers=service.limit(), batch=service.room)
 
     async def on_cancel(msg) -> None:
-        service.cancel(decode(msg.data).request_id)
+        if isinstance(event := decode(msg.data), ChatCancelled):
+            service.cancel(event.request_id)
 
     @asynccontextmanager
     async def serving(runtime: ProcessRuntime) -> AsyncIterator[None]:

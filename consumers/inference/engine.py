@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -40,8 +40,8 @@ from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, Perman
 from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
 from consumers.inference.models import LoadedModel
 from consumers.inference.prefix import Hit, PrefixCache
+from consumers.inference.protocol import EngineStats, FinishReason, GenRequest, StepOutput
 from consumers.inference.sampling import (
-    SamplingParams,
     TextTracker,
     TokenLogprob,
     draw_uniforms,
@@ -52,43 +52,6 @@ from consumers.inference.sampling import (
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
-
-#: "lost": the engine process running it died (engine_process.py); the worker gives
-#: the request back, to be continued from its stored chunks, instead of failing it.
-FinishReason = Literal["stop", "length", "deadline", "cancelled", "error", "lost"]
-
-
-@dataclass
-class GenRequest:
-    """One completion to generate from already-tokenized prompt ids."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    deadline: float | None = None  # wall-clock epoch seconds (time.time()); None: no deadline
-    #: Tokens already generated and delivered for it (a request taken over from a dead
-    #: worker): prefilled with the prompt, its sampler advanced past them, then continued.
-    resume_ids: list[int] = field(default_factory=list)
-    admitted_at: float | None = None  # when it joined a batch (its prefill began), by the engine's clock
-
-    @property
-    def input_ids(self) -> list[int]:
-        return self.prompt_ids + self.resume_ids
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]  # includes an EOS token when the model emitted one
-    new_text: str  # incremental text; never splits a character or shows a partial stop string
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int  # total so far
-    #: With ``params.logprobs``: one per new token, less an end-of-sequence one; else None.
-    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -252,6 +215,10 @@ class BatchEngine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def stats(self) -> EngineStats:
+        running, waiting = self.budgets()
+        return EngineStats(tuple(running), tuple(waiting), self.prefix.stats if self.prefix is not None else None)
+
     def has_work(self) -> bool:
         return bool(self._seqs) or bool(self._waiting)
 
@@ -300,9 +267,7 @@ class BatchEngine:
         if self.prefix is not None:  # what a broken step stored is not trusted
             self.prefix.clear()
         return [
-            running[rid].output([], "", "error")
-            if rid in running
-            else StepOutput(rid, [], "", True, "error", len(req.prompt_ids), 0)
+            running[rid].output([], "", "error") if rid in running else StepOutput.ended(req, "error")
             for rid, req in active.items()
         ]
 
@@ -323,7 +288,7 @@ class BatchEngine:
                 if reason is None:
                     keep.append(req)
                 else:
-                    outputs.append(StepOutput(req.request_id, [], "", True, reason, len(req.prompt_ids), 0))
+                    outputs.append(StepOutput.ended(req, reason))
             self._waiting = keep
         return outputs
 

@@ -44,10 +44,24 @@ import psutil
 import torch
 
 from consumers.inference import forks
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_prompt
+from consumers.inference.engine import BatchEngine, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
 from consumers.inference.models import LoadedModel
+from consumers.inference.protocol import (
+    AddRequest,
+    CancelRequest,
+    EngineCommand,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    GenRequest,
+    SchedulerStats,
+    StepOutput,
+    StepRecord,
+    StopEngine,
+)
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
 
@@ -102,59 +116,62 @@ def _child(
     if threads:
         torch.set_num_threads(threads)
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
-    send_lock = threading.Lock()
-    steps: list[tuple[int, int, int]] = []  # since the last message: for the worker's metrics
-    unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
-    runner: EngineRunner
-
-    def send(outputs: list[StepOutput]) -> None:
-        state = _state(runner)
-        with send_lock:  # the main thread sends too (a refused add)
-            state["steps"], steps[:] = list(steps), []
-            # When each joined a batch (its prefill began): the worker's trace spans it.
-            joined = {o.request_id: unjoined.pop(o.request_id).admitted_at for o in outputs if o.request_id in unjoined}
-            state["joined"] = {rid: at for rid, at in joined.items() if at is not None}
-            conn.send(("out", outputs, state))
-
-    def on_step(*step: int) -> None:
-        with send_lock:
-            steps.append(step)  # type: ignore[arg-type]
-
-    runner = EngineRunner(engine, _Immediate(), send, max_wait_s, on_step=on_step)  # type: ignore[arg-type]
-    with send_lock:
-        conn.send(("ready", None, _state(runner)))
+    end = _EngineEnd(conn)
+    end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step)  # type: ignore[arg-type]
     try:
-        while True:
-            kind, arg = conn.recv()
-            if kind == "add":
-                try:
-                    with send_lock:
-                        unjoined[arg.request_id] = arg
-                    runner.add(arg)
-                except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
-                    send([StepOutput(arg.request_id, [], "", True, "error", len(arg.prompt_ids), 0)])
-                    log.warning("engine refused a request: %r", exc, extra={"request_id": arg.request_id})
-            elif kind == "cancel":
-                runner.cancel(arg)
-            elif kind == "stop":
-                break
+        end.serve()
     except (EOFError, OSError):  # the parent is gone
         pass
     finally:
-        runner.stop()
+        end.runner.stop()
         os._exit(0)
 
 
-def _state(runner: EngineRunner) -> dict:
-    small, full = runner.samples()
-    prefix = runner.engine.prefix
-    return {
-        "budgets": runner.engine.budgets(),
-        "load": runner.load(),
-        "small_samples": small,
-        "full_samples": full,
-        "prefix": prefix.stats if prefix is not None else None,
-    }
+class _EngineEnd:
+    """The child's end of the pipe: commands in, each step's outputs and state out."""
+
+    runner: EngineRunner
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # the engine thread sends, and so does the main thread (a refused add)
+        self.steps: list[StepRecord] = []  # since the last message: for the worker's metrics
+        self.unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
+
+    def send(self, outputs: list[StepOutput]) -> None:
+        stats = self.runner.stats()
+        with self.lock:
+            done, self.steps = self.steps, []
+            joined = {o.request_id: self.unjoined.pop(o.request_id) for o in outputs if o.request_id in self.unjoined}
+            at = {rid: req.admitted_at for rid, req in joined.items() if req.admitted_at is not None}
+            self.conn.send(EngineOutputs(outputs, stats, done, at))
+
+    def on_step(self, step: StepRecord, _stats: EngineStats) -> None:
+        with self.lock:
+            self.steps.append(step)
+
+    def serve(self) -> None:
+        """Say ready, then apply each command until the parent says stop (or goes away: EOFError)."""
+        with self.lock:
+            self.conn.send(EngineReady(self.runner.stats()))
+        while True:
+            command: EngineCommand = self.conn.recv()
+            match command:
+                case AddRequest(req):
+                    self.add(req)
+                case CancelRequest(request_id):
+                    self.runner.cancel(request_id)
+                case StopEngine():
+                    return
+
+    def add(self, req: GenRequest) -> None:
+        try:
+            with self.lock:
+                self.unjoined[req.request_id] = req
+            self.runner.add(req)
+        except Exception as exc:  # noqa: BLE001 - the parent checked; report, never die
+            self.send([StepOutput.ended(req, "error")])
+            log.warning("engine refused a request: %r", exc, extra={"request_id": req.request_id})
 
 
 @dataclass
@@ -283,7 +300,7 @@ class ProcessRunner:
         self.loop = loop
         self.on_outputs = on_outputs
         self._active: dict[str, GenRequest] = {}
-        self._state: dict = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
+        self._stats: SchedulerStats | None = None  # the engine process's, after its last step
         self._lock = threading.Lock()
         self._stopping = False
         #: Set once the engine process has loaded its model and answered.
@@ -292,7 +309,7 @@ class ProcessRunner:
         # While a new child starts (on a thread, see _restart), what would go down its pipe
         # waits here, in order. Both are only touched on the loop.
         self._starting = False
-        self._queued: list[tuple[str, Any]] = []
+        self._queued: list[EngineCommand] = []
         self._start()
 
     # ---- the child -----------------------------------------------------------------
@@ -308,29 +325,30 @@ class ProcessRunner:
         conn = self._conn
         while True:
             try:
-                kind, outputs, state = conn.recv()
+                message: EngineMessage = conn.recv()
             except (EOFError, OSError):
                 break
-            self._state = state
-            if kind == "ready":
-                self.ready.set()
-            elif outputs:
-                self.loop.call_soon_threadsafe(self._deliver, outputs, state)
+            self._stats = message.stats
+            match message:
+                case EngineReady():
+                    self.ready.set()
+                case EngineOutputs(outputs) if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, message)
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
 
-    def _deliver(self, outputs: list[StepOutput], state: dict) -> None:
+    def _deliver(self, message: EngineOutputs) -> None:
         with self._lock:
-            for rid, at in state.get("joined", {}).items():
+            for rid, at in message.joined.items():
                 if (req := self._active.get(rid)) is not None:
                     req.admitted_at = at
-            for out in outputs:
+            for out in message.outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)
-        for batch, running, waiting in state.get("steps", ()):
-            record_step(self.name, batch, running, waiting)
-        self.prefix_counts.update(state.get("prefix"))
-        self.on_outputs(outputs)
+        for step in message.steps:
+            record_step(self.name, step)
+        self.prefix_counts.update(message.stats.engine.prefix)
+        self.on_outputs(message.outputs)
 
     def _lost(self) -> None:
         """The child died: what it held is given back ("lost": the service naks it, to
@@ -339,7 +357,7 @@ class ProcessRunner:
         self._proc.join(timeout=1)
         code, served = self._proc.exitcode, self.ready.is_set()
         log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(self._active))
-        self._state = {"budgets": ([], []), "load": None, "full_samples": 0, "small_samples": 0}
+        self._stats = None
         self.ready.clear()
         if served:
             self._restart()
@@ -350,7 +368,7 @@ class ProcessRunner:
     def _give_back(self) -> None:
         with self._lock:
             held, self._active = list(self._active.values()), {}
-        self.on_outputs([StepOutput(r.request_id, [], "", True, "lost", len(r.prompt_ids), 0) for r in held])
+        self.on_outputs([StepOutput.ended(r, "lost") for r in held])
 
     def _restart(self) -> None:
         """Start a new child on a thread: forking one takes milliseconds, but if the fork
@@ -404,10 +422,10 @@ class ProcessRunner:
                 raise PermanentError(f"request {req.request_id} is already in the engine")
             self._active[req.request_id] = req
         if self._starting:
-            self._queued.append(("add", req))
+            self._queued.append(AddRequest(req))
             return
         try:
-            self._conn.send(("add", req))
+            self._conn.send(AddRequest(req))
         except OSError as exc:  # it died a moment ago, and _lost is on its way: not this request's fault
             with self._lock:
                 self._active.pop(req.request_id, None)
@@ -418,28 +436,25 @@ class ProcessRunner:
             if request_id not in self._active:
                 return
         if self._starting:
-            self._queued.append(("cancel", request_id))
+            self._queued.append(CancelRequest(request_id))
             return
         with suppress(OSError):  # a dead engine process fails what it held anyway
-            self._conn.send(("cancel", request_id))
+            self._conn.send(CancelRequest(request_id))
 
     def finish_at(self, tokens: int) -> float | None:
         """As :meth:`EngineRunner.finish_at`, from the engine's state after its last step."""
-        state = self._state
-        if state["load"] is None:
-            return None
-        budgets = state["budgets"]
-        samples = (state["small_samples"], state["full_samples"])
-        return estimate_finish(len(budgets[0]), budgets, self.max_batch_size, state["load"], samples, tokens)
+        stats = self._stats
+        return None if stats is None else estimate_finish(stats, self.max_batch_size, tokens)
 
     def load(self) -> EngineLoad:
         """As :meth:`EngineRunner.load`: the engine process's, as of its last step."""
-        return self._state["load"] or EngineLoad(max_batch=self.max_batch_size)
+        stats = self._stats
+        return EngineLoad(max_batch=self.max_batch_size) if stats is None else stats.load
 
     def stop(self) -> None:
         self._stopping = True
         with suppress(OSError, ValueError):
-            self._conn.send(("stop", None))
+            self._conn.send(StopEngine())
         self._proc.join(timeout=5)
         if self._proc.is_alive():
             self._proc.kill()

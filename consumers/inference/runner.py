@@ -11,8 +11,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
 from consumers.inference.metrics import METRICS, PrefixCounts
+from consumers.inference.protocol import (
+    EngineBackend,
+    EngineStats,
+    GenRequest,
+    SchedulerStats,
+    StepOutput,
+    StepRecord,
+)
 from events.fleet import EngineLoad
 from runtime.steps import step_time
 
@@ -47,56 +54,50 @@ def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
     return heap[0] if heap else 0
 
 
-def estimate_finish(
-    batch: int,
-    budgets: tuple[list[int], list[int]],
-    max_batch: int,
-    load: EngineLoad,
-    samples: tuple[int, int],
-    tokens: int,
-) -> float | None:
+def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float | None:
     """When a request joining an engine now would end, at worst: once a slot is free for
     it (after the requests running and waiting ahead of it, each at its whole remaining
     budget), all its `tokens`, at the step time measured for the batch it joins; None
-    until MIN_SAMPLES steps were measured. ``batch``: the requests running now;
-    ``budgets``, ``load`` and ``samples``: the engine runner's (``budgets()``, ``load()``,
-    ``samples()``), read in this process or sent up by an engine process."""
-    small, full = samples
+    until MIN_SAMPLES steps were measured. ``stats``: the engine runner's
+    (:meth:`EngineRunner.stats`), read in this process or sent up by an engine process."""
+    small, full = stats.samples
+    running, waiting, load = stats.engine.running, stats.engine.waiting, stats.load
     # The steps measured at the batch it joins (those of the other kind while there are none).
-    use_full = (full > 0 or small == 0) if batch * 2 >= max_batch else small == 0
+    use_full = (full > 0 or small == 0) if len(running) * 2 >= max_batch else small == 0
     if (full if use_full else small) < MIN_SAMPLES:
         return None
-    running, waiting = budgets
     # The step time at the batch it will run in, extrapolated as the gateway does: at
     # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
     size = min(max_batch, len(running) + len(waiting) + 1)
     step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size)
     step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
-    return time.time() + (steps_until_slot(running, waiting, max_batch) + tokens) * step
+    return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
 
 
-def record_step(model: str, batch: int, running: int, waiting: int) -> None:
+def record_step(model: str, step: StepRecord) -> None:
     """One engine step in the worker's metrics: the batch it stepped, what it holds after."""
-    if batch:
-        METRICS.batch_size.labels(model).observe(batch)
+    if step.batch:
+        METRICS.batch_size.labels(model).observe(step.batch)
     METRICS.steps.labels(model).inc()
-    METRICS.running.labels(model).set(running)
-    METRICS.waiting.labels(model).set(waiting)
+    METRICS.running.labels(model).set(step.running)
+    METRICS.waiting.labels(model).set(step.waiting)
 
 
 class EngineRunner:
-    """Steps one engine (one model version) in a thread; outputs go back to the loop.
+    """Steps one engine (one model version, any :class:`EngineBackend`) in a thread;
+    outputs go back to the loop.
 
-    ``on_step(batch, running, waiting)`` is told of every step (default: the worker's
-    metrics, :func:`record_step`)."""
+    ``max_wait_s``: the static mode's hold, how long a micro-batch may wait to fill before
+    it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
+    step (default: the worker's metrics, :func:`record_step`)."""
 
     def __init__(
         self,
-        engine: BatchEngine,
+        engine: EngineBackend,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
-        on_step: Callable[[int, int, int], None] | None = None,
+        on_step: Callable[[StepRecord, EngineStats], None] | None = None,
     ):
         self.engine = engine
         self.max_wait_s = max_wait_s
@@ -134,10 +135,10 @@ class EngineRunner:
         self.engine.cancel(request_id)
         self._wake.set()
 
-    def _hold_for_batch(self) -> float:
+    def _hold_for_batch(self, queue: EngineStats) -> float:
         """Static mode: seconds to wait for a fuller micro-batch before starting one."""
-        e = self.engine
-        if e.mode != "static" or e.running or not e.waiting or e.waiting >= e.max_batch_size:
+        waiting = len(queue.waiting)
+        if not self.max_wait_s or queue.running or not waiting or waiting >= self.engine.max_batch_size:
             self._first_wait = None
             return 0.0
         now = time.monotonic()
@@ -146,17 +147,18 @@ class EngineRunner:
 
     def _run(self) -> None:
         while not self._stop:
-            if not self.engine.has_work():
+            queue = self.engine.stats()
+            if not queue.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            hold = self._hold_for_batch()
+            hold = self._hold_for_batch(queue)
             if hold > 0:
                 self._wake.wait(hold)
                 self._wake.clear()
                 continue
             self._first_wait = None
-            batch = self.engine.running
+            batch = len(queue.running)
             started = time.perf_counter()
             try:
                 outputs = self.engine.step()
@@ -165,15 +167,15 @@ class EngineRunner:
                 outputs = self.engine.fail_all()
             if batch:
                 self._measure(batch, time.perf_counter() - started)
-            self.on_step(batch, self.engine.running, self.engine.waiting)
+            after = self.engine.stats()
+            self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
             if outputs:
                 self._post(outputs)
 
-    def _record(self, batch: int, running: int, waiting: int) -> None:
+    def _record(self, step: StepRecord, stats: EngineStats) -> None:
         """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""
-        record_step(self.name, batch, running, waiting)
-        if self.engine.prefix is not None:
-            self.prefix_counts.update(self.engine.prefix.stats)
+        record_step(self.name, step)
+        self.prefix_counts.update(stats.prefix)
 
     def _post(self, outputs: list[StepOutput]) -> None:
         with self._handoff_lock:
@@ -201,25 +203,26 @@ class EngineRunner:
 
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (:func:`estimate_finish`)."""
-        e = self.engine
-        return estimate_finish(e.running, e.budgets(), e.max_batch_size, self.load(), self.samples(), tokens)
+        return estimate_finish(self.stats(), self.engine.max_batch_size, tokens)
 
-    def samples(self) -> tuple[int, int]:
-        """Steps measured at small and at near-full batches (of the last 64 each)."""
-        return len(self._small), len(self._full)
-
-    def load(self) -> EngineLoad:
-        """What this engine holds and how fast it steps (for heartbeats)."""
-        e = self.engine
-        return EngineLoad(
-            running=e.running,
-            waiting=e.waiting,
-            max_batch=e.max_batch_size,
+    def stats(self) -> SchedulerStats:
+        """The engine's queue, its load and the steps measured (at small and at near-full
+        batches, of the last 64 each)."""
+        queue = self.engine.stats()
+        load = EngineLoad(
+            running=len(queue.running),
+            waiting=len(queue.waiting),
+            max_batch=self.engine.max_batch_size,
             step_s=typical_step(self._small) if self._small else None,
             full_step_s=typical_step(self._full) if self._full else None,
             full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
             measured_at=self.measured_at,
         )
+        return SchedulerStats(queue, load, (len(self._small), len(self._full)))
+
+    def load(self) -> EngineLoad:
+        """What this engine holds and how fast it steps (for heartbeats)."""
+        return self.stats().load
 
     def stop(self) -> None:
         self._stop = True

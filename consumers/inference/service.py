@@ -29,24 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.engine import (
-    BatchEngine,
-    GenRequest,
-    StepOutput,
-    check_kv,
-    check_prompt,
-    check_room,
-    kv_room,
-)
+from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt, encode_text, vocab_size
+from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events import encode, subjects
@@ -54,18 +46,19 @@ from events.fleet import ModelLoad
 from events.models import (
     ChatCompleted,
     ChatFailed,
+    FailureCode,
     PromptAccepted,
+    Terminal,
     Timings,
     TokensGenerated,
     Usage,
 )
 from runtime import tracing
-from runtime.jetstream import PUBLISH_TIMEOUT_S
+from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 #: A chunk send or acknowledgement that failed: the chunk is published again, awaited.
-SEND_ERRORS = (NatsError, TimeoutError, OSError)
 #: What steps a model's engine: a thread beside the loop, or a process of its own.
 Runner = EngineRunner | ProcessRunner
 
@@ -252,66 +245,62 @@ class InferenceService:
                 return
         pin = AsyncExitStack()
         try:
-            loaded = await pin.enter_async_context(self.pool.use(event.model))
-            if params.logit_bias and (top := params.logit_bias[-1][0]) >= (vocab := vocab_size(loaded)):
-                await self._drop(rid, pin)
-                message = f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
-                await self._fail(event, msg, "invalid_request", message)
-                return
-            if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
-                prompt_ids = encode_text(loaded, event.messages[-1].content)
-            else:
-                prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
-            resume_ids = [t for c in chunks for t in c.token_ids]
-            gen = GenRequest(
-                request_id=rid,
-                prompt_ids=prompt_ids,
-                deadline=event.deadline_at,
-                params=params,
-                resume_ids=resume_ids,
-            )
-            # One that can never fit is a 400 before anything judges its time (a 429 would
-            # tell its client to retry it).
-            check_prompt(gen, loaded.context_len)
-            if not resume_ids:
-                check_room(gen, loaded.context_len)
-                check_kv(gen, loaded, self.kv_budget)
-            runner = self._runner_for(loaded)
-            late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
-            if late and msg.metadata.num_delivered == 1:
-                # It waited too long to finish in time at the speed measured now: refuse it
-                # before spending steps on it (429, retry) rather than end it at its deadline.
-                # Work redelivered from a dead worker is run: it was admitted, its client has
-                # waited, and the estimate is a worst case (the whole token budget); the
-                # engine still ends it at its deadline if it really cannot finish.
-                await self._drop(rid, pin)
-                METRICS.deadline_misses.labels(event.model).inc()
-                await self._fail(event, msg, "overloaded", "the worker cannot finish it before its deadline; retry")
-                return
-            job = self.jobs[rid] = Job(event, msg, runner, pin, span=span, gen=gen)
-            if chunks:
-                job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
-                METRICS.resumed_tokens.inc(len(resume_ids))
-            runner.add(gen)
-        except UnknownModel as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "unknown_model", str(exc))
-        except PromptTooLong as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "prompt_too_long", str(exc))
-        except PermanentError as exc:
-            await self._drop(rid, pin)
-            await self._fail(event, msg, "internal_error", str(exc))
+            await self._start(event, msg, span, params, chunks, pin)
         except RetryableError as exc:
             await self._drop(rid, pin)
             log.warning("retrying later: %s", exc, extra={"request_id": rid})
             await msg.nak(delay=1.0)
-        except Exception as exc:  # a bug: fail this request rather than hold it until its deadline
-            log.exception("intake failed", extra={"request_id": rid})
+        except Exception as exc:  # noqa: BLE001 - each becomes the request's failure; a bug is logged there
             await self._drop(rid, pin)
-            await self._fail(event, msg, "internal_error", f"the worker could not start this request: {exc!r}")
+            code, message = _failure_of(exc, rid)
+            await self._fail(event, msg, code, message)
 
-    async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Any]:
+    async def _start(
+        self,
+        event: PromptAccepted,
+        msg: Msg,
+        span: Span | None,
+        params: EngineParams,
+        chunks: list[TokensGenerated],
+        pin: AsyncExitStack,
+    ) -> None:
+        """Load the model (held by `pin` while the job lives), check the request against
+        it and its engine's speed, and add it to the engine as a job; _Refused when it
+        cannot be served, as the errors of consumers.inference.errors say."""
+        loaded = await pin.enter_async_context(self.pool.use(event.model))
+        if params.logit_bias and (top := params.logit_bias[-1][0]) >= (vocab := vocab_size(loaded)):
+            raise _Refused(
+                "invalid_request", f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
+            )
+        if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
+            prompt_ids = encode_text(loaded, event.messages[-1].content)
+        else:
+            prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+        resume_ids = [t for c in chunks for t in c.token_ids]
+        gen = GenRequest(event.request_id, prompt_ids, params, deadline=event.deadline_at, resume_ids=resume_ids)
+        # One that can never fit is a 400 before anything judges its time (a 429 would
+        # tell its client to retry it).
+        check_prompt(gen, loaded.context_len)
+        if not resume_ids:
+            check_room(gen, loaded.context_len)
+            check_kv(gen, loaded, self.kv_budget)
+        runner = self._runner_for(loaded)
+        late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
+        if late and msg.metadata.num_delivered == 1:
+            # It waited too long to finish in time at the speed measured now: refuse it
+            # before spending steps on it (429, retry) rather than end it at its deadline.
+            # Work redelivered from a dead worker is run: it was admitted, its client has
+            # waited, and the estimate is a worst case (the whole token budget); the
+            # engine still ends it at its deadline if it really cannot finish.
+            METRICS.deadline_misses.labels(event.model).inc()
+            raise _Refused("overloaded", "the worker cannot finish it before its deadline; retry")
+        job = self.jobs[event.request_id] = Job(event, msg, runner, pin, span=span, gen=gen)
+        if chunks:
+            job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
+            METRICS.resumed_tokens.inc(len(resume_ids))
+        runner.add(gen)
+
+    async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Terminal | None]:
         """What earlier workers put in the stream for `rid`: its chunks from seq 0 without
         a gap, and its terminal event if there is one. A failed read costs the shortcut,
         not the request: it is then regenerated from the start (chunks deduplicated)."""
@@ -322,7 +311,7 @@ class InferenceService:
         except Exception as exc:  # noqa: BLE001 - any read failure falls back to regeneration
             log.warning("cannot read what was delivered (%r); regenerating", exc, extra={"request_id": rid})
             return [], None
-        terminal = next((e for e in events if e.terminal), None)
+        terminal = next((e for e in events if isinstance(e, Terminal)), None)
         by_seq = {e.seq: e for e in events if isinstance(e, TokensGenerated)}
         chunks: list[TokensGenerated] = []
         while len(chunks) in by_seq:
@@ -366,6 +355,7 @@ class InferenceService:
         if runner is None or runner.loaded is not loaded:
             assert self.loop is not None, "start() the service first"
             s = self.settings
+            hold_s = s.max_wait_ms / 1000 if s.engine == "static" else 0.0  # a micro-batch's wait to fill
             if s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -373,13 +363,13 @@ class InferenceService:
                     s.max_batch_size,
                     self.loop,
                     self.on_outputs,
-                    s.max_wait_ms / 1000,
+                    hold_s,
                     s.torch_threads,
                     self.engine_options,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
-                runner = EngineRunner(engine, self.loop, self.on_outputs, s.max_wait_ms / 1000)
+                runner = EngineRunner(engine, self.loop, self.on_outputs, hold_s)
             self.runners[id(loaded)] = runner
         return runner
 
@@ -520,7 +510,7 @@ class InferenceService:
                 await self.live(subjects.live_subject(event.request_id), raw)
         try:
             job.unconfirmed.append((event, await self.publish_nowait(event, raw)))
-        except SEND_ERRORS:
+        except NATS_DOWN:
             log.warning("chunk not sent; retried before the terminal event", extra={"request_id": event.request_id})
             job.unconfirmed.append((event, None))
 
@@ -667,3 +657,27 @@ def engine_params(event: PromptAccepted) -> EngineParams:
         logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs,
     )
+
+
+class _Refused(Exception):
+    """A request the worker will not start, and the failure its client gets."""
+
+    def __init__(self, code: FailureCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _failure_of(exc: Exception, request_id: str) -> tuple[FailureCode, str]:
+    """The ChatFailed code and message for a request that could not start."""
+    match exc:
+        case _Refused(code=code, message=message):
+            return code, message
+        case UnknownModel():
+            return "unknown_model", str(exc)
+        case PromptTooLong():
+            return "prompt_too_long", str(exc)
+        case PermanentError():
+            return "internal_error", str(exc)
+    # A bug: fail this request rather than hold it until its deadline.
+    log.error("intake failed", exc_info=exc, extra={"request_id": request_id})
+    return "internal_error", f"the worker could not start this request: {exc!r}"

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from consumers.leaderboard.votes import Vote
+from events.battles import BattleStarted, ModelReinstated, ModelWithdrawn, VoteCast
+from events.models import EventBase
 
 ACTIVE, WITHDRAWN = "active", "withdrawn"
 
@@ -52,19 +54,19 @@ class ModelHistory:
             entry.owner = owner  # the owner last recorded (imported votes record none)
         return entry
 
-    def apply(self, event, seq: int) -> None:
+    def apply(self, event: EventBase, seq: int) -> None:
         at = event.occurred_at.timestamp()
-        if event.type == "battle.started":
+        if isinstance(event, BattleStarted):
             for model, owner in ((event.model_a, event.owner_a), (event.model_b, event.owner_b)):
                 entry = self.enter(model, owner, seq, at)
                 entry.battles += 1
                 entry.last_battle_at = at
-        elif event.type == "vote.cast":
+        elif isinstance(event, VoteCast):
             self.enter(event.model_a, None, seq, at)
             self.enter(event.model_b, None, seq, at)
-        elif event.type in ("model.withdrawn", "model.reinstated"):
+        elif isinstance(event, ModelWithdrawn | ModelReinstated):
             entry = self.enter(event.model, event.owner, seq, at)
-            entry.status = WITHDRAWN if event.type == "model.withdrawn" else ACTIVE
+            entry.status = WITHDRAWN if isinstance(event, ModelWithdrawn) else ACTIVE
             entry.changed_seq, entry.changed_at, entry.reason = seq, at, event.reason
             entry.changes += 1
 

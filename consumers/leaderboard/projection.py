@@ -15,6 +15,8 @@ from consumers.leaderboard.history import ModelHistory
 from consumers.leaderboard.ratings import BradleyTerryFit, Leaderboard, LeaderboardState, build_style_leaderboard
 from consumers.leaderboard.votes import Vote
 from events.arena_readmodel import HISTORY
+from events.battles import VoteCast, VoteInvalidated, VoteReinstated
+from events.models import EventBase
 
 RAW, STYLE, CATEGORY = "raw", "style", "category:"
 """The stored views: the plain Bradley–Terry board, the style-controlled one, a board per
@@ -50,36 +52,34 @@ class VoteProjection:
         self.seq = 0
         self._rebuild = False
 
-    def apply(self, event, seq: int) -> bool:
+    def apply(self, event: EventBase, seq: int) -> bool:
         """Take one battle event at stream sequence `seq`; True when the counted votes changed."""
         self.seq = max(self.seq, seq)
         self.history.apply(event, seq)
-        bid = getattr(event, "battle_id", None)
-        if bid is None:
-            return False
-        if event.type == "vote.cast" and bid not in self.votes:
-            vote = Vote(
-                event.model_a,
-                event.model_b,
-                event.choice,
-                event.occurred_at.timestamp(),
-                event.voter,
-                getattr(event, "conv_metadata", None),
-                tuple(getattr(event, "categories", None) or ()),
-            )
-            self.votes[bid] = (seq, vote)
-            if bid in self.invalid:
-                return False
-            self.state.add(vote)
-            return True
-        if event.type == "vote.invalidated" and bid not in self.invalid:
-            self.invalid.add(bid)
-            self._rebuild = bid in self.votes
-            return self._rebuild
-        if event.type == "vote.reinstated" and bid in self.invalid:
-            self.invalid.discard(bid)
-            self._rebuild = bid in self.votes
-            return self._rebuild
+        match event:
+            case VoteCast(battle_id=bid) if bid not in self.votes:
+                vote = Vote(
+                    event.model_a,
+                    event.model_b,
+                    event.choice,
+                    event.occurred_at.timestamp(),
+                    event.voter,
+                    event.conv_metadata,
+                    tuple(event.categories or ()),
+                )
+                self.votes[bid] = (seq, vote)
+                if bid in self.invalid:
+                    return False
+                self.state.add(vote)
+                return True
+            case VoteInvalidated(battle_id=bid) if bid not in self.invalid:
+                self.invalid.add(bid)
+                self._rebuild = bid in self.votes
+                return self._rebuild
+            case VoteReinstated(battle_id=bid) if bid in self.invalid:
+                self.invalid.discard(bid)
+                self._rebuild = bid in self.votes
+                return self._rebuild
         return False
 
     def counted(self) -> list[Vote]:

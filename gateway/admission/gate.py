@@ -59,9 +59,9 @@ from gateway.admission.estimate import backstop, overloaded
 from gateway.admission.recent import PENDING_S, VISIBILITY_LAG_S, FleetAdmissions
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import NATS_DOWN
 from gateway.settings import GatewaySettings
 from runtime.background import Background
+from runtime.jetstream import NATS_DOWN
 
 SUBJECT = subjects.GATEWAY_ADMITTED
 #: The early gate judges with a margin this much wider than the fleet-wide check's: its

@@ -182,24 +182,34 @@ class EarlyAdmission:
             lease = admission.passed(model, tokens, member)
         state["admission"] = lease
         try:
-            if lease.entry is None and gate.alone():  # the gate's verdict is the fleet's (ALONE)
-                admission.recent.observe(tokens)
-                lease.entry = ALONE
-            elif lease.entry is None:
-                await asyncio.sleep(0)  # every request that arrived with this one is judged first
-                checking = time.perf_counter()
-                timings = scope.setdefault(TIMINGS, [])
-                timings.append(("queued", (entered - scope.get(ARRIVED, entered)) * 1000))
-                try:
-                    with suppress(*REDIS_DOWN):  # the route's admission answers 503 then
-                        lease.entry = await admission.in_time(model, tokens, budget_s)
-                except APIError as err:  # refused fleet-wide
-                    timings.append(("admission", (time.perf_counter() - checking) * 1000))
-                    return await self._refuse(model, err, scope, replay, send)
-                timings.append(("admission", (time.perf_counter() - checking) * 1000))
+            if lease.entry is None and (err := await self._fleet_check(lease, model, tokens, budget_s, scope, entered)):
+                return await self._refuse(model, err, scope, replay, send)
             return await self.app(scope, replay, send)
         finally:
             await lease.refused()  # nothing, when the request was published
+
+    async def _fleet_check(
+        self, lease: Lease, model: str, tokens: int, budget_s: float, scope, entered: float
+    ) -> APIError | None:
+        """The fleet-wide check of a request the gate let through: its 429, or None (its
+        lease then holds the entry). Alone, the gate's verdict is the fleet's (ALONE)."""
+        admission = self.admission
+        if admission.gate.alone():
+            admission.recent.observe(tokens)
+            lease.entry = ALONE
+            return None
+        await asyncio.sleep(0)  # every request that arrived with this one is judged first
+        checking = time.perf_counter()
+        timings = scope.setdefault(TIMINGS, [])
+        timings.append(("queued", (entered - scope.get(ARRIVED, entered)) * 1000))
+        try:
+            with suppress(*REDIS_DOWN):  # the route's admission answers 503 then
+                lease.entry = await admission.in_time(model, tokens, budget_s)
+        except APIError as err:  # refused fleet-wide
+            timings.append(("admission", (time.perf_counter() - checking) * 1000))
+            return err
+        timings.append(("admission", (time.perf_counter() - checking) * 1000))
+        return None
 
     @staticmethod
     async def _refuse(model: str, err: APIError, scope, receive, send) -> None:

@@ -150,9 +150,7 @@ class FleetAdmissions:
                 keys=[RECENT_KEY.format(model)], args=[repr(since), self.keep_s, PENDING_S, *members]
             )
         except BaseException as exc:
-            for w in batch:
-                if not w.verdict.done():
-                    w.settle(error=exc)
+            _fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -193,3 +191,10 @@ class FleetAdmissions:
     async def settle(self, model: str, member: str, tokens: int, published: bool) -> None:
         """An admission published (`published`), or that never will be (removed)."""
         await (self.published if published else self.remove)(model, member, tokens)
+
+
+def _fail(batch: list[_Waiting], exc: BaseException) -> None:
+    """Every request of a batch whose check failed gets `exc` (but one whose caller is gone)."""
+    for w in batch:
+        if not w.verdict.done():
+            w.settle(error=exc)

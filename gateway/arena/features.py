@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from events.models import ChatCompleted, Terminal
+
+#: A turn's two terminal events, side a's and side b's (None while a side runs).
+Answers = tuple[Terminal | None, Terminal | None]
 
 CODE_BLOCK = re.compile("```([^`]*)```")
 _HEADERS = {f"h{n}": re.compile(rf"^#{{{n}}}\s", re.MULTILINE) for n in range(1, 7)}
@@ -48,21 +52,21 @@ def conv_metadata(answers: Mapping[str, Sequence[str]], tokens: Mapping[str, int
     return meta
 
 
-def answer_texts(answers: Sequence[tuple[Any, Any]]) -> dict[str, list[str]]:
+def answer_texts(answers: Sequence[Answers]) -> dict[str, list[str]]:
     """Each side's completed answers in turn order, from each turn's (side a, side b) terminal events."""
     texts: dict[str, list[str]] = {"a": [], "b": []}
     for terminals in answers:
         for side, t in zip(("a", "b"), terminals, strict=True):
-            if t is not None and t.type == "chat.completed":
+            if isinstance(t, ChatCompleted):
                 texts[side].append(t.text)
     return texts
 
 
-def style_of(answers: Sequence[tuple[Any, Any]]) -> dict:
+def style_of(answers: Sequence[Answers]) -> dict:
     """The battle's `conv_metadata` from its completed answers (a turn cut off counts for nothing)."""
     tokens = {"a": 0, "b": 0}
     for terminals in answers:
         for side, t in zip(("a", "b"), terminals, strict=True):
-            if t is not None and t.type == "chat.completed":
+            if isinstance(t, ChatCompleted):
                 tokens[side] += t.usage.completion_tokens
     return conv_metadata(answer_texts(answers), tokens)

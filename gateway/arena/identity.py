@@ -4,16 +4,12 @@ name their own model."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import Iterable
 
+from gateway.keyed import keyed
+
 SIDES = ("a", "b")
-
-
-def keyed(key: bytes, *parts: str) -> str:
-    return hmac.new(key, "\x1f".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
 def voter_pseudonym(key: bytes, api_key: str | None, address: str | None) -> str:

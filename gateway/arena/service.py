@@ -13,16 +13,15 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
-from events import decode, encode, subjects
+from events import decode_terminal, encode, subjects
 from events.arena_readmodel import HISTORY, arena_secret, load_leaderboard
 from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteStatusChanged, battle_filter
-from events.models import TERMINAL_TYPES, new_id
+from events.models import ChatCompleted, ChatFailed, ChatRequested, Failure, Terminal, new_id
 from gateway.arena.categories import categorize
-from gateway.arena.features import answer_texts, style_of
+from gateway.arena.features import Answers, answer_texts, style_of
 from gateway.arena.identity import SIDES, neutral_name, scrub, side_conv_id, voter_pseudonym
 from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identity_leak, pair_counts, pair_score
 from gateway.arena.pairing import NoPair, PairPolicy, active_pair, pair_stats, sample_pair
@@ -31,13 +30,14 @@ from gateway.arena.state import Battle, fold
 from gateway.conversation import conversation_state
 from gateway.errors import APIError
 from gateway.metrics import METRICS
-from gateway.pipeline import NATS_DOWN, stream_unavailable
+from gateway.pipeline import stream_unavailable
 from gateway.protocol import ChatCompletionRequest
 from gateway.ratelimit import Limits
 from gateway.serving import ChatService
 from gateway.session import RequestSession, Ticket
 from gateway.shapes import sse
 from gateway.variants import model_defaults, model_owners
+from runtime.jetstream import NATS_DOWN
 from runtime.redis import REDIS_DOWN
 from runtime.stream import read_events
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class Side:
     side: str
     ticket: Ticket
-    event: Any  # ChatRequested, or None when it attached to a running request
+    event: ChatRequested | None  # None when it attached to a running request
     session: RequestSession | None = None
 
 
@@ -164,20 +164,17 @@ class ArenaService:
 
     # ---- turns -----------------------------------------------------------------------
 
-    async def terminal(self, request_id: str) -> Any:
+    async def terminal(self, request_id: str) -> Terminal | None:
         """The request's terminal event (Redis, else the stream), or None while it runs."""
         try:
             raw = await self.pipeline.results.get_result(request_id)
             if raw is not None:
-                return decode(raw)
+                return decode_terminal(raw)
         except REDIS_DOWN:
             pass
-        for e in await self.pipeline.history(request_id):
-            if e.type in TERMINAL_TYPES:
-                return e
-        return None
+        return next((e for e in await self.pipeline.history(request_id) if isinstance(e, Terminal)), None)
 
-    async def last_turn_terminals(self, battle: Battle) -> tuple[Any, Any]:
+    async def last_turn_terminals(self, battle: Battle) -> Answers:
         turn = battle.turns[-1]
         return await self.terminal(turn.request_a), await self.terminal(turn.request_b)
 
@@ -235,14 +232,15 @@ class ArenaService:
         async def pump(s: Side) -> None:
             assert s.session is not None, "start() every side before streaming"
             err: APIError | None = None
-            terminal = None
+            terminal: ChatCompleted | None = None
             try:
                 async with s.session:  # closing it gives back the side's queue place
                     async for chunk in s.session:
                         await queue.put((s.side, chunk.text, None, None))
                     if rest := s.session.remainder():
                         await queue.put((s.side, rest, None, None))
-                    terminal, err = s.session.terminal, s.session.error
+                    answer = s.session.answer
+                    terminal, err = (None, answer) if isinstance(answer, APIError) else (answer, None)
             except Exception as exc:
                 log.error("battle side failed", exc_info=exc, extra={"request_id": s.ticket.request_id})
                 err = APIError(500, f"internal error ({type(exc).__name__})", "internal_error")
@@ -312,13 +310,11 @@ class ArenaService:
             raise stream_unavailable() from exc
         return [m.content for m in conversation_state(events).messages if m.role == "user"]
 
-    async def judge(
-        self, battle: Battle, answers: list[tuple[Any, Any]], event: VoteCast, prompts: list[str]
-    ) -> Decision:
+    async def judge(self, battle: Battle, answers: list[Answers], event: VoteCast, prompts: list[str]) -> Decision:
         """Which rule, if any, takes the vote out (gateway.arena.integrity)."""
         defaults = model_defaults(self.pipeline.live_beats())
         names = self.names(battle) | {d.base for d in defaults.values() if d.base}
-        finished = max(t.occurred_at for t in answers[-1])
+        finished = max(t.occurred_at for t in answers[-1] if t is not None)  # both, after unfinished()
         found = self.integrity.first(
             identity_leak(answer_texts(answers), names), (event.occurred_at - finished).total_seconds()
         )
@@ -349,7 +345,7 @@ class ArenaService:
             VoteInvalidated(battle_id=battle_id, reason=decision.reason, detector=decision.rule, revision=len(changes))
         )
 
-    async def answers(self, battle: Battle) -> list[tuple[Any, Any]]:
+    async def answers(self, battle: Battle) -> list[Answers]:
         """Each turn's two terminal events (None while a side runs), in turn order."""
         return [(await self.terminal(t.request_a), await self.terminal(t.request_b)) for t in battle.turns]
 
@@ -361,11 +357,11 @@ async def close_turn(sides: list[Side]) -> None:
             await s.session.close()
 
 
-def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:
+def unfinished(battle: Battle, last: Answers) -> None:
     """Refuse a vote on a last turn that has not completed, saying what the voter can do."""
     if any(t is None for t in last):
         raise APIError(409, "the last turn is still running: vote once both answers are in", "not_answered")
-    ended = [f"side {side}: {_ending(t)}" for side, t in zip(SIDES, last, strict=True) if t.type != "chat.completed"]
+    ended = [f"side {side}: {_ending(t)}" for side, t in zip(SIDES, last, strict=True) if isinstance(t, Failure)]
     if ended:
         n = len(battle.turns) - 1
         raise APIError(
@@ -376,8 +372,8 @@ def unfinished(battle: Battle, last: tuple[Any, Any]) -> None:
         )
 
 
-def _ending(terminal: Any) -> str:
-    return getattr(terminal, "code", None) or terminal.type.removeprefix("chat.")
+def _ending(terminal: Failure) -> str:
+    return terminal.code if isinstance(terminal, ChatFailed) else terminal.type
 
 
 def view(battle: Battle) -> BattleView:

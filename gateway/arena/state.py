@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from events.battles import BattleStarted, BattleTurn, VoteCast
+from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteReinstated
+from events.models import EventBase
 
 
 @dataclass
@@ -26,20 +27,20 @@ class Battle:
         return self.vote is not None and not self.vote.imported and self.invalid_reason is None
 
 
-def fold(events: list) -> Battle | None:
+def fold(events: list[EventBase]) -> Battle | None:
     """None when the battle was never started (an imported vote has no battle)."""
     battle: Battle | None = None
     for e in events:
-        if e.type == "battle.started":
+        if isinstance(e, BattleStarted):
             battle = Battle(e)
         elif battle is None:
             continue
-        elif e.type == "battle.turn" and e.turn_id == len(battle.turns):
+        elif isinstance(e, BattleTurn) and e.turn_id == len(battle.turns):
             battle.turns.append(e)
-        elif e.type == "vote.cast" and battle.vote is None:
+        elif isinstance(e, VoteCast) and battle.vote is None:
             battle.vote = e
-        elif e.type == "vote.invalidated":
+        elif isinstance(e, VoteInvalidated):
             battle.invalid_reason = e.reason
-        elif e.type == "vote.reinstated":
+        elif isinstance(e, VoteReinstated):
             battle.invalid_reason = None
     return battle

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
 from events import subjects
+from events.admin import AddModel, ListModels, ModelCommand, ModelsAnswer, ModelSource, ReloadModel, RemoveModel
 from infra.commands import reach
 from infra.settings import OperatorSettings
 
@@ -56,24 +56,24 @@ async def _arena_status(args: argparse.Namespace) -> int:
         return await arena_cli.set_model_status(js, args.name, args.op == "withdraw", args.reason)
 
 
-def command(args: argparse.Namespace) -> dict:
-    """The hot-swap command the inference processes answer."""
-    out: dict = {"op": args.op}
-    if args.op in ("add", "reload", "remove"):
-        if not args.name:
-            raise SystemExit(f"arena models {args.op} needs --name")
-        out["name"] = args.name
-    if args.op == "add" or (args.op == "reload" and args.path):
-        if not args.path:
-            raise SystemExit("arena models add needs --path")
-        out["spec"] = {
-            "name": args.name,
-            "path": str(Path(args.path).resolve()) if Path(args.path).exists() else args.path,
-            "dtype": args.dtype,
-            "device": args.device,
-            "quantize": args.quantize,
-        }
-    return out
+def command(args: argparse.Namespace) -> ModelCommand:
+    """The hot-swap command the inference processes answer (events.admin)."""
+    if args.op == "list":
+        return ListModels()
+    if not args.name:
+        raise SystemExit(f"arena models {args.op} needs --name")
+    if args.op == "remove":
+        return RemoveModel(name=args.name)
+    if args.op == "add" and not args.path:
+        raise SystemExit("arena models add needs --path")
+    source = None
+    if args.path:
+        path = str(Path(args.path).resolve()) if Path(args.path).exists() else args.path
+        source = ModelSource(name=args.name, path=path, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    if args.op == "add":
+        assert source is not None
+        return AddModel(name=args.name, spec=source)
+    return ReloadModel(name=args.name, spec=source)
 
 
 async def _hot_swap(args: argparse.Namespace) -> int:
@@ -85,12 +85,12 @@ async def _hot_swap(args: argparse.Namespace) -> int:
     nc = await reach.connect(url)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(subjects.ADMIN_MODELS, json.dumps(sent).encode(), reply=inbox)
-    answers: list[dict] = []
+    await nc.publish(subjects.ADMIN_MODELS, sent.model_dump_json().encode(), reply=inbox)
+    answers: list[ModelsAnswer] = []
     try:
         while True:  # the first answer may wait for a load; the others come right after it
             msg = await sub.next_msg(timeout=args.wait if not answers else 1.0)
-            answers.append(json.loads(msg.data))
+            answers.append(ModelsAnswer.model_validate_json(msg.data))
     except Exception:  # noqa: BLE001 - a timeout ends the collection
         pass
     await nc.close()
@@ -98,31 +98,31 @@ async def _hot_swap(args: argparse.Namespace) -> int:
         print(table(answers))
     else:
         for a in answers:
-            print(json.dumps(a))
+            print(a.encode().decode())
     if not answers:
         print("no inference process answered", file=sys.stderr)
-    return 0 if answers and all(a.get("ok") for a in answers) else 1
+    return 0 if answers and all(a.ok for a in answers) else 1
 
 
-def table(answers: list[dict]) -> str:
+def table(answers: list[ModelsAnswer]) -> str:
     """`arena models list`: each process's models, one row each."""
     blocks = []
-    for a in sorted(answers, key=lambda a: a.get("instance", "")):
+    for a in sorted(answers, key=lambda a: a.instance):
         rows = [("NAME", "SOURCE", "PARAMETERS", "DTYPE", "CONTEXT", "CHAT TEMPLATE", "RESIDENT")]
-        for d in a.get("details", []):
-            loaded = d["resident"]
+        for d in a.details:
+            loaded = d.resident
             rows.append(
                 (
-                    d["name"] + (f" (variant of {d['base']})" if d.get("base") else ""),
-                    d["source"],
-                    f"{d['parameters'] / 1e6:.1f}M" if loaded else "-",
-                    (d["dtype"] + (f" + {d['quantize']}" if d.get("quantize") else "")) if loaded else "-",
-                    str(d["context"] or "?"),
-                    ("yes" if d["chat_template"] else "no (plain text)") if loaded else "-",
-                    f"{d['resident_bytes'] / 1e6:.0f} MB" if loaded else "not loaded",
+                    d.name + (f" (variant of {d.base})" if d.base else ""),
+                    d.source,
+                    f"{(d.parameters or 0) / 1e6:.1f}M" if loaded else "-",
+                    (f"{d.dtype}" + (f" + {d.quantize}" if d.quantize else "")) if loaded else "-",
+                    str(d.context or "?"),
+                    ("yes" if d.chat_template else "no (plain text)") if loaded else "-",
+                    f"{(d.resident_bytes or 0) / 1e6:.0f} MB" if loaded else "not loaded",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        blocks.append("\n".join([f"{a.get('instance')}:", *lines]))
+        blocks.append("\n".join([f"{a.instance}:", *lines]))
     return "\n\n".join(blocks)

@@ -158,6 +158,8 @@ def test_a_battle_event_family_needs_no_request_ids(monkeypatch):
 def test_terminal_types_come_from_the_models():
     assert {"chat.completed", "chat.failed", "prompt.rejected"} == TERMINAL_TYPES
     assert {"chat.failed", "prompt.rejected"} == FAILURE_TYPES
+    # The union (what mypy and isinstance see) and the models' `terminal` flag agree.
+    assert {name for name, cls in EVENT_TYPES.items() if cls.terminal} == TERMINAL_TYPES
 
 
 def test_additive_fields_are_written_only_when_used():

@@ -9,29 +9,40 @@ from types import SimpleNamespace
 
 import pytest
 
+from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
 from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot, typical_step
 
 
-class IdleEngine:
-    """Just what the runner reads; it never has work, so its thread only waits."""
+class QueueOnly:
+    """An engine backend (consumers.inference.protocol.EngineBackend) with a queue and no
+    model: what the runner's estimate reads. The runner's thread is stopped at once, so
+    nothing ever steps it."""
 
-    mode, running, waiting, max_batch_size = "continuous", 20, 0, 32
-    prefix = None  # no prefix cache (BatchEngine.prefix: the runner reads its counts after each step)
-
-    def budgets(self) -> tuple[list[int], list[int]]:
-        return [], []
-
+    max_batch_size = 32
     loaded = SimpleNamespace(spec=SimpleNamespace(name="toy"))
+    queue = EngineStats()
 
-    def has_work(self) -> bool:
-        return False
+    def add(self, req: GenRequest) -> None:
+        raise AssertionError("not stepped")
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+    def step(self) -> list[StepOutput]:
+        raise AssertionError("not stepped")
+
+    def fail_all(self) -> list[StepOutput]:
+        return []
+
+    def stats(self) -> EngineStats:
+        return self.queue
 
 
 @pytest.fixture
 def runner():
-    r = EngineRunner(IdleEngine(), asyncio.new_event_loop(), lambda outputs: None)  # type: ignore[arg-type]
-    yield r
+    r = EngineRunner(QueueOnly(), asyncio.new_event_loop(), lambda outputs: None)  # type: ignore[arg-type]
     r.stop()
+    return r
 
 
 def test_no_estimate_until_enough_steps_were_measured(runner):
@@ -68,9 +79,9 @@ def test_estimate_counts_the_requests_ahead_of_it(runner):
     """A request pulled behind a full batch and a queue starts when a slot frees for it."""
     for _ in range(MIN_SAMPLES):
         runner._measure(32, 0.01)
-    runner.engine.budgets = lambda: ([50] * 32, [100] * 32)  # a full batch half done, a batch waiting
+    runner.engine.queue = EngineStats((50,) * 32, (100,) * 32)  # a full batch half done, a batch waiting
     assert runner.finish_at(100) == pytest.approx(time.time() + (50 + 100 + 100) * 0.01, abs=0.1)
-    runner.engine.budgets = lambda: ([50] * 31, [])  # a slot free: it joins at once
+    runner.engine.queue = EngineStats((50,) * 31)  # a slot free: it joins at once
     assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
 
 
@@ -81,10 +92,9 @@ def test_estimate_extrapolates_to_the_batch_it_will_join(runner):
     for _ in range(MIN_SAMPLES):
         runner._measure(4, 0.04)  # small batches (< half the slots)
         runner._measure(16, 0.056)  # half the slots: counted as full, at 16
-    runner.engine.running = 16
-    runner.engine.budgets = lambda: ([64] * 16, [128] * 15)  # 16 running, 15 just arrived: it takes the last slot
+    runner.engine.queue = EngineStats((64,) * 16, (128,) * 15)  # 16 running, 15 just arrived: it takes the last slot
     assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 2, abs=0.1)  # 112 ms at 32
-    runner.engine.budgets = lambda: ([64] * 16, [])  # the batch it joins is 17: about the measured one
+    runner.engine.queue = EngineStats((64,) * 16)  # the batch it joins is 17: about the measured one
     assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 17 / 16, abs=0.1)
 
 
@@ -95,15 +105,14 @@ def test_steps_until_a_slot():
     assert steps_until_slot([10, 20], [100, 100, 100], 3) == 100  # 1 free (0+100), 10+100, 20+100 -> 100 first
 
 
-class CountingEngine(IdleEngine):
+class CountingEngine(QueueOnly):
     """Steps `steps` times, each producing one output, as fast as it can."""
 
     def __init__(self, steps: int) -> None:
         self.left = steps
-        self.fail_all = list
 
-    def has_work(self) -> bool:
-        return self.left > 0
+    def stats(self) -> EngineStats:
+        return EngineStats(running=(self.left,)) if self.left > 0 else EngineStats()
 
     def step(self) -> list:
         self.left -= 1

@@ -8,7 +8,7 @@ from events import topology
 from events.models import ChatFailed, FilterReport, PromptRejected
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import body_hash
-from gateway.session import failure, outcome
+from gateway.session import answer_of, failure
 from infra.asyncapi import schema_json
 
 
@@ -29,7 +29,7 @@ def test_failures_map_to_statuses():
     assert failure(ChatFailed(**ids, code="cancelled", message="x")).status == 499
     rejected = failure(PromptRejected(**ids, reason="jailbreak", filter=FilterReport(action="reject")))
     assert (rejected.status, rejected.code, rejected.param) == (400, "prompt_rejected", "messages")
-    assert outcome(None).status == 504
+    assert answer_of(None).status == 504
 
 
 def test_asyncapi_document_follows_the_topology():
