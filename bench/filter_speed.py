@@ -27,9 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from consumers.filter.app import filter_request
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
 from consumers.filter.sanitize import skeleton
 from events.models import ChatRequested

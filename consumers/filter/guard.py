@@ -12,7 +12,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from consumers.filter.classifier import ClassifierScore
+from consumers.filter.interface import ClassifierScore
 
 __all__ = ["GuardModel"]
 

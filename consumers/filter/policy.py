@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import DEFAULT, FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.interface import Classifier
 from consumers.filter.sanitize import sanitize, skeleton
 from consumers.filter.scoring import Action, decide, score
 from consumers.filter.stage import SINGLE, ClassifierOutcome, run_stages, strongest

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble, Member
+from consumers.filter.interface import Classifier
 
 __all__ = ["ClassifierOutcome", "classify", "run_stages", "strongest"]
 

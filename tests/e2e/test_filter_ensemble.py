@@ -8,9 +8,10 @@ import json
 import httpx
 import pytest
 
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
 from tests.arena_up import ArenaUp, arena
 
