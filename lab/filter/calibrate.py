@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import numpy as np
 from consumers.filter.ensemble import ENSEMBLE_FORMAT, below_share
 from lab.filter import heldout
 
-__all__ = ["operating_point", "operating_points", "stage_threshold", "write_manifest"]
+__all__ = ["add_stage", "operating_point", "operating_points", "stage_threshold", "union_point", "write_manifest"]
 
 
 def stage_threshold(reference: np.ndarray, quantile: float) -> float:
@@ -84,3 +85,36 @@ def write_manifest(
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(p)
     return version
+
+
+def union_point(references: Mapping[str, np.ndarray], fp_cap: float) -> dict[str, Any]:
+    """Stages calibrated on different benign rows (the encoder's held-out fold beside the lexical stages'
+    LOSO rows) cannot share a quantile row by row: each flags at most ``fp_cap / k`` of its own
+    reference, so the k stages together flag at most ``fp_cap`` (the union bound)."""
+    share = fp_cap / len(references)
+    logits = {n: heldout.threshold_at(np.asarray(ref), share) for n, ref in references.items()}
+    return {
+        "enforced": list(references),
+        "quantile": 1.0 - share,
+        "thresholds": {n: _sigmoid(t) for n, t in logits.items()},
+        "logits": logits,
+    }
+
+
+def add_stage(
+    manifest_path: Path, name: str, artifact: Path, version: str, references: Mapping[str, np.ndarray], fp_cap: float
+) -> str:
+    """Add stage ``name`` (``artifact``, ``version``) to an ensemble manifest: the points of the sets without
+    it are kept; every set with it gets a :func:`union_point` (``references``: every stage's own)."""
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    stages = [s for s in manifest["stages"] if s["name"] != name]
+    others = [s["name"] for s in stages]
+    points = [p for p in manifest["operating_points"] if name not in p["enforced"]]
+    for size in range(len(others) + 1):
+        for subset in itertools.combinations(others, size):
+            points.append(union_point({n: references[n] for n in (*subset, name)}, fp_cap))
+    relative = os.path.relpath(artifact.resolve(), manifest_path.resolve().parent)
+    stages.append({"name": name, "artifact": relative, "version": version})
+    report = dict(manifest.get("report", {}))
+    report["union_calibrated"] = f"sets with {name}: each stage at fp_cap/k of its own benign reference"
+    return write_manifest(manifest_path, stages, points, report)

@@ -4,6 +4,7 @@ from one command (the recipes are train.py's, train_words.py's and train_ensembl
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    if args.encoder:
+        return _encoder(args, [*rows, *dev] if args.train_on_dev else rows)
     rules = rules_flag(dev) if dev else None
     log(f"character stage (n-grams, cues, memory) on {len(rows)} + {len(dev)} rows ...")
     chars = train(
@@ -101,6 +104,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _encoder(args: argparse.Namespace, rows: list) -> int:
+    """The encoder stage alone: fine-tuned, exported, calibrated, then added to the manifest beside
+    the lexical stages (whose artifacts stay as they are)."""
+    from consumers.filter.loader import load_stage  # noqa: PLC0415
+    from lab.filter.calibrate import add_stage  # noqa: PLC0415
+    from lab.filter.train_encoder import EncoderOptions, train_encoder  # noqa: PLC0415
+
+    out = Path(args.encoder_out or Path(args.out).with_name("prompt-encoder"))
+    options = EncoderOptions(
+        steps=args.encoder_steps,
+        batch=args.encoder_batch,
+        max_tokens=args.encoder_tokens,
+        seed=args.seed,
+        threads=args.encoder_threads,
+    )
+    start = time.perf_counter()
+    meta = train_encoder(rows, out, options, FP_CAP, log)
+    split, unseen = meta["report"]["held_out_split"], meta["report"]["held_out_families"]
+    print(
+        f"wrote {out}, version {meta['version']}, threshold {meta['threshold']:.4f}; attack families never seen:"
+        f" mean catch {100 * unseen['mean_catch']:.2f}%; a fifth of the others: {100 * split['mean_catch']:.2f}%;"
+        f" held-out benign flagged {100 * split['fp']:.2f}%"
+    )
+    manifest = Path(args.ensemble_out)
+    if manifest.is_file():
+        document = json.loads(manifest.read_text(encoding="utf-8"))
+        references = {
+            s["name"]: load_stage(manifest.parent / s["artifact"]).benign_reference  # type: ignore[attr-defined]
+            for s in document["stages"]
+            if s["name"] != "encoder"
+        }
+        references["encoder"] = load_stage(out).benign_reference  # type: ignore[attr-defined]
+        version = add_stage(manifest, "encoder", out, meta["version"], references, FP_CAP)
+        print(f"wrote {manifest}, version {version}: the encoder stage beside {', '.join(references)}")
+    print(f"trained the encoder stage in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def log(message: str) -> None:
     print(message, flush=True)
 
@@ -135,6 +176,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--word-orders", default="1-4", help="word n-gram orders of the word stage, e.g. 1-2 or 1-4")
     p.add_argument("--word-bits", type=int, default=words.BITS, help="log2 of the word stage's hashed space")
     p.add_argument("--word-C", type=float, default=train_words.C, dest="word_c", help="the word stage's C")
+    p.add_argument(
+        "--encoder",
+        action="store_true",
+        help="the encoder stage only: fine-tune all-MiniLM-L6-v2, export it (ONNX, int8), add it to the manifest",
+    )
+    p.add_argument("--encoder-out", default=None, help="the encoder's artifact directory (default: beside --out)")
+    p.add_argument("--encoder-steps", type=int, default=120, help="fine-tuning steps of the encoder")
+    p.add_argument("--encoder-batch", type=int, default=16, help="prompts (windows) per encoder step")
+    p.add_argument("--encoder-tokens", type=int, default=128, help="tokens per window (long prompts: several)")
+    p.add_argument("--encoder-threads", type=int, default=2, help="torch threads while fine-tuning")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
