@@ -17,7 +17,7 @@ ones. Prints figures; it asserts nothing, since speed depends on the machine.
 The burst line runs many prompts at once through worker threads, as the filter process does, so the
 encoder stage batches them: latency per prompt (queueing included) and CPU per prompt.
 
-    python -m bench.filter_speed [--corpus PATH] [--seconds 3] [--classifier PATH] [--ensemble PATH] [--concurrency 8]
+    python -m bench.filter_speed [--corpus PATH] [--seconds 3] [--classifier PATH] [--ensemble PATH] [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def cascade_table(prompts: list[str], seconds: float, default, ensemble: Ensembl
         print(f"    {name[:58]:<58} {1e6 / cpu_rate:7.0f} us | {cells[0]:>41} | {cells[1]:>41}")
 
 
-def burst(prompts: list[str], ensemble: Ensemble, concurrency: int = 8, count: int = 400) -> None:
+def burst(prompts: list[str], ensemble: Ensemble, concurrency: int = 4, count: int = 400) -> None:
     """A burst through the filter as the process runs it: ``concurrency`` worker threads (the filter runs a
     blocking classifier in threads, one per message in flight), each calling filter_request with every
     stage enforced; the encoder batches across them. Per prompt: latency p50 / p99 (wall clock, queueing
@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ensemble", type=Path, default=DEFAULT_ARTIFACT.with_name("ensemble.json"), help="an ensemble manifest"
     )
-    parser.add_argument("--concurrency", type=int, default=8, help="prompts in flight in the burst (filter workers)")
+    parser.add_argument(
+        "--concurrency", type=int, default=4, help="prompts in flight in the burst (the filter's workers: 4)"
+    )
     args = parser.parse_args(argv)
     prompts, what = load_prompts(args.corpus)
     chars = statistics.median(len(p) for p in prompts)

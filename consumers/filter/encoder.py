@@ -55,6 +55,7 @@ class EncoderClassifier:
 
     blocking = True  # milliseconds of ONNX Runtime: the consumer scores in worker threads
     cascade = True  # scored only where the lexical stages are unsure (stage.run_stages)
+    explains = False  # no n-gram explanation: a flagged prompt is not scored again to explain it
 
     def __init__(self, directory: Path, meta: dict[str, Any], threads: int = 1, max_batch: int = 32):
         import onnxruntime as ort  # noqa: PLC0415 - only a filter serving the encoder needs it

@@ -47,7 +47,7 @@ def _outcome(
     result = classifier.score(text)
     flagged = result.score >= threshold
     tail = member.benign_tail(result.logit) if member is not None and result.logit is not None else None
-    if flagged and config.classifier_explain:
+    if flagged and config.classifier_explain and getattr(classifier, "explains", True):
         # explaining costs a quarter of the scoring time: pay it only for the few flagged prompts
         result = classifier.score(text, config.classifier_explain)
     stage, mode = (SINGLE, "block") if member is None else (member.name, config.stage_mode(member.name))

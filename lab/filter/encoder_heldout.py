@@ -6,7 +6,8 @@ trained by the shipped recipe (train.py, dev families weighing ``DEV_WEIGHT``) o
 training rows, so both stages score the same unseen rows, and each reading is set at thresholds
 from the held-out benign rows alone:
 
-* the rules, each stage alone at 0.3% of benign;
+* the rules, each stage alone at 0.3% of benign, the rules or the character stage (the filter
+  served without the encoder);
 * the served cascade: the rules, or the character stage at 0.15%, or the encoder at 0.15% on
   the prompts the lexical stage leaves undecided (calibrated character score at least ``band``,
   or ``long_chars`` characters and more): the manifest's union-bound point;
@@ -37,7 +38,7 @@ from lab.filter.train import DEV_FILE, TRAIN_FILE, rules_flag, train
 from lab.filter.train_encoder import EncoderOptions, holdout
 
 FP_CAP = 0.003
-NAMES = ("rules", "chars", "encoder", "cascade", "common_quantile")
+NAMES = ("rules", "chars", "encoder", "rules+chars", "cascade", "common_quantile")
 
 
 def chars_logits(fit_rows: list[Row], dev_families: set[str], texts: list[str]) -> np.ndarray:
@@ -62,6 +63,7 @@ def tables(
     out = {"rules": rules}
     for name, s in z.items():
         out[name] = s >= heldout.threshold_at(s[~y], FP_CAP)
+    out["rules+chars"] = rules | out["chars"]  # the filter served before the encoder
     half = {n: heldout.threshold_at(s[~y], FP_CAP / 2) for n, s in z.items()}
     calibrated = below_share(np.sort(z["chars"][~y]), z["chars"])
     undecided = (calibrated >= band) | (lengths >= long_chars)
@@ -115,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{title:<55}" + "".join(f"{100 * result[key][n]['mean_catch']:15.1f}%" for n in NAMES))
     print(f"{'held-out benign flagged':<55}" + "".join(f"{100 * result['unseen'][n]['fp']:15.2f}%" for n in NAMES))
     print(f"share of held-out rows the encoder scores in the cascade: {100 * result['encoder_share']:.1f}%")
+    rules = flags["rules"]
+    for band in (0.0, 0.25, 0.5, 0.75, 0.9):
+        other = tables(z, y, fam, rules, np.array([len(t) for t in texts]), band)
+        unseen_mean = summary(other["cascade"], y, fam, unseen)
+        result.setdefault("bands", {})[band] = unseen_mean | {"encoder_share": float(other["_undecided"].mean())}
+        print(
+            f"  cascade band {band:.2f}: families never seen {100 * unseen_mean['mean_catch']:.1f}%,"
+            f" benign flagged {100 * unseen_mean['fp']:.2f}%, encoder scores {100 * other['_undecided'].mean():.1f}%"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return 0
