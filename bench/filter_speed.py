@@ -147,9 +147,11 @@ def cascades(default, ensemble: Ensemble | None) -> list[tuple[str, FilterConfig
     return out
 
 
-def cascade_table(prompts: list[str], seconds: float, default, ensemble: Ensemble | None) -> None:
+def cascade_table(
+    prompts: list[str], seconds: float, default, ensemble: Ensemble | None, long_count: int = 200
+) -> None:
     """CPU per prompt and added latency of each cascade, through the filter's own filter_request."""
-    long = long_prompts(prompts)
+    long = long_prompts(prompts, count=long_count)
     events = {p: _event(p) for p in [*prompts, *long]}
     configs = cascades(default, ensemble)
     _, rules_config, _ = configs[0]
@@ -218,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         "--ensemble", type=Path, default=DEFAULT_ARTIFACT.with_name("ensemble.json"), help="an ensemble manifest"
     )
     parser.add_argument(
+        "--long", type=int, default=200, help="4,000-character prompts in the cascade table (fewer: a quicker run)"
+    )
+    parser.add_argument(
         "--concurrency", type=int, default=4, help="prompts in flight in the burst (the filter's workers: 4)"
     )
     args = parser.parse_args(argv)
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             f" p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us"
         )
     ensemble = load_classifier(args.ensemble) if args.ensemble.exists() else None
-    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None)
+    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None, args.long)
     if isinstance(ensemble, Ensemble):
         burst(prompts, ensemble, args.concurrency)
     return 0
