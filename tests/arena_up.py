@@ -95,3 +95,17 @@ def battle_and_vote(url: str) -> str:
         vote = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
         assert vote.status_code == 200, vote.text
     return bid
+
+
+def replayed_rejection(up: ArenaUp, prompt: str) -> dict:
+    """Send ``prompt`` to the stack, check the client got 400 prompt_rejected, and return the filter's
+    report on the rejection as `arena replay` reads it from the stream."""
+    body = {"model": "stories-260k", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    r = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_rejected", r.text
+    request_id = r.headers["x-request-id"]
+    replay = arena("replay", "--request-id", request_id, "--state-dir", str(up.state), "--json", env=up.env)
+    assert replay.returncode == 0, replay.stderr
+    events = [json.loads(line) for line in replay.stdout.splitlines()]
+    assert [e["type"] for e in events] == ["chat.requested", "prompt.rejected"]
+    return events[1]["filter"]

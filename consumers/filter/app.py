@@ -8,9 +8,9 @@ from typing import overload
 
 from nats.aio.msg import Msg
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.interface import Classifier
 from consumers.filter.metrics import METRICS, FilterMetrics
 from consumers.filter.policy import deciding, inspect_messages
 from consumers.filter.reload import ClassifierSlot, slot_for

@@ -1,12 +1,6 @@
-"""The trained classifier stage: load an artifact, score a prompt, explain the score.
-
-Two kinds of artifact sit behind one small interface (:class:`Classifier`):
-
-* a linear model over hashed n-grams and hand-written cues (``.npz``, written by
-  ``arena filter-train``), scored with numpy; loaded with ``allow_pickle=False``,
-  so a tampered file cannot run code;
-* a Hugging Face sequence-classification checkpoint directory (a guard model
-  the operator brings), run through transformers (:mod:`consumers.filter.guard`).
+"""The character stage: a linear model over hashed n-grams and hand-written cues (``.npz``,
+written by ``arena filter-train``), scored with numpy, explained by its top contributions;
+loaded (loader.py) with ``allow_pickle=False``, so a tampered file cannot run code.
 
 Artifact layout (``.npz``): ``weights`` (float32: one per hashed feature, then one
 per cue when ``meta["cues"]`` is present), ``bias`` (float32, one value),
@@ -20,53 +14,20 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import FEATURES_VERSION, Features, featurize, featurize_views, gram_text
+from consumers.filter.interface import ClassifierScore
 from consumers.filter.memory import Memory, shingles
 
-if TYPE_CHECKING:
-    from consumers.filter.ensemble import Ensemble
-
-__all__ = [
-    "ARTIFACT_FORMAT",
-    "DEFAULT_ARTIFACT",
-    "Classifier",
-    "ClassifierScore",
-    "LinearClassifier",
-    "load_classifier",
-    "load_stage",
-    "save_linear",
-]
+__all__ = ["ARTIFACT_FORMAT", "DEFAULT_ARTIFACT", "LinearClassifier", "load_linear", "save_linear"]
 
 ARTIFACT_FORMAT = "arenaflow-prompt-classifier/1"  # v1 layout; the cue weights extend ``weights``
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "artifacts" / "prompt-classifier.npz"
-
-
-@dataclass(frozen=True)
-class ClassifierScore:
-    """Probability that a prompt is an attack, and the n-grams that pushed it most."""
-
-    score: float
-    features: tuple[tuple[str, float], ...] = ()  # (n-gram, contribution to the logit), largest first
-    logit: float | None = None  # the score's logit (None: a guard model); the ensemble calibrates it
-
-
-class Classifier(Protocol):
-    """What the filter needs from a trained classifier."""
-
-    version: str  # names the artifact; recorded on every event
-    threshold: float  # the artifact's own threshold on ``score``
-    blocking: bool  # True when scoring is slow enough to belong off the event loop
-
-    def score(self, text: str, explain: int = 0) -> ClassifierScore:
-        """Score one prompt; with ``explain`` > 0, also its top features."""
-        ...
 
 
 class LinearClassifier:
@@ -204,36 +165,8 @@ def save_linear(
         np.savez_compressed(f, **arrays)
 
 
-def load_stage(path: str | Path) -> Classifier:
-    """An ``.npz`` artifact: the character model, or the word stage (words.py)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"classifier artifact {path} not found; train one with `arena filter-train`")
-    from consumers.filter.words import WORDS_FORMAT, load_words  # noqa: PLC0415 - words.py imports this module
-
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(z["meta"].tobytes().decode())
-        if meta.get("format") == WORDS_FORMAT:
-            return load_words(z, meta)
-        if meta.get("format") != ARTIFACT_FORMAT:
-            raise ValueError(f"{path}: not a prompt classifier artifact (format {meta.get('format')!r})")
-        memory = Memory.load(z, meta["memory"]) if "memory" in meta else None
-        reference = np.asarray(z["benign_reference"], dtype=np.float64) if "benign_reference" in z else None
-        return LinearClassifier(z["weights"], float(z["bias"][0]), meta, memory, reference)
-
-
-def load_classifier(path: str | Path, attack_label: str | None = None) -> Classifier | Ensemble:
-    """An ensemble manifest (``.json``: its stages' artifacts beside it), an ``.npz`` artifact (the
-    character model or the word stage), or a Hugging Face checkpoint directory (has config.json)."""
-    p = Path(path)
-    if p.is_dir():
-        from consumers.filter.guard import GuardModel  # noqa: PLC0415 - torch only when a guard is configured
-
-        return GuardModel(p, attack_label)
-    if not p.is_file():
-        raise FileNotFoundError(f"classifier artifact {p} not found; train one with `arena filter-train`")
-    if p.suffix == ".json":
-        from consumers.filter.ensemble import load_ensemble  # noqa: PLC0415
-
-        return load_ensemble(p)
-    return load_stage(p)
+def load_linear(z: Any, meta: dict[str, Any]) -> LinearClassifier:
+    """The character model from an opened artifact (loader.load_stage dispatches on its format)."""
+    memory = Memory.load(z, meta["memory"]) if "memory" in meta else None
+    reference = np.asarray(z["benign_reference"], dtype=np.float64) if "benign_reference" in z else None
+    return LinearClassifier(z["weights"], float(z["bias"][0]), meta, memory, reference)

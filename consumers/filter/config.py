@@ -125,6 +125,21 @@ class FilterConfig(BaseModel):
             "(which keeps held-out benign flags within 0.3%; an override gives that up)."
         ),
     )
+    cascade_band: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Ensemble with a cascade stage (the encoder): it scores a prompt only when a lexical stage ranks it at "
+            "or above this share of held-out benign prompts (its calibrated score), or when the prompt is long "
+            "(cascade_long_chars); prompts the rules or an enforced stage reject skip it. 0: every prompt."
+        ),
+    )
+    cascade_long_chars: int = Field(
+        1000,
+        gt=0,
+        description="Prompts this long and longer go to the cascade stage whatever the lexical stages say.",
+    )
     guard_attack_label: str | None = Field(
         None,
         description=(

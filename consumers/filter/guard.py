@@ -12,7 +12,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from consumers.filter.classifier import ClassifierScore
+from consumers.filter.interface import ClassifierScore
 
 __all__ = ["GuardModel"]
 
@@ -24,6 +24,7 @@ class GuardModel:
 
     blocking = True  # a forward pass takes milliseconds: the consumer runs it in a worker thread
     threshold = 0.5
+    explains = False  # no n-gram explanation: a flagged prompt is not scored again to explain it
 
     def __init__(self, path: Path, attack_label: str | None = None, max_tokens: int = 512):
         import torch  # noqa: PLC0415

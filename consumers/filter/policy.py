@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import DEFAULT, FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.interface import Classifier
 from consumers.filter.sanitize import sanitize, skeleton
 from consumers.filter.scoring import Action, decide, score
 from consumers.filter.stage import SINGLE, ClassifierOutcome, run_stages, strongest
@@ -54,7 +54,7 @@ def inspect_prompt(
     out_text, edits = (cleaned.text, cleaned.edits) if config.sanitize else (text, ())
     action = decide(value, out_text != text, threshold)
     rules_action = action
-    stages = run_stages(text, classifier, config) if classifier is not None else ()
+    stages = run_stages(text, classifier, config, action == "reject") if classifier is not None else ()
     enforced = [o.stage for o in stages if o.enforced]
     if enforced and action != "reject":
         # "classifier" as before, and the stage(s) that rejected: the event says which

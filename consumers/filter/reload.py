@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from consumers.filter.classifier import Classifier, load_classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.interface import Classifier
+from consumers.filter.loader import load_classifier
 
 __all__ = ["ClassifierSlot", "artifact_path", "slot_for"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble, Member
+from consumers.filter.interface import Classifier
 
-__all__ = ["ClassifierOutcome", "classify", "run_stages", "strongest"]
+__all__ = ["ClassifierOutcome", "classify", "run_stages", "strongest", "undecided"]
 
 SINGLE = "classifier"  # the stage name of a lone classifier
 
@@ -47,7 +47,7 @@ def _outcome(
     result = classifier.score(text)
     flagged = result.score >= threshold
     tail = member.benign_tail(result.logit) if member is not None and result.logit is not None else None
-    if flagged and config.classifier_explain:
+    if flagged and config.classifier_explain and getattr(classifier, "explains", True):
         # explaining costs a quarter of the scoring time: pay it only for the few flagged prompts
         result = classifier.score(text, config.classifier_explain)
     stage, mode = (SINGLE, "block") if member is None else (member.name, config.stage_mode(member.name))
@@ -65,17 +65,39 @@ def _outcome(
     )
 
 
-def run_stages(text: str, classifier: Classifier | Ensemble, config: FilterConfig) -> tuple[ClassifierOutcome, ...]:
+def run_stages(
+    text: str, classifier: Classifier | Ensemble, config: FilterConfig, decided: bool = False
+) -> tuple[ClassifierOutcome, ...]:
     """Every stage's outcome on ``text``: one for a lone classifier, one per stage of an ensemble,
-    each at the threshold of the ensemble's operating point for the stages the config enforces."""
+    each at the threshold of the ensemble's operating point for the stages the config enforces.
+
+    A cascade stage (the encoder) runs after the lexical ones, only on what they leave undecided
+    (:func:`undecided`); ``decided``: the rules already reject the prompt."""
     if not isinstance(classifier, Ensemble):
         return (classify(text, classifier, config),)
     blocking = {m.name for m in classifier.members if config.stage_mode(m.name) == "block"}
     thresholds = classifier.thresholds(blocking)
-    return tuple(
-        _outcome(text, m.classifier, config.stage_thresholds.get(m.name, thresholds[m.name]), config, m)
-        for m in classifier.members
-    )
+    outcomes: list[ClassifierOutcome] = []
+    for m in classifier.members:
+        if getattr(m.classifier, "cascade", False) and not undecided(text, outcomes, decided, config):
+            continue
+        outcomes.append(
+            _outcome(text, m.classifier, config.stage_thresholds.get(m.name, thresholds[m.name]), config, m)
+        )
+    return tuple(outcomes)
+
+
+def undecided(text: str, lexical: list[ClassifierOutcome], decided: bool, config: FilterConfig) -> bool:
+    """Whether a cascade stage must look at ``text``: not when the rules or an enforced lexical stage
+    already reject it, nor when every lexical stage ranks it below ``config.cascade_band`` of benign
+    prompts (sure enough it is benign), unless it is long (``cascade_long_chars``: one attack
+    paragraph weighs little in a long prompt's n-grams)."""
+    if decided or any(o.enforced for o in lexical):
+        return False
+    if len(text) >= config.cascade_long_chars:
+        return True
+    tails = [o.benign_tail for o in lexical if o.benign_tail is not None]
+    return not tails or 1.0 - min(tails) >= config.cascade_band
 
 
 def strongest(outcomes: list[ClassifierOutcome | None]) -> ClassifierOutcome | None:

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from consumers.filter.classifier import ClassifierScore
 from consumers.filter.features import FEATURES_VERSION, Features, featurize, gram_text
+from consumers.filter.interface import ClassifierScore
 
 __all__ = ["BITS", "ORDERS", "WORDS_FORMAT", "WordClassifier", "save_words", "tf_idf"]
 

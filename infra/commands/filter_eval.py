@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from consumers.filter.evaluate import main  # noqa: PLC0415 - an offline tool: not in the processes' imports
+    from lab.filter.evaluate import main  # noqa: PLC0415 - an offline tool: not in the processes' imports
 
     extra = ["--classifier", args.classifier] if args.classifier else []
     return main([args.file] + (["--json"] if args.json else []) + extra)

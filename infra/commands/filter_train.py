@@ -18,6 +18,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from consumers.filter.train import main as train  # noqa: PLC0415 - scikit-learn: only training needs it
+    from lab.filter.train_command import main as train  # noqa: PLC0415 - scikit-learn: only training needs it
 
     return train(argv)

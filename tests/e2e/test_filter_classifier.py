@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
+from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
 from tests.conftest import stored_events
 

@@ -8,11 +8,12 @@ import json
 import httpx
 import pytest
 
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
+from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
-from tests.arena_up import ArenaUp, arena
+from tests.arena_up import ArenaUp, arena, replayed_rejection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -37,15 +38,7 @@ def test_the_word_stage_rejects_what_the_character_stage_passes(tmp_path):
     env = {"ARENA_FILTER__CLASSIFIER_PATH": str(MANIFEST), "ARENA_FILTER__STAGE_MODES__WORDS": "block"}
     up = ArenaUp(tmp_path, env=env)
     try:
-        body = {"model": "stories-260k", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
-        r = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_rejected", r.text
-        request_id = r.headers["x-request-id"]
-        replay = arena("replay", "--request-id", request_id, "--state-dir", str(up.state), "--json", env=up.env)
-        assert replay.returncode == 0, replay.stderr
-        events = [json.loads(line) for line in replay.stdout.splitlines()]
-        assert [e["type"] for e in events] == ["chat.requested", "prompt.rejected"]
-        report = events[1]["filter"]
+        report = replayed_rejection(up, PROMPT)
         assert "classifier:words" in report["reasons"] and "classifier:chars" not in report["reasons"]
         words = next(s for s in report["stages"] if s["stage"] == "words")
         chars = next(s for s in report["stages"] if s["stage"] == "chars")

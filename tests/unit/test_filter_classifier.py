@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumers.filter.classifier import DEFAULT_ARTIFACT, LinearClassifier, load_classifier, save_linear
-from consumers.filter.corpus import Row, family_of
+from consumers.filter.classifier import DEFAULT_ARTIFACT, LinearClassifier, save_linear
 from consumers.filter.cues import cue_tokens
 from consumers.filter.features import featurize, gram_text
+from consumers.filter.loader import load_classifier
 from consumers.filter.memory import Memory, shingles
 from consumers.filter.reload import ClassifierSlot
-from consumers.filter.train import _logits, train
-from consumers.filter.train import data as train_data
+from lab.filter.corpus import Row, family_of
+from lab.filter.train import _logits, train
+from lab.filter.train import data as train_data
 
 pytestmark = pytest.mark.timeout(60)
 

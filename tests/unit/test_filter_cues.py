@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from consumers.filter.corpus import family_of
 from consumers.filter.cues import CUE_NAMES, _tokens, cue_vector
 from consumers.filter.features import normalize
+from lab.filter.corpus import family_of
 
 pytestmark = pytest.mark.timeout(30)
 

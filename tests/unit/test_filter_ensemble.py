@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from consumers.filter import heldout, train_words
 from consumers.filter.app import filter_request, handler
-from consumers.filter.classifier import load_classifier
 from consumers.filter.config import FilterConfig
-from consumers.filter.corpus import Row, family_of
-from consumers.filter.ensemble import Ensemble, below_share, operating_point, operating_points, stage_threshold
+from consumers.filter.ensemble import Ensemble, below_share
+from consumers.filter.loader import load_classifier
 from consumers.filter.metrics import FilterMetrics
-from consumers.filter.train import main as filter_train
 from consumers.filter.words import WordClassifier
 from events.codec import decode
 from events.models import ChatMessage, ChatRequested, PromptAccepted, PromptRejected, SamplingParams
+from lab.filter import heldout, train_words
+from lab.filter.calibrate import operating_point, operating_points, stage_threshold
+from lab.filter.corpus import Row, family_of
+from lab.filter.train_command import main as filter_train
 
 pytestmark = pytest.mark.timeout(120)
 

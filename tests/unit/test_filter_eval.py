@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from consumers.filter.app import filter_request
-from consumers.filter.classifier import DEFAULT_ARTIFACT, load_classifier
+from consumers.filter.classifier import DEFAULT_ARTIFACT
 from consumers.filter.config import FilterConfig
-from consumers.filter.evaluate import EvalReport, evaluate, family, format_report, main
+from consumers.filter.loader import load_classifier
 from events.models import ChatMessage, ChatRequested, PromptRejected, SamplingParams
+from lab.filter.evaluate import EvalReport, evaluate, family, format_report, main
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared/data/injection-dev.jsonl"
 

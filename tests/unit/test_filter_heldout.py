@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.filter import heldout
+from lab.filter import heldout
 
 pytestmark = pytest.mark.timeout(60)
 

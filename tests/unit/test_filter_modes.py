@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from consumers.filter.app import filter_request
-from consumers.filter.classifier import ClassifierScore
 from consumers.filter.config import FilterConfig
+from consumers.filter.interface import ClassifierScore
 from consumers.filter.policy import inspect_prompt
 from events.codec import decode
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, PromptRejected, SamplingParams

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from consumers.filter import protocols, train_words
-from consumers.filter.corpus import Row
-from consumers.filter.ensemble import operating_points, write_manifest
-from consumers.filter.train import Trained
 from consumers.filter.words import save_words
+from lab.filter import protocols, train_words
+from lab.filter.calibrate import operating_points, write_manifest
+from lab.filter.corpus import Row
+from lab.filter.train import Trained
 
 __all__ = ["build"]
 

@@ -39,13 +39,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from consumers.filter.classifier import Classifier
 from consumers.filter.config import FilterConfig
 from consumers.filter.ensemble import Ensemble
-from consumers.filter.eval_report import RULES, SERVED, EvalReport, Holdout, Rates, StageRates, format_report, to_json
+from consumers.filter.interface import Classifier
 from consumers.filter.policy import FilterVerdict, inspect_messages
 from consumers.filter.reload import slot_for
 from consumers.filter.stage import SINGLE
+from lab.filter.eval_report import RULES, SERVED, EvalReport, Holdout, Rates, StageRates, format_report, to_json
 
 __all__ = ["EvalReport", "Rates", "StageRates", "evaluate", "format_report", "main", "to_json"]
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_recorded(report: EvalReport) -> None:
     """The classifier's tables recorded at training, after the measured ones."""
-    from consumers.filter.classifier_eval import recorded_tables  # noqa: PLC0415
+    from lab.filter.classifier_eval import recorded_tables  # noqa: PLC0415
 
     if report.recorded:
         print()

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from consumers.filter import heldout
 from consumers.filter.ensemble import below_share
+from lab.filter import heldout
 
 __all__ = ["DevRows", "HeldOut", "Setup", "evaluate", "run", "tables"]
 

@@ -1,7 +1,7 @@
 """`arena filter-eval`'s tables recorded at training.
 
 The held-out figures need many trainings, so `arena filter-train` records them in the
-artifact's metadata (consumers/filter/heldout.py): leave-one-source-out per family and
+artifact's metadata (lab/filter/heldout.py): leave-one-source-out per family and
 mean, attack families held out, in-distribution k-fold, the dev file, and the dev split
 in distribution (k-fold over the dev file, classifier alone and whole filter). The
 figures measured now, on the file given, are evaluate.py's.

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from consumers.filter import heldout, protocols
-from consumers.filter.corpus import Row
 from consumers.filter.features import FEATURES_VERSION, featurize
 from consumers.filter.words import BITS, ORDERS
+from lab.filter import heldout, protocols
+from lab.filter.corpus import Row
 
 __all__ = ["TrainedWords", "WordFit", "fit", "fitter", "matrix", "meta", "train"]
 

@@ -25,7 +25,7 @@ weight vector (the views' weights side by side) and one bias, so serving is one
 dot product per view. Training is deterministic for a seed: features are hashes,
 liblinear's coordinate order comes from ``random_state``, and lbfgs is deterministic.
 
-Evaluation (consumers/filter/heldout.py), written into the artifact's metadata
+Evaluation (lab/filter/heldout.py), written into the artifact's metadata
 and printed by `arena filter-eval`, each at a threshold flagging at most 0.3% of
 benign prompts the model did not train on:
 
@@ -48,10 +48,7 @@ scikit-learn is needed here only; serving scores the saved weights with numpy.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,16 +56,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from consumers.filter import heldout, protocols
-from consumers.filter.classifier import DEFAULT_ARTIFACT, save_linear
-from consumers.filter.corpus import Row, load_rows
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
 from consumers.filter.memory import WEIGHT as MEMORY_WEIGHT
 from consumers.filter.memory import Memory, shingles
 from consumers.filter.policy import inspect_prompt
+from lab.filter import heldout, protocols
+from lab.filter.corpus import Row
 
-__all__ = ["Data", "Trained", "data", "dev_rows", "fit", "fit_views", "main", "matrix", "rules_flag", "train"]
+__all__ = ["Data", "Trained", "data", "dev_rows", "fit", "fit_views", "matrix", "rules_flag", "train"]
 
 FP_CAP = 0.003
 BITS = 18
@@ -348,130 +344,3 @@ def train(
         meta["memory"] = memory.meta()
     reference = held.loso[~y] if held is not None else final(x)[~y]
     return Trained(w, b, meta, memory, held, reference)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``arena filter-train [--train FILE] [--dev FILE] [--[no-]train-on-dev] [--out PATH] [--seed N] [--limit N]
-    [--no-eval] [--no-word-stage]``: the character stage, the word stage and their ensemble's manifest."""
-    args = _parser().parse_args(argv)
-    # beside the character stage unless told: a run with --out elsewhere leaves the committed artifacts alone
-    args.words_out = args.words_out or str(Path(args.out).with_name("prompt-words.npz"))
-    args.ensemble_out = args.ensemble_out or str(Path(args.out).with_name("ensemble.json"))
-    try:
-        rows = load_rows(args.train, args.limit)
-        wanted = args.train_on_dev or not args.no_eval
-        dev = load_rows(args.dev, args.limit) if args.dev and Path(args.dev).is_file() and wanted else []
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"filter-train: cannot read the corpus: {exc}", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    rules = rules_flag(dev) if dev else None
-    log(f"character stage (n-grams, cues, memory) on {len(rows)} + {len(dev)} rows ...")
-    chars = train(
-        rows,
-        bits=args.bits,
-        c=args.c,
-        seed=args.seed,
-        balance=args.balance,
-        word_orders=WORD_ORDERS if args.words else (),
-        cues=not args.no_cues,
-        evaluate_heldout=not args.no_eval,
-        dev=dev,
-        train_on_dev=args.train_on_dev,
-        dev_weight=args.dev_weight,
-        memory_weight=args.memory_weight,
-        rules=rules,
-    )
-    save_linear(args.out, chars.weights, chars.bias, chars.meta, chars.memory, chars.reference)
-    _wrote(args.out, chars.meta)
-    if not args.no_word_stage:
-        from consumers.filter.train_ensemble import build  # noqa: PLC0415 - it imports this module
-
-        fitted, y, fam, boost = training_set(rows, dev, args.train_on_dev, args.dev_weight)
-        dev_file = dev_rows(dev, None, args.train_on_dev, rules) if dev else None
-        built = build(
-            chars,
-            Path(args.out),
-            fitted,
-            y,
-            fam,
-            boost,
-            words_path=Path(args.words_out),
-            manifest_path=Path(args.ensemble_out),
-            dev=dev_file,
-            dev_texts=dev,
-            word_options={
-                "orders": _orders(args.word_orders),
-                "bits": args.word_bits,
-                "c": args.word_c,
-                "seed": args.seed,
-            },
-            evaluate_heldout=not args.no_eval,
-            fp_cap=FP_CAP,
-        )
-        print(f"wrote {args.words_out}, version {built['words']}")
-        both = next(p for p in built["points"] if len(p["enforced"]) == 2)
-        print(
-            f"wrote {args.ensemble_out}, version {built['version']}: both stages enforced at benign quantile"
-            f" {both['quantile']:.5f}, thresholds " + ", ".join(f"{k} {v:.4f}" for k, v in both["thresholds"].items())
-        )
-    took = time.perf_counter() - start
-    print(f"trained on {chars.meta['report']['rows']} rows in {took:.0f} s; `arena filter-eval` prints the tables")
-    return 0
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def _wrote(path: str, meta: dict[str, Any]) -> None:
-    size = Path(path).stat().st_size
-    print(f"wrote {path} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
-
-
-def _orders(text: str) -> tuple[int, ...]:
-    lo, _, hi = text.partition("-")
-    return tuple(range(int(lo), int(hi or lo) + 1))
-
-
-def _parser() -> argparse.ArgumentParser:
-    from consumers.filter import train_words, words  # noqa: PLC0415
-
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="arena filter-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", default=str(TRAIN_FILE), help="labelled JSONL: {text, label, source}")
-    p.add_argument("--dev", default=str(DEV_FILE), help="dev file: k-fold in distribution, per family ('' to skip)")
-    p.add_argument(
-        "--train-on-dev",
-        action=argparse.BooleanOptionalAction,
-        default=TRAIN_ON_DEV,
-        help="fit the final model (and the held-out protocols) on the train and dev files",
-    )
-    p.add_argument(
-        "--dev-weight", type=float, default=DEV_WEIGHT, help="weight of a dev family relative to a train family"
-    )
-    p.add_argument("--out", default=str(DEFAULT_ARTIFACT), help="character stage artifact path (.npz)")
-    p.add_argument("--words-out", default=None, help="word stage artifact (default: prompt-words.npz beside --out)")
-    p.add_argument("--ensemble-out", default=None, help="the ensemble's manifest (default: ensemble.json beside --out)")
-    p.add_argument("--no-word-stage", action="store_true", help="the character stage only (no word stage, no manifest)")
-    p.add_argument("--word-orders", default="1-4", help="word n-gram orders of the word stage, e.g. 1-2 or 1-4")
-    p.add_argument("--word-bits", type=int, default=words.BITS, help="log2 of the word stage's hashed space")
-    p.add_argument("--word-C", type=float, default=train_words.C, dest="word_c", help="the word stage's C")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
-    p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")
-    p.add_argument("--balance", choices=("family", "row"), default="family", help="class weights per family or per row")
-    p.add_argument("--words", action="store_true", help="add the word 1-2-gram view to the character stage's sum")
-    p.add_argument("--no-cues", action="store_true", help="without the hand-written cue view")
-    p.add_argument(
-        "--memory-weight",
-        type=float,
-        default=MEMORY_WEIGHT,
-        help="logit added at full containment of a known training attack (0: no memory)",
-    )
-    p.add_argument("--limit", type=int, default=None, help="at most N rows per source family (quick runs)")
-    p.add_argument("--no-eval", action="store_true", help="skip LOSO/k-fold; threshold from the training rows")
-    return p
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
