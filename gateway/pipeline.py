@@ -20,10 +20,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events import decode, subjects, topology
-from events.fleet import InferenceBeat, ModelLoad, ProcessBeat, decode_beat
+from events.fleet import InferenceBeat, ProcessBeat, decode_beat
 from events.models import ChatCancelled, EventBase, RequestEvent, Terminal, TokensGenerated
 from events.readmodel import ReadModel
 from gateway.admission.estimate import ModelQueue, StreamState
+from gateway.admission.fleet import model_queue
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
@@ -47,9 +48,6 @@ QUIET_MAX_S = 8.0
 PUBLISH_RETRY_S = 10.0
 #: How often the consumers' state is read for admission control.
 STREAM_POLL_S = 0.25
-#: How long a worker's last heartbeat still counts for admission once it is late and no
-#: live one holds the model (`Pipeline.queue`).
-LATE_BEAT_S = 30.0
 
 
 def stream_unavailable() -> APIError:
@@ -147,25 +145,8 @@ class Pipeline:
             await asyncio.sleep(STREAM_POLL_S)
 
     def queue(self, model: str) -> ModelQueue:
-        """What the inference workers holding the model report in their heartbeats. When
-        no live heartbeat holds it, the last ones of up to LATE_BEAT_S ago do: a worker
-        whose beats are late (its process busy or starved) still holds the model, and with
-        no slots at all admission would take the model for one never run and let a whole
-        burst through."""
-        q = self._queue(model, self.live_beats())
-        if q.slots == 0:
-            horizon = time.time() - LATE_BEAT_S
-            q = self._queue(model, [b for b in self.beats.values() if b.ts >= horizon])
-        return q
-
-    @staticmethod
-    def _queue(model: str, beats: list[ProcessBeat]) -> ModelQueue:
-        t, held = ModelLoad(), 0
-        for beat in beats:
-            if isinstance(beat, InferenceBeat) and model in beat.resident and model in beat.load:
-                t, held = t.plus(beat.load[model]), held + beat.held
-        requests = t.running + t.waiting + held
-        return ModelQueue(t.max_batch, requests, t.tokens, t.step_s, t.full_step_s, t.measured_at, t.full_batch)
+        """The model's queue as its workers' heartbeats report it (gateway.admission.fleet)."""
+        return model_queue(model, self.live_beats(), self.beats.values(), time.time())
 
     def ready(self, default_model: str) -> tuple[bool, dict]:
         fleet = self.fleet()

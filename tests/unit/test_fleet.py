@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from events.fleet import InferenceBeat, ModelLoad
 from gateway.admission.estimate import StreamState
+from gateway.admission.fleet import LATE_BEAT_S
 from gateway.fleet import FleetCollector
-from gateway.pipeline import LATE_BEAT_S
 from gateway.settings import GatewaySettings
 from infra.monitoring import series
 from tests.unit.fake_pipeline import FakePipeline
