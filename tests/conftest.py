@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from infra.supervisor import Stack, torch_threads  # noqa: E402
 from runtime import jetstream  # noqa: E402
 from runtime.net import free_port  # noqa: E402
 from tests.servers import nats_for_tests, redis_for_tests  # noqa: E402
+from tests.waiting import until  # noqa: E402, F401  (tests import it from here too)
 
 ROLES = tuple(role_names())
 
@@ -71,7 +71,6 @@ def in_memory_traces():
 
 def stored_events(nats_url: str, request_id: str) -> list:
     """A request's events as the stream holds them (what `arena replay` prints)."""
-    import asyncio
 
     import nats
 
@@ -202,19 +201,6 @@ def module_stack_factory(tmp_path_factory):
     stacks.stop()
     nats_srv.stop()
     redis_srv.stop()
-
-
-async def until(check, timeout: float = 5.0, what=lambda: "timed out") -> None:
-    """Wait until `check()` (or the awaitable it returns) is true, polling every 20 ms;
-    `what()` (or its awaitable) says what was seen when it is not within `timeout` s."""
-    end = time.monotonic() + timeout
-    while not await _value(check()):
-        assert time.monotonic() < end, await _value(what())
-        await asyncio.sleep(0.02)
-
-
-async def _value(result):
-    return await result if inspect.isawaitable(result) else result
 
 
 def ask(url: str, content: str, **fields) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from runtime.net import free_port
+from tests import waiting
 
 
 @contextmanager
@@ -44,17 +44,8 @@ def run_prometheus(config: Path, data: Path) -> Iterator[str]:
 
 
 def wait_for(check, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        try:
-            last = check()
-            if last:
-                return last
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last})")
+    """Poll `check()` every 0.5 s; a failed HTTP call counts as not yet."""
+    return waiting.wait_for(check, timeout, what, ignoring=(httpx.HTTPError,))
 
 
 def query(url: str, promql: str) -> list[dict]:

@@ -5,7 +5,6 @@ to every arenaflow process)."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import time
@@ -15,6 +14,7 @@ import pytest
 from infra.servers import redis_server_binary, start_redis, wait_port
 from runtime.net import free_port
 from runtime.redis import REDIS_DOWN, redis_client
+from tests import waiting
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -26,15 +26,7 @@ def spawn(args: list[str], port: int) -> subprocess.Popen:
 
 
 async def until(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if result := await predicate():
-                return result
-        except REDIS_DOWN:
-            pass
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}")
+    return await waiting.until(predicate, timeout, what, every=0.2, ignoring=REDIS_DOWN)
 
 
 async def test_sentinel_url_finds_the_master_and_follows_a_failover(tmp_path):

@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import fakeredis
+from fastapi.testclient import TestClient
 
 from events.models import (
     ChatCompleted,
@@ -26,6 +27,7 @@ from events.models import (
 )
 from events.readmodel import ReadModel
 from gateway.admission.estimate import StreamState
+from gateway.app import build_app
 from gateway.keys import GatewayKeys
 from gateway.pipeline import Pipeline, stream_unavailable
 from gateway.settings import GatewaySettings
@@ -145,3 +147,15 @@ def fake_logprobs(event: ChatRequested, seq: int, text: str) -> tuple[TokenLogpr
 
 def settings(**overrides) -> GatewaySettings:
     return GatewaySettings(nats_url="nats://unused:1", redis_url="redis://unused:1/0", **overrides)
+
+
+def gateway(**overrides) -> tuple[TestClient, FakePipeline]:
+    """A gateway app on a fake pipeline, with ``overrides`` on its settings."""
+    s = settings(**overrides)
+    pipeline = FakePipeline(s)
+    return TestClient(build_app(s, pipeline)), pipeline
+
+
+def chat(content: str = "Once upon a time", **fields) -> dict:
+    """A chat completion body with one user message."""
+    return {"messages": [{"role": "user", "content": content}], **fields}

@@ -7,24 +7,13 @@ import logging
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
-from gateway.app import build_app
 from runtime.logs import JsonFormatter
 from runtime.net import free_port
-from tests.unit.fake_pipeline import FakePipeline, settings
+from tests.unit.fake_pipeline import chat, gateway
 
 A, B = "sk-alice-1234", "sk-bob-5678"
 HA, HB = {"Authorization": f"Bearer {A}"}, {"Authorization": f"Bearer {B}"}
-
-
-def client_for(**overrides) -> TestClient:
-    s = settings(api_keys=[A, B], **overrides)
-    return TestClient(build_app(s, FakePipeline(s)))
-
-
-def chat(content: str = "Once upon a time", **fields) -> dict:
-    return {"messages": [{"role": "user", "content": content}], **fields}
 
 
 @pytest.mark.parametrize(
@@ -43,28 +32,28 @@ def chat(content: str = "Once upon a time", **fields) -> dict:
     ],
 )
 def test_every_route_needs_a_key(method, path):
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         r = client.request(method, path)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert client.request(method, path, headers={"Authorization": "Bearer nope"}).status_code == 401
 
 
 def test_health_is_open_and_readiness_shows_details_only_with_a_key():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         assert client.get("/healthz").status_code == 200
         assert set(client.get("/readyz").json()) == {"ready"}
         assert "models" in client.get("/readyz", headers=HA).json()
 
 
 def test_operator_can_open_docs_and_metrics():
-    with client_for(open_paths=["/healthz", "/docs", "/openapi.json", "/metrics"]) as client:
+    with gateway(api_keys=[A, B], open_paths=["/healthz", "/docs", "/openapi.json", "/metrics"])[0] as client:
         assert client.get("/docs").status_code == 200
         assert client.get("/metrics").status_code == 200
         assert client.get("/readyz").status_code == 401
 
 
 def test_the_arena_pages_shell_is_open_its_data_is_not():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         for path in ("/arena", "/arena/board", "/arena/static/key.js", "/arena/static/arena.js"):
             r = client.get(path)
             assert r.status_code == 200 and A not in r.text and B not in r.text, path
@@ -76,7 +65,7 @@ def test_the_arena_pages_shell_is_open_its_data_is_not():
 
 def test_metrics_port_answers_without_a_key():
     port = free_port()
-    with client_for(metrics_port=port) as client:
+    with gateway(api_keys=[A, B], metrics_port=port)[0] as client:
         assert client.get("/metrics").status_code == 401  # the API port still wants one
         r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
         assert r.status_code == 200 and "arena_req_total" in r.text
@@ -86,7 +75,7 @@ def test_metrics_port_answers_without_a_key():
 
 
 def test_a_key_in_the_url_is_refused_and_never_logged(caplog):
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         r = client.get(f"/v1/models?api_key={A}")
         assert r.status_code == 400 and r.json()["error"]["code"] == "key_in_url"
     record = logging.LogRecord(
@@ -96,7 +85,7 @@ def test_a_key_in_the_url_is_refused_and_never_logged(caplog):
 
 
 def test_results_are_404_to_another_key():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         rid = client.post("/chat", json={"prompt": "hello"}, headers=HA).json()["request_id"]
         assert client.get(f"/chat/result/{rid}", headers=HA).status_code in (200, 202)
         r = client.get(f"/chat/result/{rid}", headers=HB)
@@ -104,7 +93,7 @@ def test_results_are_404_to_another_key():
 
 
 def test_a_conversation_is_404_to_another_key():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         ok = client.post("/v1/chat/completions", json=chat(conv_id="conv-a", turn_id=0), headers=HA)
         assert ok.status_code == 200
         r = client.post("/v1/chat/completions", json=chat("more", conv_id="conv-a", turn_id=1), headers=HB)
@@ -117,7 +106,7 @@ def test_a_conversation_is_404_to_another_key():
 
 
 def test_idempotency_keys_do_not_cross_keys():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         idem = {"Idempotency-Key": "same-key"}
         a = client.post("/v1/chat/completions", json=chat("from a"), headers={**HA, **idem}).json()
         b = client.post("/v1/chat/completions", json=chat("from b"), headers={**HB, **idem})
@@ -126,7 +115,7 @@ def test_idempotency_keys_do_not_cross_keys():
 
 
 def test_websocket_resume_and_conversation_are_404_to_another_key():
-    with client_for() as client:
+    with gateway(api_keys=[A, B])[0] as client:
         with client.websocket_connect("/v1/ws", headers=HA) as ws:
             conv = ws.receive_json()["conv_id"]
             ws.send_json({"type": "turn", "content": "hello"})

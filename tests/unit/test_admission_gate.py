@@ -5,7 +5,6 @@ in arrival order from what the process knows (pure logic, a stand-in pipeline)."
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from gateway.admission.recent import FleetAdmissions
 from gateway.admission.service import ALONE, Admission
 from gateway.admission.uvicorn_adapter import HOLD
 from gateway.settings import GatewaySettings
+from tests.waiting import until
 
 
 class Pipeline:
@@ -177,15 +177,8 @@ async def test_with_peers_a_gateway_lets_through_its_share_of_a_burst(gate):
 
 async def _until(done, within_s: float = 10.0) -> None:
     """Wait for the gate's background work (the fleet-wide check on fakeredis takes
-    longer on a slow machine than a fixed sleep allows); `done` may return an awaitable."""
-    give_up = time.monotonic() + within_s
-    while time.monotonic() < give_up:
-        result = done()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        await asyncio.sleep(0.01)
+    longer on a slow machine than a fixed sleep allows)."""
+    await until(done, within_s, "the gate's background work", every=0.01)
 
 
 def _with_an_idle_peer(gate: EarlyGate) -> None:

@@ -8,22 +8,12 @@ import asyncio
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from gateway.app import build_app
 from gateway.edge import FrameError, parse_frame
-from tests.unit.fake_pipeline import FakePipeline, settings
+from tests.unit.fake_pipeline import FakePipeline, chat, gateway, settings
 
 LONE = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
-
-
-def client_for(**overrides) -> TestClient:
-    s = settings(**overrides)
-    return TestClient(build_app(s, FakePipeline(s)))
-
-
-def chat(content: str = "Once upon a time", **fields) -> dict:
-    return {"messages": [{"role": "user", "content": content}], **fields}
 
 
 def assert_error(r, status: int, code: str | None = None, param: str | None = None) -> dict:
@@ -39,7 +29,7 @@ def assert_error(r, status: int, code: str | None = None, param: str | None = No
 
 
 def test_chunked_body_over_the_limit_is_413():
-    with client_for(max_body_bytes=4096) as client:
+    with gateway(max_body_bytes=4096)[0] as client:
         chunks = (b"x" * 1024 for _ in range(64))  # no Content-Length: chunked transfer
         r = client.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
         assert_error(r, 413, "body_too_large")
@@ -47,7 +37,7 @@ def test_chunked_body_over_the_limit_is_413():
 
 
 def test_declared_length_over_the_limit_is_413_before_reading():
-    with client_for(max_body_bytes=4096) as client:
+    with gateway(max_body_bytes=4096)[0] as client:
         r = client.post("/chat", content=b"{}", headers={"content-length": "99999999"})
         assert_error(r, 413, "body_too_large")
 
@@ -103,13 +93,13 @@ async def test_body_shorter_than_its_length_or_trickling_is_408():
     ],
 )
 def test_lone_surrogates_are_400_naming_the_field(path, payload, param):
-    with client_for() as client:
+    with gateway()[0] as client:
         r = client.post(path, content=payload, headers={"content-type": "application/json"})
         assert_error(r, 400, "invalid_value", param)
 
 
 def test_lone_surrogate_in_a_websocket_turn_is_an_error_frame():
-    with client_for() as client, client.websocket_connect("/v1/ws") as ws:
+    with gateway()[0] as client, client.websocket_connect("/v1/ws") as ws:
         ws.receive_json()
         ws.send_text('{"type": "turn", "content": "\\ud800"}')
         frame = ws.receive_json()
@@ -119,7 +109,7 @@ def test_lone_surrogate_in_a_websocket_turn_is_an_error_frame():
 
 
 def test_deeply_nested_websocket_frame_is_400_not_recursion_error():
-    with client_for() as client, client.websocket_connect("/v1/ws") as ws:
+    with gateway()[0] as client, client.websocket_connect("/v1/ws") as ws:
         ws.receive_json()
         ws.send_text("[" * 100_000 + "]" * 100_000)
         frame = ws.receive_json()
@@ -130,7 +120,7 @@ def test_deeply_nested_websocket_frame_is_400_not_recursion_error():
 
 
 def test_deeply_nested_http_body_is_400():
-    with client_for() as client:
+    with gateway()[0] as client:
         r = client.post("/v1/chat/completions", content="[" * 50_000, headers={"content-type": "application/json"})
         assert_error(r, 400)
 
@@ -145,26 +135,26 @@ def test_parse_frame_bounds():
 
 @pytest.mark.parametrize("field", ["deadline_s", "temperature", "max_tokens", "top_p", "seed"])
 def test_booleans_are_not_numbers(field):
-    with client_for() as client:
+    with gateway()[0] as client:
         r = client.post("/v1/chat/completions", json=chat(**{field: True}))
         assert_error(r, 400, "invalid_value", field)
 
 
 def test_empty_content_is_accepted_as_the_schema_says():
-    with client_for() as client:
+    with gateway()[0] as client:
         r = client.post("/v1/chat/completions", json=chat(""))
         assert r.status_code == 200, r.text
 
 
 def test_405_names_the_allowed_methods():
-    with client_for() as client:
+    with gateway()[0] as client:
         r = client.delete("/v1/chat/completions")
         assert_error(r, 405)
         assert r.headers["allow"] == "POST"
 
 
 def test_openapi_declares_each_status_with_the_error_schema():
-    with client_for() as client:
+    with gateway()[0] as client:
         doc = client.get("/openapi.json").json()
     ref = {"$ref": "#/components/schemas/ErrorBody"}
     declared = {

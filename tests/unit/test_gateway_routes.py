@@ -15,17 +15,7 @@ from prometheus_client import REGISTRY
 
 from gateway.admission.estimate import ModelQueue
 from gateway.app import build_app
-from tests.unit.fake_pipeline import FakePipeline, settings
-
-
-def client_for(**overrides) -> tuple[TestClient, FakePipeline]:
-    s = settings(**overrides)
-    pipeline = FakePipeline(s)
-    return TestClient(build_app(s, pipeline)), pipeline
-
-
-def chat(content: str = "Once upon a time", **fields) -> dict:
-    return {"messages": [{"role": "user", "content": content}], **fields}
+from tests.unit.fake_pipeline import FakePipeline, chat, gateway, settings
 
 
 def metric(client: TestClient, line_start: str) -> float:
@@ -36,7 +26,7 @@ def metric(client: TestClient, line_start: str) -> float:
 
 
 def test_non_streaming_answer_and_request_id():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=chat())
     assert r.status_code == 200
@@ -48,7 +38,7 @@ def test_non_streaming_answer_and_request_id():
 
 
 def test_streaming_sends_chunks_in_order_then_done():
-    client, _ = client_for()
+    client, _ = gateway()
     with (
         client,
         client.stream(
@@ -67,7 +57,7 @@ def test_streaming_sends_chunks_in_order_then_done():
 
 
 def test_failure_maps_to_status_and_error_shape():
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=chat("fail me"))
     assert r.status_code == 500
@@ -76,7 +66,7 @@ def test_failure_maps_to_status_and_error_shape():
 
 
 def test_deadline_gives_504_and_is_counted():
-    client, pipeline = client_for(admission_overhead_s=0)  # admitted, then the fleet stays silent
+    client, pipeline = gateway(admission_overhead_s=0)  # admitted, then the fleet stays silent
     pipeline.silent = True
     with client:
         before = metric(client, 'arena_req_total{model="stories-260k",status="504"}')
@@ -87,7 +77,7 @@ def test_deadline_gives_504_and_is_counted():
 
 
 def test_publish_failure_is_json_503_and_releases_the_key():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         pipeline.fail_publish = True
         r = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "k1"})
@@ -98,7 +88,7 @@ def test_publish_failure_is_json_503_and_releases_the_key():
 
 
 def test_streaming_publish_failure_comes_before_the_response_head():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     pipeline.fail_publish = True
     with client:
         r = client.post("/v1/chat/completions", json=chat(stream=True))
@@ -106,7 +96,7 @@ def test_streaming_publish_failure_comes_before_the_response_head():
 
 
 def test_idempotency_key_attaches_and_conflicts():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         first = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "same"})
         again = client.post("/v1/chat/completions", json=chat(), headers={"Idempotency-Key": "same"})
@@ -129,7 +119,7 @@ def test_idempotency_key_attaches_and_conflicts():
     ],
 )
 def test_bad_input_names_the_field(body, param):
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=body)
     assert 400 <= r.status_code < 500
@@ -137,7 +127,7 @@ def test_bad_input_names_the_field(body, param):
 
 
 def test_async_api_result_and_unknown_id():
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         r = client.post("/chat", json={"prompt": "Hello there", "max_tokens": 8})
         assert r.status_code == 202
@@ -149,7 +139,7 @@ def test_async_api_result_and_unknown_id():
 
 
 def test_websocket_turn_is_counted_in_request_metrics():
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         before = metric(client, 'arena_req_total{model="stories-260k",status="200"}')
         latency_before = metric(client, 'arena_req_latency_seconds_count{model="stories-260k"}')
@@ -167,7 +157,7 @@ def test_websocket_turn_is_counted_in_request_metrics():
 
 
 def test_api_keys_guard_the_api_but_not_health():
-    client, _ = client_for(api_keys=["secret"])
+    client, _ = gateway(api_keys=["secret"])
     with client:
         assert client.get("/healthz").status_code == 200
         assert client.post("/v1/chat/completions", json=chat()).status_code == 401
@@ -176,7 +166,7 @@ def test_api_keys_guard_the_api_but_not_health():
 
 
 def test_unexpected_error_is_json_500():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
 
     def boom():
         raise RuntimeError("broken fleet")
@@ -208,7 +198,7 @@ async def test_a_burst_beyond_the_queue_limit_gets_429_and_leaks_no_slot():
 
 
 def test_a_temperature_the_sampler_cannot_honour_is_400_on_every_transport():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         v1 = client.post("/v1/chat/completions", json=chat(temperature=1e-300))
         task = client.post("/chat", json={"prompt": "hi", "temperature": 1e-300})
@@ -223,7 +213,7 @@ def test_a_temperature_the_sampler_cannot_honour_is_400_on_every_transport():
 
 
 def test_a_new_conversation_is_owned_by_its_caller_when_the_client_hears_of_it():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=chat(stream=True))
         rid = r.headers["x-request-id"]
@@ -238,7 +228,7 @@ def test_a_new_conversation_is_owned_by_its_caller_when_the_client_hears_of_it()
 def test_redis_lost_while_a_new_conversation_is_bound_is_503_and_the_request_is_cancelled():
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     pipeline.silent = True  # the request would run; the cancellation ends it
 
     async def down(*_):

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from gateway.protocol import COMPLETION_UNSERVED, UNSERVED
-from tests.unit.test_gateway_routes import chat, client_for
+from tests.unit.fake_pipeline import chat, gateway
 
 ASKED = {
     "response_format": {"type": "json_object"},
@@ -28,7 +28,7 @@ def test_every_unserved_field_is_listed_here():
 
 @pytest.mark.parametrize("field", sorted(ASKED))
 def test_an_unserved_field_asking_for_something_is_400_naming_it(field):
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=chat(**{field: ASKED[field]}))
     assert r.status_code == 400, r.text
@@ -37,7 +37,7 @@ def test_an_unserved_field_asking_for_something_is_400_naming_it(field):
 
 
 def test_neutral_values_of_the_unserved_fields_are_accepted():
-    client, _ = client_for()
+    client, _ = gateway()
     neutral = {field: values[1] for field, values in UNSERVED.items()}
     with client:
         r = client.post("/v1/chat/completions", json=chat(max_tokens=8, **neutral))
@@ -46,7 +46,7 @@ def test_neutral_values_of_the_unserved_fields_are_accepted():
 
 
 def test_retrieve_a_model_and_404_for_one_not_served():
-    client, _ = client_for()
+    client, _ = gateway()
     with client:
         r = client.get("/v1/models/stories-260k")
         missing = client.get("/v1/models/no-such-model")
@@ -74,7 +74,7 @@ def test_retrieve_a_model_and_404_for_one_not_served():
     ],
 )
 def test_served_fields_out_of_range_are_400_naming_them(fields, param):
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         r = client.post("/v1/chat/completions", json=chat(**fields))
     assert r.status_code == 400, r.text
@@ -83,7 +83,7 @@ def test_served_fields_out_of_range_are_400_naming_them(fields, param):
 
 
 def test_served_fields_reach_the_event():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     fields = dict(logprobs=True, top_logprobs=3, presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100})
     with client:
         r = client.post("/v1/chat/completions", json=chat(max_tokens=8, **fields))
@@ -96,7 +96,7 @@ def test_served_fields_reach_the_event():
 
 
 def test_chat_logprobs_in_openais_shape_whole_and_streamed():
-    client, _ = client_for()
+    client, _ = gateway()
     body = chat("abcdefgh", logprobs=True, top_logprobs=2)
     with client:
         whole = client.post("/v1/chat/completions", json=body).json()
@@ -137,7 +137,7 @@ def test_chat_logprobs_in_openais_shape_whole_and_streamed():
     ],
 )
 def test_completion_fields_refused_or_out_of_range_are_400_naming_them(fields, param):
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         r = client.post("/v1/completions", json={"prompt": "Once upon", **fields})
     assert r.status_code == 400, r.text
@@ -146,7 +146,7 @@ def test_completion_fields_refused_or_out_of_range_are_400_naming_them(fields, p
 
 
 def test_neutral_values_of_the_completions_unserved_fields_are_accepted():
-    client, _ = client_for()
+    client, _ = gateway()
     neutral = {field: values[1] for field, values in COMPLETION_UNSERVED.items()}
     with client:
         r = client.post("/v1/completions", json={"prompt": "Once", **neutral})
@@ -154,7 +154,7 @@ def test_neutral_values_of_the_completions_unserved_fields_are_accepted():
 
 
 def test_a_completion_is_a_text_prompt_event_and_answers_in_openais_shape():
-    client, pipeline = client_for()
+    client, pipeline = gateway()
     with client:
         r = client.post("/v1/completions", json={"prompt": "abcdefgh", "logprobs": 1, "stop": "zz", "seed": 4})
         streamed = client.post("/v1/completions", json={"prompt": "abcdefgh", "stream": True, "logprobs": 1})
@@ -182,7 +182,7 @@ def test_a_completion_is_a_text_prompt_event_and_answers_in_openais_shape():
 
 
 def test_a_completion_and_a_chat_of_the_same_text_are_different_requests_for_a_key():
-    client, _ = client_for()
+    client, _ = gateway()
     headers = {"Idempotency-Key": "same"}
     with client:
         first = client.post("/v1/completions", json={"prompt": "hello"}, headers=headers)

@@ -10,13 +10,14 @@ from fastapi.testclient import TestClient
 from gateway.app import build_app
 from gateway.ratelimit import duration
 from tests.unit.fake_pipeline import FakePipeline, settings
+from tests.unit.fake_pipeline import chat as base_chat
 
 A, B = "sk-alice-1234", "sk-bob-5678"
 HA, HB = {"Authorization": f"Bearer {A}"}, {"Authorization": f"Bearer {B}"}
 
 
 def chat(content: str = "Once upon a time", **fields) -> dict:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 16, **fields}
+    return base_chat(content, max_tokens=16, **fields)
 
 
 def gateways(n: int = 1, **overrides) -> list[TestClient]:
