@@ -109,31 +109,44 @@ class EncoderClassifier:
 
 class _Batcher:
     """Gathers concurrent :meth:`logit` calls into one batched call: the first caller to find no
-    batch running runs one with every prompt waiting (up to ``max_batch``); the others wait for it."""
+    batch running runs one with every prompt waiting (up to ``max_batch``); the others wait for it.
+    A run that fails fails every call it held (each raises the error), never leaves one waiting."""
 
     def __init__(self, run, max_batch: int):
         self._run = run
         self._max = max_batch
         self._lock = threading.Condition()
-        self._waiting: list[tuple[str, list[float | None]]] = []
+        self._waiting: list[tuple[str, list[float | BaseException | None]]] = []
         self._busy = False
         self.batches = 0  # how many runs, and how many prompts they held (the benchmark reads them)
         self.prompts = 0
 
     def logit(self, text: str) -> float:
-        slot: list[float | None] = [None]
+        slot: list[float | BaseException | None] = [None]
         with self._lock:
             self._waiting.append((text, slot))
             while slot[0] is None and self._busy:
                 self._lock.wait()
-            if slot[0] is not None:
-                return slot[0]
-            self._busy = True
+            if slot[0] is None:
+                self._busy = True
+        if slot[0] is None:
+            self._lead(slot)
+        if isinstance(slot[0], BaseException):
+            raise slot[0]
+        assert slot[0] is not None
+        return slot[0]
+
+    def _lead(self, slot: list[float | BaseException | None]) -> None:
+        """Run batches of the waiting calls until ``slot``'s own is done (it is in the first one or a later one)."""
         try:
             while slot[0] is None:
                 with self._lock:
                     batch, self._waiting = self._waiting[: self._max], self._waiting[self._max :]
-                values = self._run([t for t, _ in batch])
+                values: list[float | BaseException]
+                try:
+                    values = list(self._run([t for t, _ in batch]))
+                except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the error
+                    values = [exc] * len(batch)
                 with self._lock:
                     for (_, s), v in zip(batch, values, strict=True):
                         s[0] = v
@@ -144,7 +157,6 @@ class _Batcher:
             with self._lock:
                 self._busy = False
                 self._lock.notify_all()
-        return slot[0]
 
 
 def load_encoder(directory: str | Path, threads: int = 1) -> EncoderClassifier:

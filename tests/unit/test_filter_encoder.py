@@ -51,6 +51,35 @@ def test_the_batcher_gathers_concurrent_calls_into_one_run():
     assert batcher.prompts == 8 and batcher.batches < 8  # fewer runs than prompts: the waiting ones went together
 
 
+def test_a_failed_run_fails_every_call_it_held_and_the_next_runs_again():
+    calls = {"n": 0}
+
+    def run(texts: list[str]) -> list[float]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(0.05)
+            raise RuntimeError("onnxruntime failed")
+        return [1.0 for _ in texts]
+
+    batcher = _Batcher(run, max_batch=32)
+    errors: list[str] = []
+
+    def call() -> None:
+        try:
+            batcher.logit("x")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)  # nobody is left waiting on a failed run
+    assert errors and set(errors) == {"onnxruntime failed"}
+    assert batcher.logit("y") == 1.0  # the batcher serves again
+
+
 def _outcome(stage: str, enforced: bool = False, tail: float | None = 0.9) -> ClassifierOutcome:
     return ClassifierOutcome("v", 0.1, 0.5, enforced, enforced, (), stage, "block", tail)
 

@@ -143,11 +143,9 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
 
-def test_text_and_json_agree_stage_by_stage(dev_sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data = json.loads(_run(capsys, str(dev_sample), "--json"))
-    tables = _text_tables(_run(capsys, str(dev_sample)))
-    stages = list(data["stages"])
-    assert stages == ["served", "rules", "classifier"]
+def _assert_agree(data: dict, tables: dict[str, dict[str, list[str]]], stages: list[str]) -> None:
+    """Every cell of the text report's tables equals the JSON's, stage by stage."""
+    assert list(data["stages"]) == stages
     for key in ("overall", "by_family", "by_source"):
         served = {"all": data["overall"]} if key == "overall" else data[key]
         assert set(tables[key]) == set(served), key
@@ -158,6 +156,28 @@ def test_text_and_json_agree_stage_by_stage(dev_sample: Path, capsys: pytest.Cap
             assert text_cells == expected, (key, name)
     # the JSON's top level is the served filter, not the rules alone
     assert data["overall"] == data["stages"]["served"]["overall"] != data["stages"]["rules"]["overall"]
+
+
+def test_text_and_json_agree_stage_by_stage(dev_sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(_run(capsys, str(dev_sample), "--json"))
+    _assert_agree(data, _text_tables(_run(capsys, str(dev_sample))), ["served", "rules", "classifier"])
+
+
+def test_text_and_json_agree_for_the_manifest_with_the_encoder_enforced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sample = tmp_path / "dev-sample.jsonl"  # every 25th row: the encoder reads long prompts whole
+    sample.write_text("\n".join(CORPUS.read_text(encoding="utf-8").split("\n")[::25]) + "\n", encoding="utf-8")
+    monkeypatch.setenv("ARENA_FILTER__STAGE_MODES__ENCODER", "block")  # the filter process's own setting
+    manifest = str(DEFAULT_ARTIFACT.with_name("ensemble.json"))
+    data = json.loads(_run(capsys, str(sample), "--json", "--classifier", manifest))
+    _assert_agree(
+        data,
+        _text_tables(_run(capsys, str(sample), "--classifier", manifest)),
+        ["served", "rules", "chars", "words", "encoder"],
+    )
+    modes = {s["name"]: s["mode"] for s in data["classifier"]["stages"]}
+    assert modes == {"chars": "block", "words": "shadow", "encoder": "block"}
 
 
 def _served_tally(path: Path, config: FilterConfig) -> dict[str, int]:
