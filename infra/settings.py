@@ -18,7 +18,7 @@ def _default_state_dir() -> str:
 class OperatorSettings(NatsClient):
     """What the `arena` command itself reads (the processes it starts read their own)."""
 
-    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore", hide_input_in_errors=True)
 
     state_dir: str = Field(
         default_factory=_default_state_dir,

@@ -40,7 +40,9 @@ class NatsClient(BaseSettings):
 
 
 class CommonSettings(NatsClient):
-    model_config = SettingsConfigDict(env_prefix="ARENA_", extra="ignore", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(
+        env_prefix="ARENA_", extra="ignore", env_nested_delimiter="__", hide_input_in_errors=True
+    )
 
     nats_url: str = Field(
         "nats://127.0.0.1:4222",

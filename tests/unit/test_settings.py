@@ -48,3 +48,4 @@ def test_per_key_limits_are_typed_and_a_bad_one_names_the_key_by_its_tail(monkey
         GatewaySettings()
     message = caught.value.errors()[0]["msg"]
     assert "key ...a1b2 takes only rpm and tpm" in message and "sk-secret" not in message
+    assert "sk-secret" not in str(caught.value)  # nor the input, which the whole error prints
