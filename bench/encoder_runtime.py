@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.filter.encoder import windows
-from lab.filter.train_encoder import _model, base_model_dir
+from lab.filter.train_encoder import _model, base_model_dir, onnx_export
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/injection-dev.jsonl"
 
@@ -70,17 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     model = _model(base).eval()
     int8 = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     tmp = Path(tempfile.mkdtemp())
-    x = torch.ones((2, 16), dtype=torch.long)
-    torch.onnx.export(
-        model,
-        (x, torch.ones_like(x)),
-        str(tmp / "fp32.onnx"),
-        input_names=["input_ids", "attention_mask"],
-        output_names=["logit"],
-        dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}},
-        opset_version=17,
-        dynamo=False,
-    )
+    onnx_export(model, tmp / "fp32.onnx", "logit")
     quantize_dynamic(str(tmp / "fp32.onnx"), str(tmp / "int8.onnx"), weight_type=QuantType.QInt8)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

@@ -26,7 +26,7 @@ from lab.filter import heldout
 from lab.filter.corpus import load_rows
 from lab.filter.encoder_heldout import summary
 from lab.filter.train import DEV_FILE, TRAIN_FILE
-from lab.filter.train_encoder import EncoderOptions, base_model_dir, holdout
+from lab.filter.train_encoder import EncoderOptions, base_model_dir, holdout, onnx_export
 
 
 def embedder(out: Path):
@@ -49,17 +49,7 @@ def embedder(out: Path):
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
             return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
-    x = torch.ones((2, 16), dtype=torch.long)
-    torch.onnx.export(
-        Pooled(),
-        (x, torch.ones_like(x)),
-        str(out / "fp32.onnx"),
-        input_names=["input_ids", "attention_mask"],
-        output_names=["embedding"],
-        dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}},
-        opset_version=17,
-        dynamo=False,
-    )
+    onnx_export(Pooled(), out / "fp32.onnx", "embedding")
     quantize_dynamic(str(out / "fp32.onnx"), str(out / "int8.onnx"), weight_type=QuantType.QInt8)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

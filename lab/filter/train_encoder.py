@@ -191,25 +191,32 @@ def fine_tune(
     return model, tokenizer
 
 
-def export(model: Any, tokenizer: Any, out: Path, log: Callable[[str], None] = print) -> None:
-    """model.onnx (int8 weights) and tokenizer.json into ``out``."""
+def onnx_export(module: Any, path: Path, output: str) -> None:
+    """``module(input_ids, attention_mask)`` as an ONNX graph at ``path`` (float32; batch and
+    length dynamic), for ONNX Runtime to quantize and serve."""
     import torch  # noqa: PLC0415
-    from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
 
-    out.mkdir(parents=True, exist_ok=True)
-    fp32 = out / "model.fp32.onnx"
     ids = torch.ones((2, 16), dtype=torch.long)
     with torch.no_grad():
         torch.onnx.export(
-            model,
+            module,
             (ids, torch.ones_like(ids)),
-            str(fp32),
+            str(path),
             input_names=["input_ids", "attention_mask"],
-            output_names=["logit"],
+            output_names=[output],
             dynamic_axes={"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"}},
             opset_version=17,
             dynamo=False,
         )
+
+
+def export(model: Any, tokenizer: Any, out: Path, log: Callable[[str], None] = print) -> None:
+    """model.onnx (int8 weights) and tokenizer.json into ``out``."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    fp32 = out / "model.fp32.onnx"
+    onnx_export(model, fp32, "logit")
     quantize_dynamic(str(fp32), str(out / "model.onnx"), weight_type=QuantType.QInt8)
     fp32.unlink()
     tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
