@@ -138,3 +138,58 @@ def encode_beat(beat: ProcessBeat) -> bytes:
     """The beat's JSON, less its fields that are None: a reader of the dict beats took a
     variant's `"top_p": null` for a default to apply (the dicts left unset ones out)."""
     return beat.model_dump_json(exclude_none=True).encode()
+
+
+# ---- gateways' news to each other (core NATS `subjects.GATEWAY_ADMITTED`) -------------------
+#
+# Sent on the burst's hot path, one message per read of requests, so the wire stays the
+# compact JSON the gateways have always exchanged (arrays, not objects): a gateway of either
+# side of a deploy reads the other's. These types are what each side sees of it.
+
+AdmissionState = Literal["pass", "pub", "drop"]
+
+
+class GatewayDemand(Beat):
+    """A gateway's recent demand, sent every second (it also says the gateway is alive):
+    `{"gateway": ..., "demand": {model: requests per second}}`."""
+
+    gateway: str = Field(description="The sending gateway's name (random per process).")
+    demand: dict[str, float] = Field(description="Requests per second per model, lately.")
+
+
+class GatewayAdmissions(Beat):
+    """Requests a gateway let through (`pass`), published (`pub`) or dropped (`drop`):
+    `[gateway, model, [[member, tokens], ...], state]`, or `[gateway, model, member, tokens,
+    state]` for one request."""
+
+    gateway: str = Field(description="The sending gateway's name.")
+    model: str = Field(description="The model the requests asked for.")
+    requests: tuple[tuple[str, int], ...] = Field(description="(member, token budget) of each request.")
+    state: AdmissionState = Field(description="pass: let through; pub: published; drop: not ahead of anyone.")
+
+
+GatewayNews = GatewayDemand | GatewayAdmissions
+
+
+def encode_news(news: GatewayNews) -> bytes:
+    if isinstance(news, GatewayDemand):
+        return orjson.dumps({"gateway": news.gateway, "demand": news.demand})
+    if len(news.requests) == 1 and news.state != "pass":
+        ((member, tokens),) = news.requests
+        return orjson.dumps([news.gateway, news.model, member, tokens, news.state])
+    return orjson.dumps([news.gateway, news.model, [list(r) for r in news.requests], news.state])
+
+
+def decode_news(raw: bytes | str) -> GatewayNews:
+    """A peer's news; ValueError (pydantic's ValidationError is one) when it is not."""
+    data = orjson.loads(raw)
+    if isinstance(data, dict):
+        return GatewayDemand.model_validate(data)
+    if not isinstance(data, list) or len(data) not in (4, 5):
+        raise ValueError(f"not gateway news: {data!r:.80}")
+    if len(data) == 4:
+        gateway, model, requests, state = data
+    else:
+        gateway, model, member, tokens, state = data
+        requests = [(member, tokens)]
+    return GatewayAdmissions(gateway=gateway, model=model, requests=requests, state=state)

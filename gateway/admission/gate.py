@@ -50,9 +50,8 @@ import time
 from contextlib import suppress
 from typing import Any
 
-import orjson
-
 from events import subjects
+from events.fleet import AdmissionState, GatewayAdmissions, GatewayDemand, decode_news, encode_news
 from events.models import new_id
 from gateway.admission import estimate
 from gateway.admission.estimate import backstop, overloaded
@@ -139,9 +138,8 @@ class EarlyGate:
             nc = getattr(self.pipeline, "nc", None)
             if nc is not None and nc.is_connected:
                 with suppress(*NATS_DOWN):
-                    await nc.publish(
-                        SUBJECT, orjson.dumps({"gateway": self.name, "demand": self.demand.rates(time.time())})
-                    )
+                    news = GatewayDemand(gateway=self.name, demand=self.demand.rates(time.time()))
+                    await nc.publish(SUBJECT, encode_news(news))
 
     def _alive(self, now: float) -> list[dict[str, float]]:
         """The demand of every peer heard in the last PEER_SILENT_S."""
@@ -160,28 +158,22 @@ class EarlyGate:
         return share(self.demand.rates(now).get(model, 0.0), [demand.get(model, 0.0) for demand in alive])
 
     async def _on_peer(self, msg) -> None:
-        """A peer's news: `[gateway, model, member, tokens, state]`, the requests its
-        protocol let through in one read, `[gateway, model, [[member, tokens], ...], "pass"]`,
-        or its demand, `{"gateway": ..., "demand": {model: requests per second}}`."""
+        """A peer's news (events.fleet.GatewayNews): its demand, or requests it let
+        through, published or dropped."""
         try:
-            news = orjson.loads(msg.data)
-            if isinstance(news, dict):
-                if news["gateway"] != self.name:
-                    self.peers[news["gateway"]] = (time.time(), {str(m): float(r) for m, r in news["demand"].items()})
-                return
-            if len(news) == 4:
-                gateway, model, passed, state = news
-                items = [(member, tokens) for member, tokens in passed]
-            else:
-                gateway, model, member, tokens, state = news
-                items = [(member, tokens)]
-        except (ValueError, TypeError, KeyError, AttributeError):
+            news = decode_news(msg.data)
+        except ValueError:
             return
-        if gateway != self.name:
-            for member, tokens in items:
-                self._mark(model, f"{gateway}:{member}", tokens, state)
+        if news.gateway == self.name:
+            return
+        match news:
+            case GatewayDemand(gateway=gateway, demand=demand):
+                self.peers[gateway] = (time.time(), demand)
+            case GatewayAdmissions(gateway=gateway, model=model, requests=requests, state=state):
+                for member, tokens in requests:
+                    self._mark(model, f"{gateway}:{member}", tokens, state)
 
-    def _mark(self, model: str, member: str, tokens: int, state: str) -> None:
+    def _mark(self, model: str, member: str, tokens: int, state: AdmissionState) -> None:
         """A request let through (`pass`: counted until published, PENDING_S at most),
         published (`pub`: counted until a stream state read after it) or dropped."""
         passed = self.passed.setdefault(model, {})
@@ -264,7 +256,7 @@ class EarlyGate:
         self.reserved(model, member)
         await self._set(model, member, 0, "drop")
 
-    async def _set(self, model: str, member: str, tokens: int, state: str) -> None:
+    async def _set(self, model: str, member: str, tokens: int, state: AdmissionState) -> None:
         if state != "pass":
             tokens = self.passed.get(model, {}).get(member, (0.0, 0))[1]
         self._mark(model, member, tokens, state)
@@ -288,10 +280,12 @@ class EarlyGate:
         if nc is not None and nc.is_connected:
             with suppress(*NATS_DOWN):
                 for model, items in by_model.items():
-                    await nc.publish(SUBJECT, orjson.dumps([self.name, model, items, "pass"]))
+                    news = GatewayAdmissions(gateway=self.name, model=model, requests=tuple(items), state="pass")
+                    await nc.publish(SUBJECT, encode_news(news))
 
-    async def tell(self, model: str, member: str, tokens: int, state: str) -> None:
+    async def tell(self, model: str, member: str, tokens: int, state: AdmissionState) -> None:
         nc = getattr(self.pipeline, "nc", None)
         if nc is not None and nc.is_connected and not self.alone():
             with suppress(*NATS_DOWN):  # peers then learn it from the Redis-backed check
-                await nc.publish(SUBJECT, orjson.dumps([self.name, model, member, tokens, state]))
+                news = GatewayAdmissions(gateway=self.name, model=model, requests=((member, tokens),), state=state)
+                await nc.publish(SUBJECT, encode_news(news))

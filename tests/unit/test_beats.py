@@ -71,3 +71,25 @@ def test_model_load_adds_counts_and_keeps_the_slower_step():
     total = one.plus(two).plus(ModelLoad(tokens=5, full_step_s=0.04, full_batch=8))
     assert (total.running, total.waiting, total.max_batch, total.tokens) == (3, 1, 16, 15)
     assert (total.step_s, total.full_step_s, total.full_batch, total.measured_at) == (0.02, 0.05, 6, 5.0)
+
+
+def test_gateway_news_keeps_the_compact_wire_both_ways():
+    from events.fleet import GatewayAdmissions, GatewayDemand, decode_news, encode_news
+
+    demand = GatewayDemand(gateway="g1", demand={"m": 2.5})
+    passed = GatewayAdmissions(gateway="g1", model="m", requests=(("r1", 64), ("r2", 16)), state="pass")
+    one = GatewayAdmissions(gateway="g1", model="m", requests=(("r1", 64),), state="pub")
+    # the arrays and object gateways exchanged before these types, read and written alike
+    assert encode_news(demand) == b'{"gateway":"g1","demand":{"m":2.5}}'
+    assert encode_news(passed) == b'["g1","m",[["r1",64],["r2",16]],"pass"]'
+    assert encode_news(one) == b'["g1","m","r1",64,"pub"]'
+    for news in (demand, passed, one):
+        assert decode_news(encode_news(news)) == news
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'["g", "m", "r", 1, "maybe"]', b"{}", b"not json", b"3"])
+def test_anything_else_on_the_news_subject_is_a_value_error(raw):
+    from events.fleet import decode_news
+
+    with pytest.raises(ValueError):
+        decode_news(raw)
