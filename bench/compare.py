@@ -11,13 +11,16 @@ would share the CPU otherwise); the PSS of each server's processes is sampled wh
 serves. Writes `results.json`, `results.md` and `results.png` under `--out`; server logs
 go to `--out/logs/`. `--peers` is issue 31's run: SmolLM2-135M as `arena up` serves it,
 against llama.cpp's `llama-server` (`python -m bench.peers build` first) and
-`transformers serve --continuous-batching`, 1-32 users, 64- and 256-token answers.
+`transformers serve --continuous-batching`, 1-32 users, 64- and 256-token answers;
+`--targets arenaflow-llamacpp,llama-server` puts the llama.cpp backend of `arena up` beside
+the same llama-server bare.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -44,6 +47,7 @@ ALL_TARGETS = (
     "arenaflow-continuous-process",
     "arenaflow-continuous-thread",
     "arenaflow",
+    "arenaflow-llamacpp",
     "llama-server",
     "llama-server-bf16",
 )
@@ -150,14 +154,24 @@ async def sweep_lengths(base_url: str, workload: Workload, loads: list[float], l
     return levels
 
 
-async def run_target(target: targets.Target, workload: Workload, loads: list[float], turns, compute, lengths) -> dict:
-    workload = replace(
-        workload, model=target.served_name, ignore_eos=target.send_ignore_eos, body_extra=target.body_extra
-    )
-    warm = await warm_up(target.base_url, workload)
+def workload_of(target: targets.Target, workload: Workload) -> Workload:
+    """The workload as ``target`` is sent it: its model name, ignore_eos where it takes it, its extra fields."""
+    return replace(workload, model=target.served_name, ignore_eos=target.send_ignore_eos, body_extra=target.body_extra)
+
+
+async def warmed(target: targets.Target, workload: Workload) -> dict | None:
+    """Warm ``target`` up; its failed row's fields if nothing was answered, else None."""
+    warm = await warm_up(target.base_url, workload_of(target, workload))
     if warm["summary"]["completed"] == 0:
         errors = {r["error"] for r in warm["records"]}
         return {"status": "failed", "reason": f"warm-up failed: {sorted(map(str, errors))[:2]}", "levels": []}
+    return None
+
+
+async def run_target(target: targets.Target, workload: Workload, loads: list[float], turns, compute, lengths) -> dict:
+    if failed := await warmed(target, workload):
+        return failed
+    workload = workload_of(target, workload)
     levels = await sweep_lengths(target.base_url, workload, loads, lengths)
     if not turns:
         return {"status": "ok", "levels": levels}
@@ -190,6 +204,44 @@ def measure(name: str, setup: targets.Setup, args, workload, loads, turns, compu
             row.update(status="failed", reason=f"{type(exc).__name__}: {exc}\n{server.log_tail(600)}", levels=[])
     print(f"[compare] {name}: {row['status']} in {time.perf_counter() - started:.0f}s", flush=True)
     return row
+
+
+def measure_interleaved(names: list[str], setup: targets.Setup, args, workload: Workload, loads) -> list[dict]:
+    """Every target started at once, then each level run on each in turn (A at 1 user, B
+    at 1 user, A at 8, ...): on a shared machine whose load drifts from minute to minute,
+    the figures compared side by side were measured minutes apart at most. The idle
+    targets wait beside the busy one (their PSS is sampled throughout)."""
+    rows: dict[str, dict[str, Any]] = {n: {"name": n, "loadavg_at_start": os.getloadavg(), "levels": []} for n in names}
+    live: dict[str, targets.Target] = {}
+    memory: dict[str, procs.PssSampler] = {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            try:
+                target = targets.prepare(name, setup)
+                started = time.perf_counter()
+                server = stack.enter_context(target.process)
+                server.wait_ready(args.ready_timeout)
+            except (targets.NotRunnable, procs.ServerFailed) as exc:
+                rows[name].update(status="not runnable" if isinstance(exc, targets.NotRunnable) else "failed")
+                rows[name]["reason"] = str(exc)
+                continue
+            assert server.proc is not None  # started by the with
+            rows[name].update(startup_s=time.perf_counter() - started, status="ok")
+            memory[name] = stack.enter_context(procs.PssSampler(server.proc.pid))
+            live[name] = target
+        for name, target in list(live.items()):
+            if failed := asyncio.run(warmed(target, workload)):
+                rows[name].update(failed)
+                del live[name]
+        for lengths in [[n] for n in lengths_of(args)] or [[]]:
+            for load in loads:
+                for name, target in live.items():
+                    levels = asyncio.run(sweep_lengths(target.base_url, workload_of(target, workload), [load], lengths))
+                    rows[name]["levels"] += levels
+                    print(f"[compare] {name}: {levels[0]['load_label']} done", flush=True)
+    for name, sampler in memory.items():
+        rows[name]["memory"] = sampler.result()
+    return list(rows.values())
 
 
 def lengths_of(args) -> list[int]:
@@ -246,6 +298,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="weights' dtype for every row (the ceiling, the engine, each server)",
     )
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone row")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every target at once and run each level on each in turn (a shared machine's drifting load "
+        "then falls on both sides of a comparison); no overhead rows",
+    )
     parser.add_argument("--ready-timeout", type=float, default=240.0)
     parser.add_argument("--ceiling-timeout", type=float, default=600.0)
     add_workload_args(parser)
@@ -309,9 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         engine["loadavg_at_start"] = os.getloadavg()
         print(f"[compare] engine alone: {engine['status']}", flush=True)
     turns = fixed_requests(workload, args.overhead_requests)
-    rows = [
-        measure(t, setup, args, workload, loads, turns, ceiling.get("compute", [])) for t in args.targets.split(",")
-    ]
+    if args.interleave:
+        rows = measure_interleaved(args.targets.split(","), setup, args, workload, loads)
+    else:
+        rows = [
+            measure(t, setup, args, workload, loads, turns, ceiling.get("compute", [])) for t in args.targets.split(",")
+        ]
     results = {
         "meta": _meta(args, ceiling, workload, loads),
         "targets": [

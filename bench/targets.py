@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench import peers
 from bench.procs import ServerProcess
+from consumers.inference.llamacpp.server import command
 from runtime.net import free_port
 
 # `transformers serve` needs accelerate, which the project does not depend on; the
@@ -212,16 +213,39 @@ def arena_default(setup: Setup) -> Target:
     return Target("arenaflow", proc, DEFAULT_MODEL, f"http://127.0.0.1:{port}", body_extra=(("deadline_s", 120.0),))
 
 
+def arena_llamacpp(setup: Setup) -> Target:
+    """`arena up` serving the model's GGUF through the llama.cpp backend: its llama-server
+    started as the bare `llama-server` target's (the same slots, context per slot and
+    threads, and `--ignore-eos` there, since the API has no field for it and the bare
+    server gets `ignore_eos` with every request), behind the whole pipeline."""
+    if not peers.SERVER.is_file():
+        raise NotRunnable(f"no {peers.SERVER}: run `python -m consumers.inference.llamacpp build` (15-55 min)")
+    if not (setup.source.startswith(peers.PKG) or setup.source.lower().endswith(".gguf")):
+        raise NotRunnable("the model was given as a checkpoint directory; the llama.cpp backend needs its GGUF source")
+    threads = setup.torch_threads or os.cpu_count() or 1
+    config = setup.out / "arenaflow-llamacpp-models.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f"models:\n  - name: {setup.model_name}\n    path: {setup.source}\n    backend: llamacpp\n"
+        f"    llamacpp: {{parallel: {setup.parallel}, context: {setup.ctx_per_slot}, threads: {threads}, "
+        'args: ["--ignore-eos"]}\n'
+    )
+    port = free_port()
+    state = (setup.out / "state" / "arenaflow-llamacpp").resolve()
+    cmd = [*_arena_command(), "up", "--port", str(port), "--models-config", str(config.resolve())]
+    cmd += ["--default-model", setup.model_name, "--max-batch-size", str(setup.parallel), "--state-dir", str(state)]
+    log = setup.out / "logs" / "arenaflow-llamacpp.log"
+    proc = ServerProcess("arenaflow-llamacpp", cmd, f"http://127.0.0.1:{port}/readyz", log, env=setup.env())
+    return Target(
+        "arenaflow-llamacpp", proc, setup.model_name, f"http://127.0.0.1:{port}", body_extra=(("deadline_s", 120.0),)
+    )
+
+
 def llama_server_command(setup: Setup, gguf: Path, port: int) -> list[str]:
-    """llama.cpp's server on every core, one slot per user of the highest load, continuous batching."""
-    threads = str(setup.torch_threads or os.cpu_count() or 1)
-    return [
-        str(peers.SERVER),
-        *("--model", str(gguf), "--alias", setup.model_name, "--host", "127.0.0.1", "--port", str(port)),
-        *("--threads", threads, "--threads-batch", threads),
-        *("--parallel", str(setup.parallel), "--cont-batching"),
-        *("--ctx-size", str(setup.parallel * setup.ctx_per_slot)),
-    ]
+    """llama.cpp's server on every core, one slot per user of the highest load, continuous
+    batching: the command line the llama.cpp backend starts its server with."""
+    threads = setup.torch_threads or os.cpu_count() or 1
+    return command(peers.SERVER, gguf, setup.model_name, port, setup.parallel, setup.ctx_per_slot, threads)
 
 
 def llama_server(setup: Setup, outtype: str = "") -> Target:
@@ -258,6 +282,8 @@ BUILDERS = {
     # llama.cpp's server on the model's GGUF (Q4_1 for SmolLM2), and on a bf16 GGUF of the
     # checkpoint arenaflow serves (the same weights at the same precision).
     "llama-server": llama_server,
+    # The same llama-server as the llama.cpp backend of `arena up` (the whole pipeline in front).
+    "arenaflow-llamacpp": arena_llamacpp,
     "llama-server-bf16": lambda s: llama_server(s, "bf16"),
 }
 

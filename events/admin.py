@@ -31,6 +31,7 @@ class ModelSource(_Message):
     dtype: str = Field("auto", description="float32, bfloat16, float16 or auto.")
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
     quantize: str | None = Field(None, description="int8 or int4 weight-only quantization; None: float weights.")
+    backend: str = Field("builtin", description="What computes its tokens: 'builtin' or 'llamacpp' (a GGUF).")
 
 
 class _Command(_Message):
@@ -85,6 +86,7 @@ class ModelDetails(_Message):
     context: int | None = Field(description="Tokens a request may have, prompt and completion; None: not known yet.")
     quantize: str | None = Field(description="int8 / int4 weight-only quantization; None: float weights.")
     resident: bool
+    backend: str | None = Field(None, description="What computes its tokens ('builtin', 'llamacpp'), while loaded.")
     parameters: int | None = None
     dtype: str | None = None
     chat_template: bool | None = Field(None, description="It has a chat template of its own (else plain text).")

@@ -34,6 +34,7 @@ from prometheus_client import Counter, start_http_server
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
+from consumers.inference.llamacpp import build as llamacpp
 from consumers.inference.settings import InferenceSettings
 from events import topology
 from infra import nats_auth, redis_auth, start_checks
@@ -375,8 +376,15 @@ def convert_sources(models_config: str, print_fn=print) -> None:
         return  # the workers say what is wrong with the file
     for spec in specs:
         if spec.base is None and sources.is_converted_source(spec.path):
+            # llama.cpp serves the GGUF itself: the worker needs its tokenizer, not its weights.
+            prepare = sources.tokenizer_dir if spec.backend == "llamacpp" else sources.checkpoint
             with contextlib.suppress(PermanentError):
-                sources.checkpoint(spec.path, settings.model_cache, say=functools.partial(_said, print_fn, spec.name))
+                prepare(spec.path, settings.model_cache, say=functools.partial(_said, print_fn, spec.name))
+        if spec.backend == "llamacpp":
+            try:
+                llamacpp.locate(settings.llama_cpp_dir)
+            except PermanentError as exc:  # its requests fail with this until it is built
+                _said(print_fn, spec.name, str(exc))
 
 
 def _said(print_fn, name: str, line: str) -> None:

@@ -62,12 +62,17 @@ def describe(pool, spec: ModelSpec) -> ModelDetails:
     if loaded is None:
         return ModelDetails(**out, quantize=spec.quantize, resident=False)
     model = loaded.model
+    if model is None:  # llama.cpp serves it: its GGUF says what the weights are
+        parameters, dtype = loaded.parameters, f"{loaded.weights_type} (llama.cpp)"
+    else:
+        parameters, dtype = sum(p.numel() for p in model.parameters()), str(model.dtype).removeprefix("torch.")
     return ModelDetails(
         **out,
         quantize=spec.quantize,
         resident=True,
-        parameters=sum(p.numel() for p in model.parameters()),
-        dtype=str(model.dtype).removeprefix("torch."),
+        backend=spec.backend,
+        parameters=parameters,
+        dtype=dtype,
         chat_template=bool(spec.chat_template or getattr(loaded.tokenizer, "chat_template", None)),
         resident_bytes=loaded.nbytes,
     )

@@ -104,7 +104,7 @@ def check_room(req: GenRequest, context_len: int) -> None:
 def kv_room(loaded: LoadedModel, budget_bytes: int | None) -> int | None:
     """The tokens (prompt and completion) one request's keys and values may take in a KV
     cache of ``budget_bytes`` (None: no budget), at most the model's context."""
-    if budget_bytes is None:
+    if budget_bytes is None or loaded.model is None:  # no model here: llama.cpp sizes its own cache
         return None
     return min(loaded.context_len, budget_bytes // bytes_per_token(loaded.model))
 
@@ -247,6 +247,9 @@ class BatchEngine:
                     self._active.pop(out.request_id, None)
                     self._cancelled.discard(out.request_id)
         return outputs
+
+    def close(self) -> None:
+        """Nothing to let go of beyond memory: its weights are the pool's."""
 
     def fail_all(self) -> list[StepOutput]:
         """Finish every request the engine holds with "error" and reset the batch.

@@ -11,6 +11,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
+from consumers.inference.llamacpp.options import DEFAULT_SLOT_CONTEXT, LlamaCppOptions
 from consumers.inference.quantize import Quantize, quantize_model
 from events.fleet import VariantDefaults
 
@@ -84,6 +86,13 @@ class ModelSpec(BaseModel):
         None,
         description="Jinja chat template overriding the tokenizer's; when both are missing FALLBACK_TEMPLATE is used.",
     )
+    backend: Literal["builtin", "llamacpp"] = Field(
+        "builtin",
+        description="What computes its tokens: 'builtin', arenaflow's batch engine on torch; 'llamacpp', a "
+        "llama-server child of the worker serving the GGUF itself (path: a .gguf file or pkg:PACKAGE; "
+        "`python -m consumers.inference.llamacpp build` once). Prompts are tokenized by the worker either way.",
+    )
+    llamacpp: LlamaCppOptions | None = Field(None, description="backend llamacpp: its server's slots and threads.")
     # A variant serves its base's weights (one copy in the pool) under its own name,
     # with its own defaults; the gateway applies them where a request sets nothing.
     base: str | None = Field(None, description="Variant of this model: same weights, its own defaults.")
@@ -125,6 +134,20 @@ class ModelSpec(BaseModel):
     def _quantize_on_cpu(self) -> ModelSpec:
         if self.quantize is not None and self.device != "cpu":
             raise ValueError(f"quantize: {self.quantize!r} runs on the CPU only; drop it or set device: cpu")
+        return self
+
+    @model_validator(mode="after")
+    def _llamacpp_serves_a_gguf(self) -> ModelSpec:
+        if self.backend == "builtin":
+            if self.llamacpp is not None:
+                raise ValueError("llamacpp: options need backend: llamacpp")
+            return self
+        if not sources.is_converted_source(self.path):
+            raise ValueError(
+                f"backend: llamacpp serves a GGUF file: path must be a .gguf or pkg:PACKAGE, got {self.path!r}"
+            )
+        if self.quantize is not None or self.device != "cpu":
+            raise ValueError("backend: llamacpp runs the GGUF's own weights on the CPU: drop quantize and device")
         return self
 
 
@@ -212,13 +235,15 @@ def _variant_entry(file: Path, i: int, entry: dict, by_name: dict) -> dict:
             f"models config {file}: entry {i} ({entry.get('name')!r}) has base {entry['base']!r}, "
             "which must name a plain model (with a 'path') in the same file"
         )
-    placement = {k: parent[k] for k in ("path", "dtype", "device", "chat_template", "owner", "quantize") if k in parent}
+    inherited = ("path", "dtype", "device", "chat_template", "owner", "quantize", "backend", "llamacpp")
+    placement = {k: parent[k] for k in inherited if k in parent}
     return {**placement, **entry}
 
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: weights in eval mode on their device, plus its tokenizer."""
+    """A model ready to run: weights in eval mode on their device, plus its tokenizer; for a
+    ``backend: llamacpp`` model, the tokenizer alone (``model`` None: llama-server holds the weights)."""
 
     model: Any
     tokenizer: Any
@@ -227,6 +252,11 @@ class LoadedModel:
     nbytes: int  # bytes of parameters and buffers (tied weights counted once)
     context_len: int  # max tokens (prompt + completion) the model attends over
     eos_ids: list[int] = field(default_factory=list)
+    #: Where there is no torch model to ask (a llama.cpp model): the tokens its logits
+    #: score, its parameters and its weights' type as the GGUF has them (e.g. "Q4_1").
+    vocab: int | None = None
+    parameters: int | None = None
+    weights_type: str | None = None
 
     @property
     def name(self) -> str:
@@ -316,6 +346,8 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
     """Load ``spec``'s model and tokenizer (blocking; call it from a worker thread). A
     GGUF source is converted into ``cache`` first, when it is not there yet."""
 
+    if spec.backend == "llamacpp":
+        return load_tokenizer_only(spec, version, cache)
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
     try:
@@ -360,6 +392,56 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
     return loaded
 
 
+def load_tokenizer_only(spec: ModelSpec, version: int, cache: str | Path) -> LoadedModel:
+    """A ``backend: llamacpp`` model as the worker holds it: the GGUF's tokenizer and chat
+    template (the very files the built-in path converts it with, so a prompt is the same
+    token ids on either backend) and its context per slot; llama-server holds the weights."""
+    t0 = time.perf_counter()
+    try:
+        path = sources.tokenizer_dir(spec.path, cache)
+        with _LOAD_LOCK:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            config = AutoConfig.from_pretrained(path)
+    except PermanentError:
+        raise
+    except Exception as exc:
+        raise PermanentError(f"cannot read the tokenizer of model {spec.name!r} from {spec.path!r}: {exc}") from exc
+    parameters, weights_type = gguf_weights(sources.gguf_file(spec.path))
+    model_context = context_len_of(config, getattr(tokenizer, "model_max_length", None))
+    context = (spec.llamacpp and spec.llamacpp.context) or min(model_context, DEFAULT_SLOT_CONTEXT)
+    loaded = LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        spec=spec,
+        version=version,
+        nbytes=sources.gguf_file(spec.path).stat().st_size,
+        context_len=min(context, model_context),
+        eos_ids=_as_list(tokenizer.eos_token_id),
+        vocab=int(config.vocab_size),
+        parameters=parameters,
+        weights_type=weights_type,
+    )
+    log.info(
+        "model %s v%d: llama.cpp serves %s, context %d per slot; tokenizer in %.2fs",
+        spec.name,
+        version,
+        spec.path,
+        loaded.context_len,
+        time.perf_counter() - t0,
+    )
+    return loaded
+
+
+def gguf_weights(path: Path) -> tuple[int, str]:
+    """A GGUF's parameters and its weights' type (the most common of its tensors'), read
+    from its header without loading it."""
+    from gguf import GGUFReader  # noqa: PLC0415 - only a llama.cpp model needs it
+
+    tensors = GGUFReader(path).tensors
+    kinds = Counter(t.tensor_type.name for t in tensors)
+    return sum(int(t.n_elements) for t in tensors), kinds.most_common(1)[0][0] if kinds else "?"
+
+
 def render_chat(
     loaded_or_tokenizer: LoadedModel | Any,
     messages: list[dict],
@@ -398,4 +480,6 @@ def encode_text(loaded: LoadedModel, text: str) -> list[int]:
 def vocab_size(loaded: LoadedModel) -> int:
     """How many tokens the model's logits score (its config's vocabulary, which may be
     padded past the tokenizer's)."""
+    if loaded.model is None:
+        return int(loaded.vocab or len(loaded.tokenizer))
     return int(loaded.model.config.vocab_size)

@@ -4,7 +4,7 @@ engine-process pipe (as vLLM's ``EngineCoreRequest`` / ``EngineCoreOutputs`` /
 
 **An engine backend** (:class:`EngineBackend`) generates for many requests of one model.
 The built-in :class:`~consumers.inference.engine.BatchEngine` is one; another (llama.cpp,
-say) plugs in by implementing these six members, and the runners (a thread,
+say: ``consumers/inference/llamacpp/engine.py``) plugs in by implementing these members, and the runners (a thread,
 :class:`~consumers.inference.runner.EngineRunner`, or a child process,
 :class:`~consumers.inference.engine_process.ProcessRunner`) drive it unchanged:
 
@@ -19,6 +19,8 @@ say) plugs in by implementing these six members, and the runners (a thread,
   estimates finish times from them) and the prefix cache's counts; any thread.
 - ``max_batch_size``: the slots (requests stepped at once); ``loaded``: the model it
   steps (the pool's handle: the runner is keyed by it, the service reads its tokenizer).
+- ``close()``: let go of what it holds beyond this process's memory (the llama.cpp
+  engine's server child); the runner calls it when it stops.
 
 Every request added gets exactly one output with ``finished`` set, whatever happens
 (stop, length, deadline, cancelled, error); the deadline (``GenRequest.deadline``) is
@@ -117,6 +119,8 @@ class EngineBackend(Protocol):
     def fail_all(self) -> list[StepOutput]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

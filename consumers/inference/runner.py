@@ -228,3 +228,4 @@ class EngineRunner:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self.engine.close()

@@ -35,6 +35,8 @@ from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
+from consumers.inference.llamacpp.build import LlamaServerMissing, locate
+from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt, encode_text, vocab_size
@@ -59,6 +61,9 @@ from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 #: A chunk send or acknowledgement that failed: the chunk is published again, awaited.
+#: A redelivery that arrives while its first delivery is still being given back (its
+#: engine lost it, a moment ago) comes again after this long, when the first is gone.
+GIVEN_BACK_RETRY_S = 0.5
 #: What steps a model's engine: a thread beside the loop, or a process of its own.
 Runner = EngineRunner | ProcessRunner
 
@@ -225,7 +230,9 @@ class InferenceService:
         rid = event.request_id
         if msg.metadata.num_delivered > 1:
             METRICS.redeliveries.inc()
-        if rid in self.jobs:  # redelivered while still running here: keep the first
+        if (held := self.jobs.get(rid)) is not None:  # redelivered while still running here: keep the first
+            if held.closed:  # ... unless the first is being given back right now: this one comes again
+                await msg.nak(delay=GIVEN_BACK_RETRY_S)
             return
         if time.time() >= event.deadline_at:
             METRICS.deadline_misses.labels(event.model).inc()
@@ -346,9 +353,15 @@ class InferenceService:
         on from a worker that died, say) waits for neither."""
         for name in names:
             async with self.pool.use(name) as loaded:
-                runner = self._runner_for(loaded)
+                try:
+                    runner = self._runner_for(loaded)
+                except LlamaServerMissing as exc:  # its requests fail saying so; the others serve
+                    log.error("%s: %s", name, exc)
+                    continue
             if isinstance(runner, ProcessRunner):
                 await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
+            elif isinstance(runner.engine, LlamaCppEngine):
+                await asyncio.to_thread(runner.engine.ready.wait, START_TIMEOUT_S)
 
     def _runner_for(self, loaded) -> Runner:
         runner = self.runners.get(id(loaded))
@@ -356,7 +369,11 @@ class InferenceService:
             assert self.loop is not None, "start() the service first"
             s = self.settings
             hold_s = s.max_wait_ms / 1000 if s.engine == "static" else 0.0  # a micro-batch's wait to fill
-            if s.engine_process and self._shareable(loaded):
+            if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
+                binary = locate(s.llama_cpp_dir)  # the error names the build command
+                llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.torch_threads)
+                runner = EngineRunner(llama, self.loop, self.on_outputs)
+            elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
                     s.engine,

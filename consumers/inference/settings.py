@@ -24,6 +24,11 @@ class InferenceSettings(CommonSettings):
         str(Path.home() / ".cache" / "arenaflow" / "models"),
         description="Where a GGUF model source is converted to a checkpoint once (a directory per file hash).",
     )
+    llama_cpp_dir: str = Field(
+        str(Path.home() / ".cache" / "arenaflow" / "llama.cpp"),
+        description="Where llama.cpp's `llama-server` is built and found (`backend: llamacpp` models; "
+        "`python -m consumers.inference.llamacpp build`): outside the checkout, so checkouts share one build.",
+    )
     engine: Literal["static", "continuous"] = Field(
         "continuous", description="'static' (padded micro-batches) or 'continuous'."
     )

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from consumers.inference.errors import PermanentError
 
@@ -83,22 +84,42 @@ def checkpoint(source: str, cache: str | Path, say: Callable[[str], None] = log.
     conversion in ``cache``, made now when absent (tens of seconds; ``say`` tells the stages)."""
     if not is_converted_source(source):
         return source
+    return str(_made_once(gguf_file(source), cache, "", _convert, say))
+
+
+def tokenizer_dir(source: str, cache: str | Path, say: Callable[[str], None] = log.info) -> str:
+    """A directory with ``source``'s tokenizer (its chat template in it) and config, for a
+    model llama.cpp serves: the GGUF's full conversion when there is one, else the same
+    tokenizer files written alone (seconds, no weights dequantized), once per file."""
     gguf = gguf_file(source)
+    cache = Path(cache).expanduser()
+    full = cache / f"gguf-{digest(gguf)[:16]}"
+    if (full / SOURCE_FILE).is_file():
+        return str(full)
+    return str(_made_once(gguf, cache, "-tokenizer", _write_tokenizer, say))
+
+
+def _made_once(
+    gguf: Path, cache: str | Path, suffix: str, make: Callable[[Path, Path, Callable], None], say: Callable
+) -> Path:
+    """``make``'s directory for ``gguf`` in ``cache``, made now when absent: two processes at
+    once wait for one another (a lock file beside it), and a half-made one is never taken
+    for a finished one (:func:`_into_place`)."""
     cache = Path(cache).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     sha256 = digest(gguf)
-    dest = cache / f"gguf-{sha256[:16]}"  # where its conversion lives, whether or not it is there yet
+    dest = cache / f"gguf-{sha256[:16]}{suffix}"  # where it lives, whether or not it is there yet
     if (dest / SOURCE_FILE).is_file():
-        return str(dest)
+        return dest
     with (cache / f"{dest.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process converting it: wait, then take its result
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process making it: wait, then take its result
         if not (dest / SOURCE_FILE).is_file():
             size_mb = gguf.stat().st_size / 1e6
             say(f"converting {gguf.name} ({size_mb:.0f} MB, hashed in {time.perf_counter() - t0:.1f} s)")
-            _convert(gguf, sha256, dest, say)
-    say(f"{gguf.name}: checkpoint {dest} ready in {time.perf_counter() - t0:.1f} s")
-    return str(dest)
+            _into_place(gguf, sha256, dest, lambda partial: make(gguf, partial, say))
+    say(f"{gguf.name}: {dest} ready in {time.perf_counter() - t0:.1f} s")
+    return dest
 
 
 @contextmanager
@@ -121,12 +142,45 @@ def ticking(say: Callable[[str], None], what: str, every: float = TICK_S) -> Ite
         ticker.join()
 
 
-def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) -> None:
+def _into_place(gguf: Path, sha256: str, dest: Path, write: Callable[[Path], None]) -> None:
+    """``write`` fills a partial directory, renamed to ``dest`` once SOURCE_FILE says what it
+    was made from: a half-written one is never taken for a finished one."""
+    partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    t0 = time.perf_counter()
+    write(partial)
+    source = {"gguf": str(gguf), "sha256": sha256, "converted_s": round(time.perf_counter() - t0, 1)}
+    (partial / SOURCE_FILE).write_text(json.dumps(source))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)
+
+
+def _plain_config(config: Any) -> Any:
+    """transformers refuses to save a model loaded from a GGUF (its config names the file
+    as a quantization): the config without it."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def _write_tokenizer(gguf: Path, partial: Path, say: Callable[[str], None]) -> None:
+    """The GGUF's tokenizer and config alone, as :func:`_convert` writes them beside the weights."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - heavy: only a conversion needs it
+
+    try:
+        say("reading the GGUF's tokenizer and chat template")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise PermanentError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
+    tokenizer.save_pretrained(partial)
+    _plain_config(config).save_pretrained(partial)
+
+
+def _convert(gguf: Path, partial: Path, say: Callable[[str], None]) -> None:
     import torch  # noqa: PLC0415 - heavy: only a conversion needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
     t0 = time.perf_counter()
     try:
         say("reading the GGUF's tokenizer and chat template")
@@ -136,11 +190,8 @@ def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) ->
             quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:
         raise PermanentError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
-    # transformers refuses to save a model loaded from a GGUF (its config names the
-    # file as a quantization): a model of the same class from a clean config takes the weights.
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    # A model of the same class from a clean config takes the weights.
+    config = _plain_config(quantized.config)
     with torch.device("meta"):
         plain = type(quantized)(config)
     plain.load_state_dict(quantized.state_dict(), assign=True)
@@ -148,10 +199,6 @@ def _convert(gguf: Path, sha256: str, dest: Path, say: Callable[[str], None]) ->
     say(f"writing the checkpoint ({time.perf_counter() - t0:.1f} s so far)")
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    source = {"gguf": str(gguf), "sha256": sha256, "converted_s": round(time.perf_counter() - t0, 1)}
-    (partial / SOURCE_FILE).write_text(json.dumps(source))
-    shutil.rmtree(dest, ignore_errors=True)
-    partial.rename(dest)
 
 
 def main(argv: list[str] | None = None) -> int:

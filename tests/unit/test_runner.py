@@ -37,6 +37,9 @@ class QueueOnly:
     def stats(self) -> EngineStats:
         return self.queue
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.fixture
 def runner():

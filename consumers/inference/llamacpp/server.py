@@ -1,0 +1,128 @@
+"""One `llama-server` child of the inference worker: started on a free loopback port, its
+output kept (the last lines, for the error that says why it stopped), killed with the
+worker (PDEATHSIG: a worker killed with -9 leaves no server behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import aiohttp
+
+from runtime.net import free_port
+
+log = logging.getLogger(__name__)
+
+#: The last lines of a server's output kept for the error that says why it stopped.
+TAIL_LINES = 40
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the worker's loop thread (which started it) dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, context: int, threads: int) -> list[str]:
+    """llama-server on loopback: one slot per request decoded together, continuous batching,
+    ``context`` tokens per slot; no web UI, no prompt cache beyond the slots' own. No weight
+    repacking: on this VM's AMX CPU the pinned build's AMX matmul (an extra buffer type that
+    repacking enables) segfaults in the warm-up on SmolLM2's Q4_1 (ggml_backend_amx_mul_mat)."""
+    return [
+        str(binary),
+        *("--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port)),
+        *("--threads", str(threads), "--threads-batch", str(threads)),
+        *("--parallel", str(parallel), "--cont-batching", "--ctx-size", str(parallel * context)),
+        *("--no-webui", "--cache-ram", "0", "--no-repack"),
+    ]
+
+
+class LlamaServer:
+    """A `llama-server` process; ``start`` again after it died starts a new one (a new port)."""
+
+    def __init__(self, argv: list[str], name: str):
+        self.argv = argv  # every flag but --port (appended per start)
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        """Start it (call from the worker's loop thread: PDEATHSIG follows the starting thread)."""
+        self.port = free_port()
+        self.tail.clear()
+        self.proc = subprocess.Popen(
+            [*self.argv, "--port", str(self.port)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG
+        )
+        threading.Thread(target=self._read, args=(self.proc,), name=f"llama-server-{self.name}", daemon=True).start()
+        log.info("llama-server of %s started (pid %d, port %d)", self.name, self.proc.pid, self.port)
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.tail.append(line.rstrip())
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def said(self) -> str:
+        """Its last lines of output, for an error message."""
+        return "\n".join(self.tail)
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        """Until /health answers 200 (the model loaded); RuntimeError with its output if it
+        exits or does not answer in ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if not self.alive():
+                raise RuntimeError(f"llama-server of {self.name} exited ({self.returncode()}):\n{self.said()}")
+            try:
+                async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"llama-server of {self.name} not ready in {timeout_s:.0f} s:\n{self.said()}")
+
+    async def wait_exit(self) -> int | None:
+        """Until it exits (polled: a thread blocked in wait() would outlive a stopped worker)."""
+        while self.alive():
+            await asyncio.sleep(0.1)
+        return self.returncode()
+
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not ended in ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

