@@ -16,6 +16,12 @@ int8), ``tokenizer.json``, ``reference.npy`` (the sorted logits of held-out beni
 prompts, the ensemble's calibration) and ``encoder.json`` (format, version, window,
 threshold, the sha256 of every file, the training report). The version names the
 model file's hash; a file whose hash differs from the metadata is refused.
+
+The weights (23 MB) are not committed: the training run moves ``model.onnx`` into the
+model cache (``$ARENA_MODEL_CACHE/prompt-encoder/<sha256>.onnx``, default
+``~/.cache/arenaflow/models``), named by the hash ``encoder.json`` records, and the
+loader reads it there; a ``model.onnx`` beside ``encoder.json`` (a run not yet moved)
+is read first.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,10 +38,39 @@ import numpy as np
 
 from consumers.filter.interface import ClassifierScore
 
-__all__ = ["ENCODER_FORMAT", "EncoderClassifier", "file_digest", "load_encoder", "windows"]
+__all__ = [
+    "ENCODER_FORMAT",
+    "EncoderClassifier",
+    "artifact_file",
+    "file_digest",
+    "load_encoder",
+    "stash_weights",
+    "windows",
+]
 
 ENCODER_FORMAT = "arenaflow-prompt-encoder/1"
 FILES = ("model.onnx", "tokenizer.json", "reference.npy")
+#: The encoders' weights, outside the checkout, by sha256 (`arena filter-train --encoder` builds them).
+WEIGHTS_CACHE = Path(os.environ.get("ARENA_MODEL_CACHE") or Path.home() / ".cache" / "arenaflow" / "models") / (
+    "prompt-encoder"
+)
+
+
+def artifact_file(directory: Path, name: str, meta: dict[str, Any]) -> Path:
+    """One of the artifact's files: ``model.onnx`` from the weights cache unless it is
+    beside ``encoder.json``; the others beside it."""
+    local = directory / name
+    if name != "model.onnx" or local.is_file():
+        return local
+    return WEIGHTS_CACHE / f"{meta['sha256'][name]}.onnx"
+
+
+def stash_weights(directory: Path, meta: dict[str, Any]) -> Path:
+    """Moves a trained ``model.onnx`` into the weights cache, where the loader finds it."""
+    target = WEIGHTS_CACHE / f"{meta['sha256']['model.onnx']}.onnx"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(directory / "model.onnx", target)
+    return target
 
 
 def file_digest(path: Path) -> str:
@@ -73,7 +109,9 @@ class EncoderClassifier:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(directory / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(artifact_file(directory, "model.onnx", meta)), options, providers=["CPUExecutionProvider"]
+        )
         self.benign_reference = np.load(directory / "reference.npy", allow_pickle=False).astype(np.float64)
         self._batcher = _Batcher(self.logits, max_batch)
 
@@ -166,6 +204,11 @@ def load_encoder(directory: str | Path, threads: int = 1) -> EncoderClassifier:
     if meta.get("format") != ENCODER_FORMAT:
         raise ValueError(f"{d}: not a prompt encoder artifact (format {meta.get('format')!r})")
     for name in FILES:
-        if file_digest(d / name) != meta["sha256"][name]:
-            raise ValueError(f"{d / name}: its hash differs from encoder.json's; retrain with `arena filter-train`")
+        path = artifact_file(d, name, meta)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: missing; the encoder's weights are built by `arena filter-train --encoder`"
+            )
+        if file_digest(path) != meta["sha256"][name]:
+            raise ValueError(f"{path}: its hash differs from encoder.json's; retrain with `arena filter-train`")
     return EncoderClassifier(d, meta, threads)

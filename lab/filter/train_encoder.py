@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from consumers.filter.encoder import ENCODER_FORMAT, FILES, file_digest, load_encoder, windows
+from consumers.filter.encoder import ENCODER_FORMAT, FILES, file_digest, load_encoder, stash_weights, windows
 from lab.filter import heldout
 from lab.filter.corpus import Row
 
@@ -281,6 +281,7 @@ def train_encoder(
     _write_meta(tmp, meta)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    log(f"  weights: {stash_weights(out, meta)} (the model cache; not committed)")
     return meta
 
 

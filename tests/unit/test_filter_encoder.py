@@ -7,6 +7,7 @@ import itertools
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +161,22 @@ def test_the_served_cascade_runs_the_encoder_only_where_the_lexical_stages_are_u
     verdict = inspect_prompt(paraphrase, config.model_copy(update={"cascade_band": 0.25}), ensemble)
     assert verdict.action == "reject" and "classifier:encoder" in verdict.reasons
     assert "encoder" not in stages(paraphrase)  # under the default band the character stage is sure enough
+
+
+def test_the_weights_come_from_the_model_cache_and_their_absence_names_the_command(tmp_path, monkeypatch):
+    import shutil
+
+    from consumers.filter import encoder
+
+    artifact = Path(encoder.__file__).parent / "artifacts" / "prompt-encoder"
+    meta = json.loads((artifact / "encoder.json").read_text())
+    copy = tmp_path / "prompt-encoder"
+    shutil.copytree(artifact, copy, ignore=shutil.ignore_patterns("model.onnx"))
+    weights = encoder.artifact_file(artifact, "model.onnx", meta).read_bytes()  # the real cache's
+    monkeypatch.setattr(encoder, "WEIGHTS_CACHE", tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="arena filter-train --encoder"):
+        encoder.load_encoder(copy)
+    (copy / "model.onnx").write_bytes(weights)
+    stashed = encoder.stash_weights(copy, meta)  # as a training run leaves it
+    assert stashed == tmp_path / "cache" / f"{meta['sha256']['model.onnx']}.onnx" and not (copy / "model.onnx").exists()
+    assert encoder.load_encoder(copy).version == meta["version"]
