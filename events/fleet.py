@@ -37,6 +37,11 @@ class EngineLoad(Beat):
     step_s: float | None = Field(None, description="Typical step time at small batches; None until measured.")
     full_step_s: float | None = Field(None, description="Typical step time at near-full batches; None until measured.")
     full_batch: int | None = Field(None, description="The batch those near-full steps ran at (their median).")
+    alone_step_s: float | None = Field(
+        None,
+        description="Median step with one request in the batch: a token's time for a request served alone "
+        "(the fastest it can go); None until measured.",
+    )
     measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
 
 
@@ -60,6 +65,10 @@ class ModelLoad(EngineLoad):
                 "step_s": self.step_s if engine.step_s is None else max(self.step_s or 0.0, engine.step_s),
                 "full_step_s": engine.full_step_s if full else self.full_step_s,
                 "full_batch": engine.full_batch if full else self.full_batch,
+                # The fastest engine alone: a request too long for it is too long for all.
+                "alone_step_s": min(
+                    (s for s in (self.alone_step_s, engine.alone_step_s) if s is not None), default=None
+                ),
             }
         )
 

@@ -338,6 +338,7 @@ FailureCode = Literal[
     "overloaded",
     "internal_error",
     "invalid_request",  # a parameter the model cannot serve (a logit_bias token outside its vocabulary)
+    "deadline_too_short",  # more tokens than the model makes within the request's deadline even alone
 ]
 
 

@@ -23,6 +23,7 @@ from events import subjects
 from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
 from gateway import ratelimit
 from gateway.access import not_found
+from gateway.admission.estimate import too_slow
 from gateway.admission.service import Admission, Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
@@ -53,10 +54,15 @@ def store_unavailable() -> APIError:
     )
 
 
+def budget_field(req: ChatCompletionRequest) -> str:
+    """The field that set the request's token budget."""
+    return "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+
+
 def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
     """The 400 for a token budget the model's context cannot hold, whatever the prompt
     (a prompt has a token at least): retrying it can never succeed, so no 429."""
-    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    field = budget_field(req)
     return APIError(
         400,
         f"{field}: {req.token_limit()} tokens asked for, but the model takes {context} tokens a request, "
@@ -95,6 +101,18 @@ class ChatService:
             )
         if (context := self.pipeline.context_len(model)) is not None and req.token_limit() >= context:
             raise context_exceeded(req, context)
+        settings = self.settings
+        if error := too_slow(
+            model,
+            self.pipeline.queue(model),
+            budget_field(req),
+            req.token_limit(),
+            self.budget_s(req),
+            settings.max_deadline_s,
+            settings.admission_overhead_s,
+        ):
+            METRICS.rejections.labels(reason="deadline_too_short").inc()
+            raise error
         return model
 
     def budget_s(self, req: ChatCompletionRequest) -> float:

@@ -42,6 +42,7 @@ FAILURE_STATUS = {
     "overloaded": 429,
     "internal_error": 500,
     "invalid_request": 400,
+    "deadline_too_short": 400,
 }
 #: The fields a worker's failure message may name first ("max_tokens: ..."): its `param`.
 NAMED_FIELDS = ("max_tokens", "messages", "logit_bias")

@@ -119,6 +119,9 @@ class EngineRunner:
         self._small: deque[float] = deque(maxlen=64)
         self._full: deque[float] = deque(maxlen=64)
         self._full_batches: deque[int] = deque(maxlen=64)  # the batch of each of those steps
+        #: Steps with one request in the batch: how fast a request goes alone (the median:
+        #: decode steps, the one prefill of each request aside).
+        self._alone: deque[float] = deque(maxlen=64)
         self.measured_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
@@ -199,6 +202,8 @@ class EngineRunner:
             self._full_batches.append(batch)
         else:
             self._small.append(took)
+        if batch == 1:
+            self._alone.append(took)
         self.measured_at = time.time()
 
     def finish_at(self, tokens: int) -> float | None:
@@ -216,6 +221,7 @@ class EngineRunner:
             step_s=typical_step(self._small) if self._small else None,
             full_step_s=typical_step(self._full) if self._full else None,
             full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
+            alone_step_s=statistics.median(self._alone) if len(self._alone) >= MIN_SAMPLES else None,
             measured_at=self.measured_at,
         )
         return SchedulerStats(queue, load, (len(self._small), len(self._full)))

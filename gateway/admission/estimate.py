@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.errors import APIError
 from runtime.steps import step_time
@@ -35,6 +35,7 @@ class ModelQueue:
     full_step_s: float | None  # ... at a batch of half the slots or more
     measured_at: float = 0.0  # when the newest of those steps ran
     full_batch: int | None = None  # the batch full_step_s was measured at (None: all the slots)
+    alone_step_s: float | None = None  # the fastest worker's step with one request (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,7 @@ def combine(
         tokens = round(known_tokens * requests / known)
     else:
         tokens = known_tokens + round((requests - known) * mean_budget)
-    return ModelQueue(
-        workers.slots, requests, tokens, workers.step_s, workers.full_step_s, workers.measured_at, workers.full_batch
-    )
+    return replace(workers, requests=requests, tokens=tokens)
 
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
@@ -104,6 +103,55 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
         mean_tokens = q.tokens / q.requests
         wait_s = math.ceil(beyond / q.slots) * mean_tokens * step
     return Estimate(overhead_s + wait_s + budget * step, wait_s)
+
+
+def alone_s(q: ModelQueue, budget: int, overhead_s: float) -> float | None:
+    """How long a request of `budget` tokens takes with nothing else to run, on the
+    fastest worker holding the model (its median step with one request in the batch),
+    the fixed overhead included; None until measured. Judged without the margin, and
+    never stale (a worker's speed alone does not drift with the load), unlike `estimate`."""
+    return None if q.alone_step_s is None else overhead_s + budget * q.alone_step_s
+
+
+def never(q: ModelQueue, budget: int, budget_s: float, overhead_s: float) -> bool:
+    """True for a request that cannot finish within `budget_s` at any load: its deadline
+    is shorter than the fixed overhead, or its tokens take longer even alone."""
+    alone = alone_s(q, budget, overhead_s)
+    return budget_s < overhead_s or (alone is not None and alone > budget_s)
+
+
+def too_slow(
+    model: str, q: ModelQueue, field: str, budget: int, budget_s: float, max_deadline_s: float, overhead_s: float
+) -> APIError | None:
+    """The 400 for a request that can never finish within its deadline (`never`):
+    retrying it cannot succeed, so no 429. It names the field to change: `deadline_s`
+    when even one token would not fit, else the token budget's `field`. None when it can."""
+    if not never(q, budget, budget_s, overhead_s):
+        return None
+    step = q.alone_step_s or 0.0
+    per_token = f" and about {step * 1000:.0f} ms a token" if step else ""
+    if budget_s < overhead_s + step:
+        return APIError(
+            400,
+            f"deadline_s: {budget_s:g} s is too short for model '{model}': a request spends about {overhead_s:g} s "
+            f"outside decoding{per_token} (ARENA_ADMISSION_OVERHEAD_S); ask for at least "
+            f"{overhead_s + budget * step:.1f} s",
+            "deadline_too_short",
+            "deadline_s",
+        )
+    alone = overhead_s + budget * step
+    fits = math.floor((budget_s - overhead_s) / step)
+    longer = (
+        f", or a deadline_s up to {max_deadline_s:g}" if alone <= max_deadline_s and budget_s < max_deadline_s else ""
+    )
+    return APIError(
+        400,
+        f"{field}: {budget} tokens take about {alone:.1f} s on model '{model}' even with nothing else to run "
+        f"(a token every {step * 1000:.0f} ms, {overhead_s:g} s outside decoding), over the request's "
+        f"{budget_s:g} s deadline; ask for at most {fits} tokens{longer}",
+        "deadline_too_short",
+        field,
+    )
 
 
 def retry_after_s(est: Estimate, deadline_s: float) -> int:

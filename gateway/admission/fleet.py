@@ -22,7 +22,14 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
             total, held = total.plus(beat.load[model]), held + beat.held
     requests = total.running + total.waiting + held
     return ModelQueue(
-        total.max_batch, requests, total.tokens, total.step_s, total.full_step_s, total.measured_at, total.full_batch
+        total.max_batch,
+        requests,
+        total.tokens,
+        total.step_s,
+        total.full_step_s,
+        total.measured_at,
+        total.full_batch,
+        total.alone_step_s,
     )
 
 

@@ -202,7 +202,8 @@ class EarlyGate:
         """(the 429, None) for a request to refuse; (None, its member) for one let
         through, counted at once so the next one is judged with it (peers are told by
         `tell`); (None, None) when the model is not served or not yet, or its context
-        cannot hold the token budget: the route answers.
+        cannot hold the token budget, or it cannot make that many tokens within the
+        deadline even alone: the route answers.
         Refused too past the backstop (`max_queue_per_model` requests of this gateway in
         flight or let through here and not yet counted there): the route would refuse
         it, after a burst's worth of other requests' work. `workers`: the workers' queue
@@ -212,6 +213,8 @@ class EarlyGate:
             return None, None
         if (context := self.pipeline.context_len(model)) is not None and tokens >= context:
             return None, None  # it can never run, now or later: the route's 400 says why
+        if estimate.never(workers, tokens, budget_s, self.settings.admission_overhead_s):
+            return None, None  # too long for its deadline at any load: the route's 400 says why
         now = time.time()
         self.demand.count(model, now)
         waiting = self.unreserved.setdefault(model, {})

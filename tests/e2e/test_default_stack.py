@@ -6,6 +6,8 @@ a private arena that battles two different sets of weights (SmolLM2 and stories-
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import pytest
@@ -64,3 +66,22 @@ def test_the_default_arena_battles_two_different_sets_of_weights(up):
             if BASES[pair[0]] != BASES[pair[1]]:
                 break
     assert any(BASES[a] != BASES[b] for a, b in seen), seen
+
+
+def test_more_tokens_than_the_model_makes_in_the_deadline_is_a_400_up_front(up):
+    """SmolLM2 on a CPU makes a token every few ms at best: 4,000 tokens cannot come in
+    the default 15 s however idle the stack. Once a worker measured its speed alone, the
+    request is refused before anything runs, streamed or not: 400 deadline_too_short
+    naming max_tokens and the most that fits (no 429: a retry would fail the same), where
+    it used to be admitted and cut at its deadline with a 504."""
+    ask(up.url, "Count to ten.", max_tokens=24, ignore_eos=True)  # the worker's steps alone, measured
+    time.sleep(2.5)  # in a heartbeat
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 4000}
+    for stream in (False, True):
+        r = httpx.post(f"{up.url}/v1/chat/completions", json=body | {"stream": stream}, timeout=30)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (400, "deadline_too_short", "max_tokens"), r.text
+        fits = int(re.search(r"ask for at most (\d+) tokens", error["message"]).group(1))
+        assert 0 < fits < 4000 and "retry-after" not in r.headers
+    with_time = httpx.post(f"{up.url}/v1/chat/completions", json=body | {"max_tokens": 8, "deadline_s": 15}, timeout=30)
+    assert with_time.status_code == 200, with_time.text

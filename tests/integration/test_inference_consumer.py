@@ -69,14 +69,16 @@ def test_batches_form_under_concurrent_load_and_outputs_do_not_depend_on_them(st
 
 
 def test_hopeless_deadline_is_refused_without_compute(stack_factory):
-    """A deadline shorter than the pipeline's fixed overhead is refused at admission (429,
-    retry with a longer one); the model never runs. (A request that still expires before
-    a worker pulls it fails there with deadline_exceeded, without compute.)"""
+    """A deadline shorter than the pipeline's fixed overhead can never be met: 400
+    deadline_too_short naming deadline_s (no 429: a retry would fail the same); the model
+    never runs. (A request that still expires before a worker pulls it fails there with
+    deadline_exceeded, without compute.)"""
     port = free_port()
     s = stack_factory(ARENA_METRICS_PORT=port).start()
     r = ask(s.url, "Once upon a time", deadline_s=0.001, max_tokens=16)
-    assert r.status_code == 429, r.text
-    assert r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "deadline_too_short" and error["param"] == "deadline_s", error
     assert metric(port, "arena_tokens_generated_total") == 0
 
 

@@ -177,3 +177,33 @@ def test_a_small_batch_measured_slower_than_a_full_one_is_not_believed():
     usual = ModelQueue(64, 0, 0, 0.010, 0.013, time.time(), full_batch=48)
     assert step_at(usual, 24) == pytest.approx(0.010 + 0.003 * 23 / 47)
     assert step_at(usual, 64) == pytest.approx(0.013 * 64 / 48)
+
+
+def test_a_budget_too_long_even_alone_is_a_400_naming_the_field():
+    from dataclasses import replace
+
+    from gateway.admission.estimate import alone_s, too_slow
+
+    queue = replace(q(requests=5, tokens=300, measured_at=0), alone_step_s=0.06)  # stale, busy: neither matters
+    assert alone_s(queue, 256, 0.5) == pytest.approx(0.5 + 256 * 0.06)
+    error = too_slow("smollm2", queue, "max_tokens", 256, 15.0, 120.0, 0.5)
+    assert error is not None and error.status == 400 and error.code == "deadline_too_short"
+    assert error.param == "max_tokens"
+    assert "at most 241 tokens, or a deadline_s up to 120" in error.message
+    assert too_slow("smollm2", queue, "max_tokens", 241, 15.0, 120.0, 0.5) is None
+    # Too long for the longest deadline too: only fewer tokens would do.
+    error = too_slow("smollm2", queue, "max_completion_tokens", 4000, 15.0, 120.0, 0.5)
+    assert error is not None and "deadline_s" not in error.message and error.param == "max_completion_tokens"
+    assert too_slow("smollm2", q(), "max_tokens", 100_000, 15.0, 120.0, 0.5) is None  # not measured: let through
+    # A deadline shorter than the fixed overhead never fits, measured or not: it names deadline_s.
+    for fleet in (q(), queue):
+        error = too_slow("smollm2", fleet, "max_tokens", 16, 0.3, 120.0, 0.5)
+        assert error is not None and error.status == 400 and error.param == "deadline_s"
+
+
+def test_the_fleet_alone_is_its_fastest_worker():
+    from events.fleet import EngineLoad, ModelLoad
+
+    load = ModelLoad().plus(EngineLoad(alone_step_s=0.08)).plus(EngineLoad()).plus(EngineLoad(alone_step_s=0.05))
+    assert load.alone_step_s == 0.05
+    assert ModelLoad().plus(EngineLoad()).alone_step_s is None

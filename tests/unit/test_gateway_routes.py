@@ -260,3 +260,41 @@ async def test_the_edge_lease_is_the_one_the_request_is_served_and_published_wit
     recent = await admission.recent.redis.zrange("arena:admitted:stories-260k", 0, -1)
     assert recent == [f"{member}:64".encode()]  # the lone gateway's entry, recorded once published
     assert admission.in_flight["stories-260k"] == 0
+
+
+def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport():
+    """A worker that makes a token every 60 ms alone cannot make 256 in 15 s: 400
+    deadline_too_short naming the field (never a 429 to retry), before anything is
+    published; 200 tokens fit, and a longer deadline_s would too."""
+    from events.fleet import InferenceBeat, ModelLoad
+
+    client, pipeline = gateway()
+    load = ModelLoad(max_batch=8, step_s=0.07, alone_step_s=0.06, measured_at=0.0)  # idle, measured long ago
+    beat = InferenceBeat(
+        instance="w",
+        ready=True,
+        ts=time.time() + 3600,
+        pid=1,
+        models=("stories-260k",),
+        resident=("stories-260k",),
+        load={"stories-260k": load},
+    )
+    pipeline.beats = {(beat.role, beat.instance): beat}
+    with client:
+        v1 = client.post("/v1/chat/completions", json=chat(max_tokens=256))
+        sse = client.post("/v1/chat/completions", json=chat(max_completion_tokens=256, stream=True))
+        task = client.post("/chat", json={"prompt": "hi", "max_tokens": 256})
+        with client.websocket_connect("/v1/ws") as ws:
+            ws.receive_json()
+            ws.send_json({"type": "turn", "content": "hi", "max_tokens": 256})
+            frame = ws.receive_json()
+        fits = client.post("/v1/chat/completions", json=chat(max_tokens=200))
+        longer = client.post("/v1/chat/completions", json=chat(max_tokens=256, deadline_s=60))
+    error = v1.json()["error"]
+    assert (v1.status_code, error["code"], error["param"]) == (400, "deadline_too_short", "max_tokens"), error
+    assert "at most 241 tokens, or a deadline_s up to 120" in error["message"]
+    assert (sse.status_code, sse.json()["error"]["param"]) == (400, "max_completion_tokens")
+    assert (task.status_code, task.json()["error"]["code"]) == (400, "deadline_too_short")
+    assert (frame["type"], frame["status"], frame["error"]["param"]) == ("error", 400, "max_tokens")
+    assert fits.status_code == 200 and longer.status_code == 200, (fits.text, longer.text)
+    assert len(pipeline.requests()) == 2

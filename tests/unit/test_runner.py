@@ -137,3 +137,28 @@ async def test_outputs_reach_the_loop_in_step_order_with_wake_ups_coalesced():
     delivered = [o.step for outs in calls for o in outs]
     assert delivered == list(range(199, -1, -1))
     assert len(calls) < 200
+
+
+def test_the_step_alone_is_the_median_of_batch_one_steps(runner):
+    """How fast a request goes alone: the median of the steps with one request in the
+    batch (its prefill step aside), none until MIN_SAMPLES were measured; bigger batches
+    do not count."""
+    for _ in range(MIN_SAMPLES - 2):
+        runner._measure(1, 0.05)
+    runner._measure(1, 0.9)  # a prefill
+    runner._measure(4, 0.2)
+    assert runner.load().alone_step_s is None
+    runner._measure(1, 0.05)
+    assert runner.load().alone_step_s == pytest.approx(0.05)
+
+
+def test_a_worker_refuses_what_it_cannot_finish_even_alone():
+    """Judged from the request's receipt, not from now: a request that waited is late
+    (429 overloaded, elsewhere), not too long."""
+    from consumers.inference.service import too_slow_alone
+    from events.fleet import EngineLoad
+
+    assert too_slow_alone(EngineLoad(), 1000, "m", 15.0) is None  # not measured
+    assert too_slow_alone(EngineLoad(alone_step_s=0.01), 1000, "m", 15.0) is None  # 10 s of a 15 s budget
+    why = too_slow_alone(EngineLoad(alone_step_s=0.02), 1000, "m", 15.0)
+    assert why is not None and why.startswith("max_tokens: 1000 tokens take about 20.0 s") and "at most 750" in why
