@@ -63,6 +63,8 @@ class Attempt:
     output_tokens: int = 0
     retry_after_s: float | None = None
     error: str | None = None
+    retry: int = 0  # how many times this turn was sent before
+    lost: bool = False  # the turn's last attempt: it was not answered (refused through every retry, or missed)
     text: str = field(default="", repr=False)
 
 
@@ -71,7 +73,7 @@ def classify(attempt: Attempt, error: dict | str | None, deadline_s: float) -> s
     code = error.get("code") if isinstance(error, dict) else None
     if attempt.status == 429:
         return "refused"
-    if attempt.status == 504 or code == "deadline_exceeded":
+    if attempt.status == 504 or code == "deadline_exceeded":  # a client timeout past the deadline too
         return "missed"
     if attempt.status is not None and 400 <= attempt.status < 500:
         return "rejected" if code == "deadline_too_short" else "error"
@@ -97,28 +99,35 @@ async def send(client: aiohttp.ClientSession, base: str, body: dict, attempt: At
                 if (after := resp.headers.get("Retry-After")) is not None:
                     attempt.retry_after_s = float(after)
             else:
-                async for line in resp.content:
-                    if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
-                        continue
-                    event = orjson.loads(data)
-                    if event.get("error"):
-                        error = event["error"]
-                        break
-                    for choice in event.get("choices") or []:
-                        if content := (choice.get("delta") or {}).get("content"):
-                            attempt.ttft_s = attempt.ttft_s or time.perf_counter() - sent
-                            attempt.output_tokens += 1
-                            parts.append(content)
-                    if usage := event.get("usage"):
-                        attempt.prompt_tokens = usage.get("prompt_tokens")
-                        attempt.output_tokens = usage.get("completion_tokens") or attempt.output_tokens
+                error = await read_stream(resp, attempt, sent, parts)
                 attempt.latency_s = time.perf_counter() - sent
     except CLIENT_ERRORS as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
+        if time.perf_counter() - sent > deadline_s:  # no answer before the deadline: the battle is lost
+            attempt.status, attempt.latency_s = 504, time.perf_counter() - sent
     attempt.text = "".join(parts)
     attempt.error = None if error is None else str(error)[:200]
     attempt.outcome = classify(attempt, error, deadline_s)
     return attempt
+
+
+async def read_stream(resp: aiohttp.ClientResponse, attempt: Attempt, sent: float, parts: list[str]) -> dict | None:
+    """Read an SSE answer into ``attempt`` and ``parts``; the error event, if one came."""
+    async for line in resp.content:
+        if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
+            continue
+        event = orjson.loads(data)
+        if event.get("error"):
+            return event["error"]
+        for choice in event.get("choices") or []:
+            if content := (choice.get("delta") or {}).get("content"):
+                attempt.ttft_s = attempt.ttft_s or time.perf_counter() - sent
+                attempt.output_tokens += 1
+                parts.append(content)
+        if usage := event.get("usage"):
+            attempt.prompt_tokens = usage.get("prompt_tokens")
+            attempt.output_tokens = usage.get("completion_tokens") or attempt.output_tokens
+    return None
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,7 @@ class Level:
     duration_s: float
     deadline_s: float
     max_retry_wait_s: float
+    retries: int = 2
     seed: int = 0
 
 
@@ -143,16 +153,18 @@ async def conversation_user(client, target: targets.Target, level: Level, user: 
             content = rng.choice(PROMPTS) if turn == 0 else rng.choice(FOLLOW_UPS)
             messages.append({"role": "user", "content": content})
             max_tokens = level.lengths.draw(rng)
-            while True:
+            for retry in range(level.retries + 1):
                 if time.perf_counter() >= stop_at:
                     return
                 body = chat_body(target.served_name, messages, max_tokens, target.send_ignore_eos)
                 attempt = await send(client, target.base_url, body, Attempt(user, turn, max_tokens), level.deadline_s)
+                attempt.retry = retry
                 out.append(attempt)
-                if attempt.outcome not in ("refused", "refused_late"):
+                if attempt.outcome not in ("refused", "refused_late") or retry == level.retries:
                     break
                 await asyncio.sleep(min(attempt.retry_after_s or 1.0, level.max_retry_wait_s))
             if attempt.outcome != "answered":
+                attempt.lost = True
                 break  # the turn is lost: the person starts over
             messages.append({"role": "assistant", "content": attempt.text})
             await asyncio.sleep(level.think_s * rng.uniform(0.5, 1.5))
@@ -183,20 +195,38 @@ async def run_burst(target: targets.Target, n: int, max_tokens: int, deadline_s:
                 for i in range(n)
             )
         )
+        for a in attempts:
+            a.lost = a.outcome != "answered"  # no retry in a burst: each request is its own turn
         return list(attempts), time.perf_counter() - t0
 
 
 def summary(attempts: list[Attempt]) -> dict:
-    """One row: counts by outcome, the share refused, latencies of the answered."""
+    """One row: counts by outcome, the share refused, latencies of the answered; and by
+    turn (a turn is sent again after a refusal, `retries` times at most): answered, lost."""
     by = {o: [a for a in attempts if a.outcome == o] for o in OUTCOMES}
     answered = by["answered"]
     refused = len(by["refused"]) + len(by["refused_late"])
     missed_prompts = [a.prompt_tokens for a in by["missed"] if a.prompt_tokens is not None]
+    turns = [a for a in attempts if a.outcome == "answered" or a.lost or a.outcome in ("missed", "error", "rejected")]
+    lost_refused = [a for a in attempts if a.lost and a.outcome in ("refused", "refused_late")]
+    by_budget = {}
+    for budget in sorted({a.max_tokens for a in attempts}):
+        mine = [a for a in turns if a.max_tokens == budget]
+        by_budget[str(budget)] = {
+            "turns": len(mine),
+            "answered": sum(a.outcome == "answered" for a in mine),
+            "lost_refused": sum(a in lost_refused for a in mine),
+            "missed": sum(a.outcome == "missed" for a in mine),
+            "latency_p99_s": percentile([a.latency_s for a in mine if a.outcome == "answered" and a.latency_s], 99),
+        }
     return {
         "attempts": len(attempts),
         **{o: len(v) for o, v in by.items()},
         "refused_share": refused / len(attempts) if attempts else None,
         "missed_share_of_admitted": len(by["missed"]) / max(1, len(attempts) - refused - len(by["rejected"])),
+        "turns": len(turns),
+        "turns_lost_refused": len(lost_refused),
+        "by_budget": by_budget,
         "latency_p50_s": percentile([a.latency_s for a in answered if a.latency_s is not None], 50),
         "latency_p99_s": percentile([a.latency_s for a in answered if a.latency_s is not None], 99),
         "latency_max_s": max((a.latency_s for a in answered if a.latency_s is not None), default=None),
@@ -214,19 +244,20 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| target | load | attempts | answered | refused (late) | share refused | rejected | missed | errors "
-        "| latency P50 / P99 / max s | TTFT P99 s | tok/s | longest prompt answered / missed |"
+        "| target | load | turns | answered | lost to refusals | missed | errors | attempts refused (late) "
+        "| latency P50 / P99 / max s | TTFT P99 s | tok/s | answered / turns by budget | longest prompt answered |"
     )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         s = r["summary"]
+        budgets = ", ".join(f"{k}: {v['answered']}/{v['turns']}" for k, v in s["by_budget"].items())
         lines.append(
-            f"| {r['target']} | {r['load']} | {s['attempts']} | {s['answered']} "
-            f"| {s['refused'] + s['refused_late']} ({s['refused_late']}) | {fmt(s['refused_share'], '.1%')} "
-            f"| {s['rejected']} | {s['missed']} | {s['error']} "
+            f"| {r['target']} | {r['load']} | {s['turns']} | {s['answered']} | {s['turns_lost_refused']} "
+            f"| {s['missed']} | {s['error'] + s['rejected']} "
+            f"| {s['refused'] + s['refused_late']} of {s['attempts']} ({s['refused_late']}) "
             f"| {fmt(s['latency_p50_s'])} / {fmt(s['latency_p99_s'])} / {fmt(s['latency_max_s'])} "
-            f"| {fmt(s['ttft_p99_s'])} | {s['output_tokens'] / r['wall_s']:.1f} "
-            f"| {s['prompt_tokens_max_answered'] or '-'} / {s['prompt_tokens_max_missed'] or '-'} |"
+            f"| {fmt(s['ttft_p99_s'])} | {s['output_tokens'] / r['wall_s']:.1f} | {budgets} "
+            f"| {s['prompt_tokens_max_answered'] or '-'} |"
         )
     return "\n".join(lines)
 
@@ -252,6 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds a level sends new turns")
     p.add_argument("--deadline", type=float, default=15.0, help="the deadline a client holds a server to")
     p.add_argument("--max-retry-wait", type=float, default=5.0, help="longest Retry-After a client honours")
+    p.add_argument("--retries", type=int, default=2, help="times a refused turn is sent again (the OpenAI SDK's 2)")
     p.add_argument("--burst", type=int, default=400, help="requests sent at once after the levels (0: none)")
     p.add_argument("--ctx-per-slot", type=int, default=2048, help="llama-server's context per slot")
     p.add_argument("--torch-threads", type=int, help="threads every server may use (default: the supervisor's)")
@@ -269,14 +301,15 @@ def prepare(name: str, setup: targets.Setup) -> targets.Target:
 def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
     lengths = LengthMix.parse(args.lengths)
     for users in [int(x) for x in args.loads.split(",") if x]:
-        level = Level(users, args.turns, lengths, args.think, args.duration, args.deadline, args.max_retry_wait)
+        level = Level(
+            users, args.turns, lengths, args.think, args.duration, args.deadline, args.max_retry_wait, args.retries
+        )
         for name, target in live.items():
             t0 = time.perf_counter()
             attempts = asyncio.run(run_level(target, level))
-            rows.append(
-                {"target": name, "load": f"{users} users", "wall_s": time.perf_counter() - t0, "level": asdict(level)}
-                | {"summary": summary(attempts)}
-            )
+            level_row = {"target": name, "load": f"{users} users", "wall_s": time.perf_counter() - t0}
+            level_row |= {"level": asdict(level) | {"lengths": str(lengths)}, "summary": summary(attempts)}
+            rows.append(level_row | {"attempts": [asdict(a) | {"text": None} for a in attempts]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     if args.burst:
         for name, target in live.items():

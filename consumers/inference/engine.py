@@ -251,6 +251,10 @@ class BatchEngine:
     def close(self) -> None:
         """Nothing to let go of beyond memory: its weights are the pool's."""
 
+    def timed_steps(self) -> None:
+        """Every `step()` is one decode step: the runner times it."""
+        return None
+
     def fail_all(self) -> list[StepOutput]:
         """Finish every request the engine holds with "error" and reset the batch.
 

@@ -168,8 +168,10 @@ class EngineRunner:
             except Exception:  # a broken step must not kill the thread silently
                 log.exception("engine step failed", extra={"model": self.name})
                 outputs = self.engine.fail_all()
-            if batch:
-                self._measure(batch, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            timed = self.engine.timed_steps()
+            for size, seconds in [(batch, took)] if timed is None and batch else timed or ():
+                self._measure(size, seconds)
             after = self.engine.stats()
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
             if outputs:

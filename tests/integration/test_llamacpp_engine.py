@@ -114,6 +114,14 @@ def test_step_times_measured_give_admission_an_estimate_and_slots_queue(loaded, 
         step = load.full_step_s or load.step_s
         assert step is not None and 0 < step < 1.0, load
         assert runner.finish_at(16) is not None  # measured: admission judges a deadline by it
+        # A step is the server's, timed by the tokens' arrivals (not the runner's reads of
+        # them): a request alone steps at its tokens' pace.
+        runner.add(request(loaded, "alone", max_tokens=40))
+        sent = time.perf_counter()
+        await outputs.wait("alone")
+        pace = (time.perf_counter() - sent) / 40
+        alone = runner.load().alone_step_s
+        assert alone is not None and 0.3 * pace < alone < 1.5 * pace, (alone, pace)
 
     asyncio.run(_with_runner(loaded, binary, body))
 

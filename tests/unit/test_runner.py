@@ -34,6 +34,9 @@ class QueueOnly:
     def fail_all(self) -> list[StepOutput]:
         return []
 
+    def timed_steps(self) -> None:
+        return None
+
     def stats(self) -> EngineStats:
         return self.queue
 

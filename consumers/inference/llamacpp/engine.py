@@ -67,6 +67,7 @@ class _Stream:
     task: asyncio.Task | None = None
     generated: int = 0  # tokens streamed by this server (resumed ones not counted)
     ended: bool = False
+    last_token_at: float | None = None  # time.perf_counter() of its last token's arrival
 
 
 def completion_body(req: GenRequest, context: int) -> dict[str, Any]:
@@ -152,6 +153,8 @@ class LlamaCppEngine:
         self._waiting: deque[GenRequest] = deque()
         self._running: dict[str, _Stream] = {}
         self._failure: str | None = None  # why the last start failed, until one succeeds
+        #: The server's steps as the streams timed them (`_timed`), until `timed_steps` takes them.
+        self._steps: deque[tuple[int, float]] = deque(maxlen=4096)
         self._stopping = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"llama-{self.name}", daemon=True)
@@ -198,6 +201,13 @@ class LlamaCppEngine:
         while not self._outputs.empty():
             outputs.append(self._outputs.get_nowait())
         return outputs
+
+    def timed_steps(self) -> list[tuple[int, float]]:
+        """The server's steps since the last call, timed by the tokens' arrivals (`_timed`)."""
+        steps = []
+        while self._steps:
+            steps.append(self._steps.popleft())
+        return steps
 
     def fail_all(self) -> list[StepOutput]:
         """Never needed by a step that only reads a queue; ends what it holds all the same."""
@@ -371,6 +381,7 @@ class LlamaCppEngine:
                     raise RuntimeError(f"llama-server: {data['error']}")
                 tokens = [int(t) for t in data.get("tokens") or ()]
                 stream.generated += len(tokens)
+                self._timed(stream, len(tokens))
                 logprobs = None
                 if req.params.logprobs is not None and data.get("completion_probabilities"):
                     logprobs = token_logprobs(data["completion_probabilities"], req.params.logprobs)
@@ -382,6 +393,19 @@ class LlamaCppEngine:
                 self._outputs.put(out)
         if not stream.ended:  # the stream ended without its last event: the server went away
             raise aiohttp.ServerDisconnectedError()
+
+    def _timed(self, stream: _Stream, tokens: int) -> None:
+        """The server's decode step as this stream saw it: the time since its last token
+        (its first token's wait, queue and prefill, is no step), over the tokens that came,
+        at the batch the server holds now (other streams' prefills in it, as the built-in
+        engine's steps hold its newcomers')."""
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if stream.last_token_at is not None:
+            step = (now - stream.last_token_at) / tokens
+            self._steps.extend([(len(self._running), step)] * tokens)
+        stream.last_token_at = now
 
     def _finish(self, stream: _Stream, out: StepOutput) -> None:
         if not stream.ended:
