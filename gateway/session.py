@@ -185,8 +185,13 @@ class RequestSession:
         self.ended = True
         model, err = self.ticket.model, self.error
         METRICS.requests.labels(model, "200" if err is None else str(err.status)).inc()
+        took = time.perf_counter() - self.ticket.started
         if err is None:
-            METRICS.latency.labels(model).observe(time.perf_counter() - self.ticket.started)
+            METRICS.latency.labels(model).observe(took)
+        if (lease := self.ticket.lease) is not None and (err is None or err.code == "deadline_exceeded"):
+            answer = self.output.terminal
+            tokens = answer.usage.completion_tokens if isinstance(answer, ChatCompleted) else 0
+            lease.ended(took, tokens, missed=err is not None)
 
     @property
     def terminal(self) -> Terminal | None:

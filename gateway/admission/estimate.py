@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
 from runtime.steps import step_time
 
@@ -42,6 +43,13 @@ class ModelQueue:
 class Estimate:
     finish_s: float  # from now until the request's last token, at worst
     wait_s: float  # of which waiting for a slot
+    step_s: float = 0.0  # the step time its tokens were counted at (margin included)
+    margin: float = 1.0  # the margin step times were multiplied by
+
+    def judged(self) -> Judged:
+        """The estimate's parts, margin aside: what calibration compares the request's
+        real time with (`calibrate.Judged`)."""
+        return Judged(self.wait_s / self.margin, self.step_s / self.margin)
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,14 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
         return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
     # An idle fleet is judged without the margin: refused there, a request would never
     # run, and nothing would refresh the measurements that refused it.
-    step *= margin if q.requests else 1.0
+    margin = margin if q.requests else 1.0
+    step *= margin
     beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
     wait_s = 0.0
     if beyond > 0 and q.requests:
         mean_tokens = q.tokens / q.requests
         wait_s = math.ceil(beyond / q.slots) * mean_tokens * step
-    return Estimate(overhead_s + wait_s + budget * step, wait_s)
+    return Estimate(overhead_s + wait_s + budget * step, wait_s, step, margin)
 
 
 def alone_s(q: ModelQueue, budget: int, overhead_s: float) -> float | None:

@@ -54,6 +54,7 @@ from events import subjects
 from events.fleet import AdmissionState, GatewayAdmissions, GatewayDemand, decode_news, encode_news
 from events.models import new_id
 from gateway.admission import estimate
+from gateway.admission.calibrate import Calibration, Judged
 from gateway.admission.estimate import backstop, overloaded
 from gateway.admission.recent import PENDING_S, VISIBILITY_LAG_S, FleetAdmissions
 from gateway.errors import APIError
@@ -106,11 +107,22 @@ def share(mine: float, theirs: list[float]) -> float:
 class EarlyGate:
     """What this gateway and its peers let through lately, per model, and the decision."""
 
-    def __init__(self, settings: GatewaySettings, pipeline: Any, recent: FleetAdmissions, in_flight: dict[str, int]):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pipeline: Any,
+        recent: FleetAdmissions,
+        in_flight: dict[str, int],
+        calibration: Calibration | None = None,
+    ):
         """`pipeline`: the fleet as the heartbeats and the consumers' state say (`queue`,
         `context_len`, `stream_state`) and the NATS connection peers talk on; `in_flight`:
-        the requests the routes count per model (Admission's)."""
+        the requests the routes count per model (Admission's); `calibration`: the
+        margins learned per model (Admission's)."""
         self.settings, self.pipeline, self.recent, self.in_flight = settings, pipeline, recent, in_flight
+        self.calibration = calibration or Calibration(settings.admission_margin)
+        #: The estimates the requests let through were judged by, until their leases take them.
+        self.judged: dict[str, Judged] = {}
         self.name = new_id()
         self.passed: dict[str, dict[str, tuple[float, int]]] = {}  # model -> member -> (when, tokens)
         self._telling: list[tuple[str, str, int]] = []  # let through by the protocol, peers not told yet
@@ -220,13 +232,15 @@ class EarlyGate:
         waiting = self.unreserved.setdefault(model, {})
         for member in [m for m, until in waiting.items() if until <= now]:
             del waiting[member]
+            self.judged.pop(member, None)
         if (queued := self.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
             METRICS.rejections.labels(reason="overloaded").inc()
             return backstop(model, queued), None
-        if (est := self.judge(model, tokens, budget_s, workers)) is not None:
+        if (est := self.estimate(model, tokens, workers)).finish_s > budget_s:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             return overloaded(model, est, budget_s), None
         member = new_id()
+        self.judged[member] = est.judged()
         self._mark(model, member, tokens, "pass")
         waiting[member] = now + PENDING_S
         return None, member
@@ -239,13 +253,19 @@ class EarlyGate:
         self, model: str, tokens: int, budget_s: float, workers: estimate.ModelQueue | None = None
     ) -> estimate.Estimate | None:
         """The estimate when the request cannot finish within `budget_s`; None to let it on."""
+        est = self.estimate(model, tokens, workers)
+        return est if est.finish_s > budget_s else None
+
+    def estimate(self, model: str, tokens: int, workers: estimate.ModelQueue | None = None) -> estimate.Estimate:
+        """When the request would finish: the fleet's queue with what was let through
+        since its state was read, at the model's learned margin (stricter than the
+        fleet-wide check's: `STRICTER`)."""
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - VISIBILITY_LAG_S, self.share(model, time.time()))
         queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget)
-        margin = self.settings.admission_margin * STRICTER
-        est = estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
-        return est if est.finish_s > budget_s else None
+        margin = self.calibration.margin(model) * STRICTER
+        return estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
 
     async def published(self, model: str, member: str) -> None:
         await self._set(model, member, 0, "pub")
@@ -257,6 +277,7 @@ class EarlyGate:
     async def forget(self, model: str, member: str) -> None:
         """A request refused after this gate, or attached to an earlier one: not ahead of anyone."""
         self.reserved(model, member)
+        self.judged.pop(member, None)
         await self._set(model, member, 0, "drop")
 
     async def _set(self, model: str, member: str, tokens: int, state: AdmissionState) -> None:

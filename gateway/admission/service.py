@@ -15,6 +15,7 @@ from __future__ import annotations
 from contextlib import suppress
 from typing import Any
 
+from gateway.admission.calibrate import CEILING, Calibration, Judged
 from gateway.admission.estimate import Estimate, ModelQueue, StreamState, backstop, combine, estimate, overloaded
 from gateway.admission.gate import EarlyGate
 from gateway.admission.recent import FleetAdmissions, Judge
@@ -33,10 +34,15 @@ ALONE: tuple[str, str, int] = ("", "", 0)
 class Lease:
     """One request's admission (see the module doc)."""
 
-    def __init__(self, admission: Admission, model: str, tokens: int, member: str | None = None):
+    def __init__(
+        self, admission: Admission, model: str, tokens: int, member: str | None = None, judged: Judged | None = None
+    ):
         self.admission, self.model, self.tokens = admission, model, tokens
         #: Its member in the early gate, when the gate let it through.
         self.member = member
+        #: The estimate it was admitted by (margin aside), when one judged it: its real
+        #: time, once it ends, teaches the model's margin (`ended`).
+        self.judged = judged
         #: Its entry among the fleet's recent admissions once judged fleet-wide (ALONE: by
         #: a lone gateway's gate); None while it is not.
         self.entry: tuple[str, str, int] | None = None
@@ -63,6 +69,16 @@ class Lease:
             self.admission.in_flight[self.model] -= 1
             METRICS.in_flight.labels(self.model).dec()
 
+    def ended(self, took_s: float, tokens: int, missed: bool) -> None:
+        """It ended `took_s` after admission with `tokens` generated (at its deadline when
+        `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
+        counts as needing the most margin there is."""
+        if self.judged is not None:
+            admission = self.admission
+            needed = CEILING if missed else self.judged.needed(took_s, tokens, admission.settings.admission_overhead_s)
+            admission.calibration.record(self.model, needed)
+            self.judged = None  # once
+
     def published(self) -> None:
         """In the stream now: its entries are marked off the request's path (its first
         token need not wait for the Redis and NATS calls only admission's counting needs)."""
@@ -71,12 +87,14 @@ class Lease:
 
     async def refused(self) -> None:
         """It will not be published from here (refused after admission, attached to an
-        earlier request, or failed): not ahead of anyone."""
+        earlier request, or failed): not ahead of anyone, and no lesson for the margin."""
+        self.judged = None
         if self._claim():
             await self._record(published=False)
 
     def refused_soon(self) -> None:
         """`refused`, from a callback (the protocol's)."""
+        self.judged = None
         if self._claim():
             self.admission.background.spawn(self._record(published=False))
 
@@ -105,10 +123,11 @@ class Admission:
         (`queue`, `context_len`, `stream_state`), and the NATS connection (`nc`)."""
         self.settings, self.pipeline = settings, pipeline
         self.in_flight: dict[str, int] = {}
+        self.calibration = Calibration(settings.admission_margin)
         self.recent = recent or FleetAdmissions(
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
-        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight)
+        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight, self.calibration)
         self.background = Background()  # the leases' bookkeeping after a publish
 
     async def start(self) -> None:
@@ -126,36 +145,46 @@ class Admission:
 
     def passed(self, model: str, tokens: int, member: str) -> Lease:
         """The lease of a request the early gate let through as `member`."""
-        return Lease(self, model, tokens, member)
+        return Lease(self, model, tokens, member, self.gate.judged.pop(member, None))
 
     async def judged(self, lease: Lease, budget_s: float) -> None:
         """Judge the request fleet-wide, unless the edge did: 429 when the fleet cannot
         finish it within `budget_s`. Raises what Redis raises."""
         if lease.entry is None:
-            lease.entry = await self.in_time(lease.model, lease.tokens, budget_s)
+            lease.entry = await self.in_time(lease.model, lease.tokens, budget_s, lease)
 
-    def judge(self, model: str, tokens: int, budget_s: float, workers: ModelQueue | None = None) -> Judge:
+    def judge(
+        self, model: str, tokens: int, budget_s: float, workers: ModelQueue | None = None, lease: Lease | None = None
+    ) -> Judge:
         """The fleet-wide check of one request (FleetAdmissions): the estimate when the
-        fleet cannot finish it within `budget_s`, None to admit it. `workers`: the
-        workers' queue to judge with (the early gate's, so the two judge the same fleet
-        and differ only in what the others admitted); else as the heartbeats say then."""
+        fleet cannot finish it within `budget_s`, None to admit it (then `lease` keeps
+        the estimate it was admitted by). `workers`: the workers' queue to judge with
+        (the early gate's, so the two judge the same fleet and differ only in what the
+        others admitted); else as the heartbeats say then. Step times are multiplied by
+        the model's learned margin (`calibrate`)."""
         settings = self.settings
 
         def judge(stream: StreamState, n: int, ahead: int) -> Estimate | None:
             queue = combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
-            est = estimate(queue, tokens, settings.admission_overhead_s, settings.admission_margin)
-            return est if est.finish_s > budget_s else None
+            est = estimate(queue, tokens, settings.admission_overhead_s, self.calibration.margin(model))
+            if est.finish_s > budget_s:
+                return est
+            if lease is not None:
+                lease.judged = est.judged()
+            return None
 
         return judge
 
-    async def in_time(self, model: str, tokens: int, budget_s: float) -> tuple[str, str, int]:
+    async def in_time(
+        self, model: str, tokens: int, budget_s: float, lease: Lease | None = None
+    ) -> tuple[str, str, int]:
         """Refuse (429, Retry-After) a request the fleet cannot finish before its deadline;
         its entry among the fleet's recent admissions (see recent.py) when it can.
 
         The request is added to the fleet's recent admissions atomically with reading the
         others' (with every request waiting for the same check), so concurrent
         admissions on any gateway see each other."""
-        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s))
+        member, refused = await self.recent.admit(model, tokens, self.judge(model, tokens, budget_s, lease=lease))
         if refused is None:
             return model, member, tokens
         METRICS.rejections.labels(reason="deadline_unreachable").inc()

@@ -298,3 +298,37 @@ def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport
     assert (frame["type"], frame["status"], frame["error"]["param"]) == ("error", 400, "max_tokens")
     assert fits.status_code == 200 and longer.status_code == 200, (fits.text, longer.text)
     assert len(pipeline.requests()) == 2
+
+
+def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
+    """Each answered request admitted by an estimate records the margin it needed
+    (gateway.admission.calibrate): a fleet that answers at once brings the margin down
+    to 1 after 20 of them, from the configured 1.5, on the HTTP edge and on WebSockets."""
+    from events.fleet import InferenceBeat, ModelLoad
+    from gateway.admission.calibrate import MIN_SAMPLES
+
+    client, pipeline = gateway()
+    load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.02, measured_at=time.time() + 3600)
+    beat = InferenceBeat(
+        instance="w",
+        ready=True,
+        ts=time.time() + 3600,
+        pid=1,
+        models=("stories-260k",),
+        resident=("stories-260k",),
+        load={"stories-260k": load},
+    )
+    pipeline.beats = {(beat.role, beat.instance): beat}
+    with client:
+        calibration = client.app.state.chat.admission.calibration
+        assert calibration.margin("stories-260k") == 1.5
+        for i in range(MIN_SAMPLES - 1):
+            r = client.post("/v1/chat/completions", json=chat("word" * 64, max_tokens=64, stream=i % 2 == 0))
+            assert r.status_code == 200, r.text
+        with client.websocket_connect("/v1/ws") as ws:
+            ws.receive_json()
+            ws.send_json({"type": "turn", "content": "word" * 64, "max_tokens": 64})  # 64 chunks: 64 tokens
+            while ws.receive_json()["type"] == "chunk":
+                pass
+    assert len(calibration.needed["stories-260k"]) == MIN_SAMPLES
+    assert calibration.margin("stories-260k") == 1.0

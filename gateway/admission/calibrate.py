@@ -1,0 +1,67 @@
+"""How far the deadline estimate is off, learned from the requests it admitted (pure).
+
+The estimate (`estimate.py`) multiplies the workers' measured step times by a margin: a
+request admitted now shares its steps with the requests admitted after it, so its steps
+grow past what was measured when it was judged. A fixed margin is wrong both ways: 1.5
+refused all but one of a 400-request burst that llama.cpp's server answered 32 of in
+time (SmolLM2, `python -m bench.admission`), and on a fleet whose batches grow faster
+it would let requests in to miss their deadline.
+
+So the margin is learned per model. For every request admitted with an estimate and
+then answered (or ended at its deadline), the margin it would have needed is
+
+    needed = (took_s - overhead_s) / (wait_s + tokens * step_s)
+
+with `wait_s` and `step_s` as estimated (margin aside), `tokens` the tokens it really
+generated (a budget is an upper bound: an early stop is no error of the estimate) and
+`took_s` from admission to its end. The margin admission uses is the 95th percentile
+of the last WINDOW of those, within [FLOOR, CEILING]; until MIN_SAMPLES were seen, the
+configured one (`ARENA_ADMISSION_MARGIN`). Requests whose estimated work is under
+MIN_WORK_S say more about hops than about steps, and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 200
+MIN_SAMPLES = 20
+FLOOR, CEILING = 1.0, 3.0
+MIN_WORK_S = 1.0
+QUANTILE = 0.95
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What a request was admitted with: the estimate's parts, margin aside."""
+
+    wait_s: float
+    step_s: float
+
+    def needed(self, took_s: float, tokens: int, overhead_s: float) -> float | None:
+        """The margin this request needed; None when it says nothing of the steps."""
+        work = self.wait_s + tokens * self.step_s
+        if work < MIN_WORK_S or tokens <= 0:
+            return None
+        return max(0.0, took_s - overhead_s) / work
+
+
+class Calibration:
+    """The margins learned per model (see the module doc)."""
+
+    def __init__(self, configured: float, window: int = WINDOW):
+        self.configured = configured
+        self.window = window
+        self.needed: dict[str, deque[float]] = {}
+
+    def record(self, model: str, needed: float | None) -> None:
+        if needed is not None:
+            self.needed.setdefault(model, deque(maxlen=self.window)).append(needed)
+
+    def margin(self, model: str) -> float:
+        seen = self.needed.get(model)
+        if seen is None or len(seen) < MIN_SAMPLES:
+            return self.configured
+        ordered = sorted(seen)
+        return min(CEILING, max(FLOOR, ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]))

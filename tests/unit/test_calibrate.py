@@ -1,0 +1,57 @@
+"""The admission margin learned from what admitted requests really took (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission.calibrate import CEILING, FLOOR, MIN_SAMPLES, Calibration, Judged
+from gateway.admission.estimate import ModelQueue, estimate
+
+
+def test_needed_is_the_real_work_over_the_estimated_one_for_the_tokens_made():
+    judged = Judged(wait_s=2.0, step_s=0.1)
+    # 64 tokens made (of any budget): 2 + 6.4 s estimated; it took 0.5 s of hops + 12.6 s.
+    assert judged.needed(13.1, 64, 0.5) == pytest.approx(12.6 / 8.4)
+    assert judged.needed(0.3, 64, 0.5) == 0.0  # faster than the hops alone
+    assert Judged(0.0, 0.01).needed(2.0, 50, 0.5) is None  # 0.5 s of work: says little of steps
+    assert judged.needed(5.0, 0, 0.5) is None
+
+
+def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p95_within_bounds():
+    cal = Calibration(1.5)
+    for _ in range(MIN_SAMPLES - 1):
+        cal.record("m", 1.1)
+    cal.record("m", None)  # not counted
+    assert cal.margin("m") == 1.5 and cal.margin("other") == 1.5
+    cal.record("m", 1.1)
+    assert cal.margin("m") == pytest.approx(1.1)
+    for _ in range(5):
+        cal.record("m", 2.0)  # 5 of 25 needed more: the 95th percentile is theirs
+    assert cal.margin("m") == pytest.approx(2.0)
+    low = Calibration(1.5)
+    for _ in range(MIN_SAMPLES):
+        low.record("m", 0.4)  # requests that stopped early never lower it under the floor
+    assert low.margin("m") == FLOOR
+    high = Calibration(1.5)
+    for _ in range(MIN_SAMPLES):
+        high.record("m", 9.0)
+    assert high.margin("m") == CEILING
+
+
+def test_the_window_forgets_old_lessons():
+    cal = Calibration(1.5, window=30)
+    for _ in range(30):
+        cal.record("m", 3.0)
+    for _ in range(30):
+        cal.record("m", 1.2)
+    assert cal.margin("m") == pytest.approx(1.2)
+
+
+def test_an_estimate_knows_its_parts_without_the_margin():
+    queue = ModelQueue(slots=2, requests=3, tokens=120, step_s=0.1, full_step_s=0.1, measured_at=1e18)
+    est = estimate(queue, 64, 0.5, margin=1.5)
+    judged = est.judged()
+    assert judged.step_s == pytest.approx(0.1) and est.step_s == pytest.approx(0.15)
+    assert judged.wait_s == pytest.approx(est.wait_s / 1.5) and judged.wait_s > 0
+    idle = estimate(ModelQueue(2, 0, 0, 0.1, 0.1, measured_at=1e18), 64, 0.5, margin=1.5)
+    assert idle.margin == 1.0 and idle.judged().step_s == pytest.approx(0.1)  # an idle fleet: no margin
