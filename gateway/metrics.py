@@ -21,6 +21,9 @@ class GatewayMetrics:
         self.in_flight = Gauge("arena_requests_in_flight", "Requests waiting for an answer", ["model"])
         self.idempotent_hits = Counter("arena_idempotent_hits_total", "Retries answered from an earlier request")
         self.rejections = Counter("arena_rejections_total", "Requests refused", ["reason"])
+        self.admission_margin = Gauge(
+            "arena_admission_margin", "The margin admission multiplies step times by, learned per model", ["model"]
+        )
         #: Read from gateway.edge.WebSocketProtocol.open where uvicorn serves (gateway.app.main).
         self.websockets = Gauge("arena_websockets_open", "Open WebSocket connections")
         self.live_skipped = Counter(

@@ -80,8 +80,9 @@ class GatewaySettings(CommonSettings):
     admission_margin: float = Field(
         1.5,
         ge=1,
-        description="Admission: measured step times are multiplied by this (a safety margin: a burst itself "
-        "slows the steps it is measured by).",
+        description="Admission: measured step times are multiplied by this safety margin (a burst itself "
+        "slows the steps it is measured by) until 20 answered requests of the model taught the gateway the "
+        "margin its estimates really need (gateway/admission/calibrate.py).",
     )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
     rate_limit_rpm: int = Field(0, ge=0, description="Default requests per minute per key (0: unlimited).")

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import psutil
 import torch
@@ -101,18 +101,46 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
             cb=admin.handler(pool, settings.instance_id, settings.models_dir, settings.default_model),
         )
         service.start()
+        rest: asyncio.Task | None = None
         try:
-            warm = settings.warm_models or [settings.default_model]
-            await service.warm([w for w in warm if any(s.name == w for s in specs)])
-            log.info("warm: %s; metrics on :%d", pool.resident(), runtime.endpoint.port)
+            warm = [w for w in settings.warm_models or [settings.default_model] if any(s.name == w for s in specs)]
+            rest = await warm_default_first(service, warm, settings.default_model)
+            log.info("warm: %s, pulling; metrics on :%d", pool.resident(), runtime.endpoint.port)
             yield
             naked = await service.drain(settings.drain_grace_s)
             log.info("drained; %d unfinished requests given back", naked)
         finally:
+            if rest is not None and not rest.done():
+                rest.cancel()
+                with suppress(asyncio.CancelledError):
+                    await rest
             await service.stop()  # its engine processes first,
             await asyncio.to_thread(forks.stop)  # then what they were forked from: nothing is left behind
 
     return Process(runtime, subscriber, serving)
+
+
+async def warm_default_first(service: InferenceService, names: list[str], default: str) -> asyncio.Task | None:
+    """Warm the default model (else the first of `names`) now, before the first pull, and
+    the others beside the serving (the task, None when there are none): a worker
+    restarted under a request handed on to it (kill -9, an OOM) answers it once one model
+    is in, not all of them (SmolLM2, its variant and stories-260k took ~10 s of a 15 s
+    deadline). A request for a model still warming waits for that load (the pool loads
+    each model once)."""
+    names = sorted(names, key=lambda name: name != default)
+    await service.warm(names[:1])
+    if not names[1:]:
+        return None
+
+    def warmed(task: asyncio.Task) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("warming %s failed (each loads on its first request): %r", names[1:], exc)
+        elif not task.cancelled():
+            log.info("warm: %s", names)
+
+    rest = asyncio.create_task(service.warm(names[1:]), name="warm-rest")
+    rest.add_done_callback(warmed)
+    return rest
 
 
 def main() -> None:

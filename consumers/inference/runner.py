@@ -169,9 +169,13 @@ class EngineRunner:
                 log.exception("engine step failed", extra={"model": self.name})
                 outputs = self.engine.fail_all()
             took = time.perf_counter() - started
-            timed = self.engine.timed_steps()
-            for size, seconds in [(batch, took)] if timed is None and batch else timed or ():
-                self._measure(size, seconds)
+            if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
+                if batch:
+                    self._measure(batch, took)
+            elif timed:  # what the streams timed of the server's step(s) read now: one sample
+                self._measure(
+                    max(1, round(statistics.fmean(b for b, _ in timed))), statistics.fmean(s for _, s in timed)
+                )
             after = self.engine.stats()
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
             if outputs:

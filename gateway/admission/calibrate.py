@@ -14,10 +14,12 @@ then answered (or ended at its deadline), the margin it would have needed is
 
 with `wait_s` and `step_s` as estimated (margin aside), `tokens` the tokens it really
 generated (a budget is an upper bound: an early stop is no error of the estimate) and
-`took_s` from admission to its end. The margin admission uses is the 95th percentile
-of the last WINDOW of those, within [FLOOR, CEILING]; until MIN_SAMPLES were seen, the
-configured one (`ARENA_ADMISSION_MARGIN`). Requests whose estimated work is under
-MIN_WORK_S say more about hops than about steps, and are not counted.
+`took_s` from admission to its end; a request the deadline cut records CEILING. The
+margin admission uses is the 99th percentile of the last WINDOW of those (of 200, the
+second highest: two misses in the window and it is the most there is), within [FLOOR,
+CEILING]; until MIN_SAMPLES were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
+Requests whose estimated work is under MIN_WORK_S say more about hops than about steps,
+and are not counted.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from gateway.metrics import METRICS
+
 WINDOW = 200
 MIN_SAMPLES = 20
 FLOOR, CEILING = 1.0, 3.0
 MIN_WORK_S = 1.0
-QUANTILE = 0.95
+QUANTILE = 0.99
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Calibration:
     def record(self, model: str, needed: float | None) -> None:
         if needed is not None:
             self.needed.setdefault(model, deque(maxlen=self.window)).append(needed)
+            METRICS.admission_margin.labels(model).set(self.margin(model))
 
     def margin(self, model: str) -> float:
         seen = self.needed.get(model)

@@ -84,6 +84,40 @@ def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
         up.stop()
 
 
+def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadline(tmp_path):
+    """`arena up` as it starts with no options (SmolLM2, its variant and stories-260k on one
+    inference worker): the worker killed under 4 SmolLM2 streams is restarted by the
+    supervisor, and the streams it held are answered whole within the default 15 s. The
+    restarted worker pulls once the default model is in (the others warm beside it);
+    warming all three first took ~10 s of the deadline, and the streams ended in 504s."""
+    up = ArenaUp(tmp_path, ready_s=400)
+    try:
+        [victim] = [c.pid for c in psutil.Process(up.proc.pid).children() if "inference" in " ".join(c.cmdline())]
+        body = {"model": "smollm2-135m", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+        async def run() -> tuple[list[Stream], float]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [
+                    asyncio.create_task(
+                        stream_one(client, up.url, body | {"messages": [{"role": "user", "content": f"Story {i}."}]})
+                    )
+                    for i in range(4)
+                ]
+                await asyncio.sleep(1.5)
+                os.kill(victim, signal.SIGKILL)
+                return await asyncio.gather(*tasks), time.monotonic()
+
+        sent = time.monotonic()
+        streams, _ = asyncio.run(run())
+        took = time.monotonic() - sent
+        errors = [(s.status, s.error) for s in streams if s.status != 200 or s.error is not None or not s.done]
+        assert errors == [], errors
+        assert all(len(s.chunk_times) >= 40 for s in streams), [len(s.chunk_times) for s in streams]
+        print(f"\n[kill -9, default stack] 4/4 SmolLM2 streams answered whole in {took:.1f} s")
+    finally:
+        up.stop()
+
+
 # ---- kill -9 of the servers `arena up` started ----------------------------------------
 
 

@@ -17,7 +17,7 @@ def test_needed_is_the_real_work_over_the_estimated_one_for_the_tokens_made():
     assert judged.needed(5.0, 0, 0.5) is None
 
 
-def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p95_within_bounds():
+def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p99_within_bounds():
     cal = Calibration(1.5)
     for _ in range(MIN_SAMPLES - 1):
         cal.record("m", 1.1)
@@ -25,9 +25,14 @@ def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p95_
     assert cal.margin("m") == 1.5 and cal.margin("other") == 1.5
     cal.record("m", 1.1)
     assert cal.margin("m") == pytest.approx(1.1)
-    for _ in range(5):
-        cal.record("m", 2.0)  # 5 of 25 needed more: the 95th percentile is theirs
+    cal.record("m", 2.0)  # one of 21 needed more: under 100 seen, the 99th percentile is the highest
     assert cal.margin("m") == pytest.approx(2.0)
+    full = Calibration(1.5)
+    for _ in range(198):
+        full.record("m", 1.1)
+    full.record("m", 2.0)
+    full.record("m", 2.5)  # of 200, the second highest
+    assert full.margin("m") == pytest.approx(2.0)
     low = Calibration(1.5)
     for _ in range(MIN_SAMPLES):
         low.record("m", 0.4)  # requests that stopped early never lower it under the floor
