@@ -87,9 +87,9 @@ def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
 def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadline(tmp_path):
     """`arena up` as it starts with no options (SmolLM2, its variant and stories-260k on one
     inference worker): the worker killed under 4 SmolLM2 streams is restarted by the
-    supervisor, and the streams it held are answered whole within the default 15 s. The
-    restarted worker pulls once the default model is in (the others warm beside it);
-    warming all three first took ~10 s of the deadline, and the streams ended in 504s."""
+    supervisor, and the streams it held are answered whole within the default 15 s (10.9 s
+    on a quiet VM; the restarted worker pulls once the default model is in, the others
+    warm beside it)."""
     up = ArenaUp(tmp_path, ready_s=400)
     try:
         [victim] = [c.pid for c in psutil.Process(up.proc.pid).children() if "inference" in " ".join(c.cmdline())]
@@ -112,7 +112,9 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
         took = time.monotonic() - sent
         errors = [(s.status, s.error) for s in streams if s.status != 200 or s.error is not None or not s.done]
         assert errors == [], errors
-        assert all(len(s.chunk_times) >= 40 for s in streams), [len(s.chunk_times) for s in streams]
+        for s in streams:  # whole: the stream's text is the completed answer of all 48 tokens
+            [done] = [e for e in stored_events(up.nats_url, s.request_id) if e.type == "chat.completed"]
+            assert done.usage.completion_tokens == 48 and done.text == s.text, (done.usage, s.text)
         print(f"\n[kill -9, default stack] 4/4 SmolLM2 streams answered whole in {took:.1f} s")
     finally:
         up.stop()
