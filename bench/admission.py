@@ -34,6 +34,7 @@ import contextlib
 import json
 import random
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -245,9 +246,10 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 def table(rows: list[dict]) -> str:
     head = (
         "| target | load | turns | answered | lost to refusals | missed | errors | attempts refused (late) "
-        "| latency P50 / P99 / max s | TTFT P99 s | tok/s | answered / turns by budget | longest prompt answered |"
+        "| latency P50 / P99 / max s | TTFT P99 s | tok/s | answered / turns by budget | longest prompt answered "
+        "| margin after |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         s = r["summary"]
         budgets = ", ".join(f"{k}: {v['answered']}/{v['turns']}" for k, v in s["by_budget"].items())
@@ -257,7 +259,7 @@ def table(rows: list[dict]) -> str:
             f"| {s['refused'] + s['refused_late']} of {s['attempts']} ({s['refused_late']}) "
             f"| {fmt(s['latency_p50_s'])} / {fmt(s['latency_p99_s'])} / {fmt(s['latency_max_s'])} "
             f"| {fmt(s['ttft_p99_s'])} | {s['output_tokens'] / r['wall_s']:.1f} | {budgets} "
-            f"| {s['prompt_tokens_max_answered'] or '-'} |"
+            f"| {s['prompt_tokens_max_answered'] or '-'} | {fmt(r.get('margin'))} |"
         )
     return "\n".join(lines)
 
@@ -298,6 +300,17 @@ def prepare(name: str, setup: targets.Setup) -> targets.Target:
     return targets.Target(target.name, target.process, target.served_name, target.base_url, target.send_ignore_eos)
 
 
+def learned_margin(target: targets.Target) -> float | None:
+    """The margin an arenaflow gateway learned for the model (`arena_admission_margin`),
+    None for a server without one."""
+    with contextlib.suppress(Exception):
+        text = urllib.request.urlopen(f"{target.base_url}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(f'arena_admission_margin{{model="{target.served_name}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
     lengths = LengthMix.parse(args.lengths)
     for users in [int(x) for x in args.loads.split(",") if x]:
@@ -308,6 +321,7 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
             t0 = time.perf_counter()
             attempts = asyncio.run(run_level(target, level))
             level_row = {"target": name, "load": f"{users} users", "wall_s": time.perf_counter() - t0}
+            level_row["margin"] = learned_margin(target)
             level_row |= {"level": asdict(level) | {"lengths": str(lengths)}, "summary": summary(attempts)}
             rows.append(level_row | {"attempts": [asdict(a) | {"text": None} for a in attempts]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
@@ -315,9 +329,9 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
         for name, target in live.items():
             time.sleep(args.think * 2)  # the levels' last turns drain
             attempts, wall = asyncio.run(run_burst(target, args.burst, 64, args.deadline))
-            rows.append(
-                {"target": name, "load": f"burst {args.burst}", "wall_s": wall} | {"summary": summary(attempts)}
-            )
+            burst_row = {"target": name, "load": f"burst {args.burst}", "wall_s": wall, "summary": summary(attempts)}
+            burst_row["margin"] = learned_margin(target)
+            rows.append(burst_row | {"attempts": [asdict(a) | {"text": None} for a in attempts]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
 
 

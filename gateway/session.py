@@ -191,7 +191,8 @@ class RequestSession:
         if (lease := self.ticket.lease) is not None and (err is None or err.code == "deadline_exceeded"):
             answer = self.output.terminal
             tokens = answer.usage.completion_tokens if isinstance(answer, ChatCompleted) else 0
-            lease.ended(took, tokens, missed=err is not None)
+            budget_s = self.ticket.deadline_at - (time.time() - took)
+            lease.ended(took, tokens, missed=err is not None, budget_s=budget_s)
 
     @property
     def terminal(self) -> Terminal | None:

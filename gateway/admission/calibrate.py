@@ -18,8 +18,9 @@ generated (a budget is an upper bound: an early stop is no error of the estimate
 margin admission uses is the 99th percentile of the last WINDOW of those (of 200, the
 second highest: two misses in the window and it is the most there is), within [FLOOR,
 CEILING]; until MIN_SAMPLES were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
-Requests whose estimated work is under MIN_WORK_S say more about hops than about steps,
-and are not counted.
+Only requests whose estimated work was at least NEAR_EDGE of their deadline (and
+MIN_WORK_S) are counted: the margin decides only near the edge, and short requests need
+less of it than the long ones it decides on.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ WINDOW = 200
 MIN_SAMPLES = 20
 FLOOR, CEILING = 1.0, 3.0
 MIN_WORK_S = 1.0
+NEAR_EDGE = 0.4
 QUANTILE = 0.99
 
 
@@ -43,10 +45,13 @@ class Judged:
     wait_s: float
     step_s: float
 
-    def needed(self, took_s: float, tokens: int, overhead_s: float) -> float | None:
-        """The margin this request needed; None when it says nothing of the steps."""
+    def needed(self, took_s: float, tokens: int, overhead_s: float, budget_s: float) -> float | None:
+        """The margin this request needed; None when it says nothing of the margin: its
+        estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
+        changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
+        one beside it needed 1.15: the steps a request lives through grow with its life)."""
         work = self.wait_s + tokens * self.step_s
-        if work < MIN_WORK_S or tokens <= 0:
+        if work < max(MIN_WORK_S, NEAR_EDGE * (budget_s - overhead_s)) or tokens <= 0:
             return None
         return max(0.0, took_s - overhead_s) / work
 

@@ -69,13 +69,14 @@ class Lease:
             self.admission.in_flight[self.model] -= 1
             METRICS.in_flight.labels(self.model).dec()
 
-    def ended(self, took_s: float, tokens: int, missed: bool) -> None:
-        """It ended `took_s` after admission with `tokens` generated (at its deadline when
-        `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
+    def ended(self, took_s: float, tokens: int, missed: bool, budget_s: float) -> None:
+        """It ended `took_s` after admission with `tokens` generated (at its deadline of
+        `budget_s` when `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
         counts as needing the most margin there is."""
         if self.judged is not None:
             admission = self.admission
-            needed = CEILING if missed else self.judged.needed(took_s, tokens, admission.settings.admission_overhead_s)
+            overhead_s = admission.settings.admission_overhead_s
+            needed = CEILING if missed else self.judged.needed(took_s, tokens, overhead_s, budget_s)
             admission.calibration.record(self.model, needed)
             self.judged = None  # once
 

@@ -11,10 +11,12 @@ from gateway.admission.estimate import ModelQueue, estimate
 def test_needed_is_the_real_work_over_the_estimated_one_for_the_tokens_made():
     judged = Judged(wait_s=2.0, step_s=0.1)
     # 64 tokens made (of any budget): 2 + 6.4 s estimated; it took 0.5 s of hops + 12.6 s.
-    assert judged.needed(13.1, 64, 0.5) == pytest.approx(12.6 / 8.4)
-    assert judged.needed(0.3, 64, 0.5) == 0.0  # faster than the hops alone
-    assert Judged(0.0, 0.01).needed(2.0, 50, 0.5) is None  # 0.5 s of work: says little of steps
-    assert judged.needed(5.0, 0, 0.5) is None
+    assert judged.needed(13.1, 64, 0.5, 15.0) == pytest.approx(12.6 / 8.4)
+    assert judged.needed(0.3, 64, 0.5, 15.0) == 0.0  # faster than the hops alone
+    assert Judged(0.0, 0.01).needed(2.0, 50, 0.5, 2.0) is None  # 0.5 s of work: says little of steps
+    assert judged.needed(5.0, 0, 0.5, 15.0) is None
+    # Far from its deadline (8.4 s of work of 119.5 s), the margin decided nothing: not counted.
+    assert judged.needed(13.1, 64, 0.5, 120.0) is None
 
 
 def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p99_within_bounds():

@@ -301,14 +301,15 @@ def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport
 
 
 def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
-    """Each answered request admitted by an estimate records the margin it needed
-    (gateway.admission.calibrate): a fleet that answers at once brings the margin down
-    to 1 after 20 of them, from the configured 1.5, on the HTTP edge and on WebSockets."""
+    """Each answered request admitted by an estimate near its deadline records the margin
+    it needed (gateway.admission.calibrate): a fleet that answers at once brings the
+    margin down to 1 after 20 of them, from the configured 1.5, on the HTTP edge and on
+    WebSockets."""
     from events.fleet import InferenceBeat, ModelLoad
     from gateway.admission.calibrate import MIN_SAMPLES
 
     client, pipeline = gateway()
-    load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.02, measured_at=time.time() + 3600)
+    load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.1, measured_at=time.time() + 3600)
     beat = InferenceBeat(
         instance="w",
         ready=True,
