@@ -37,6 +37,7 @@ class EngineLoad(Beat):
     step_s: float | None = Field(None, description="Typical step time at small batches; None until measured.")
     full_step_s: float | None = Field(None, description="Typical step time at near-full batches; None until measured.")
     full_batch: int | None = Field(None, description="The batch those near-full steps ran at (their median).")
+    small_batch: int | None = Field(None, description="The batch the small-batch steps ran at (their median).")
     alone_step_s: float | None = Field(
         None,
         description="Median step with one request in the batch: a token's time for a request served alone "
@@ -55,6 +56,7 @@ class ModelLoad(EngineLoad):
         """This load with another engine's or worker's of the same model: counts add, the
         slower step time wins (a worker sums its engines, a gateway the workers)."""
         full = engine.full_step_s is not None and engine.full_step_s >= (self.full_step_s or 0.0)
+        small = engine.step_s is not None and engine.step_s >= (self.step_s or 0.0)
         return self.model_copy(
             update={
                 "tokens": self.tokens + (engine.tokens if isinstance(engine, ModelLoad) else 0),
@@ -65,6 +67,7 @@ class ModelLoad(EngineLoad):
                 "step_s": self.step_s if engine.step_s is None else max(self.step_s or 0.0, engine.step_s),
                 "full_step_s": engine.full_step_s if full else self.full_step_s,
                 "full_batch": engine.full_batch if full else self.full_batch,
+                "small_batch": engine.small_batch if engine.step_s is not None and small else self.small_batch,
                 # The fastest engine alone: a request too long for it is too long for all.
                 "alone_step_s": min(
                     (s for s in (self.alone_step_s, engine.alone_step_s) if s is not None), default=None

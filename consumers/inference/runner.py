@@ -69,7 +69,7 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     # The step time at the batch it will run in, extrapolated as the gateway does: at
     # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
     size = min(max_batch, len(running) + len(waiting) + 1)
-    step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size)
+    step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size, load.small_batch)
     step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
     return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
 
@@ -119,6 +119,7 @@ class EngineRunner:
         self._small: deque[float] = deque(maxlen=64)
         self._full: deque[float] = deque(maxlen=64)
         self._full_batches: deque[int] = deque(maxlen=64)  # the batch of each of those steps
+        self._small_batches: deque[int] = deque(maxlen=64)
         #: Steps with one request in the batch: how fast a request goes alone (the median:
         #: decode steps, the one prefill of each request aside).
         self._alone: deque[float] = deque(maxlen=64)
@@ -208,6 +209,7 @@ class EngineRunner:
             self._full_batches.append(batch)
         else:
             self._small.append(took)
+            self._small_batches.append(batch)
         if batch == 1:
             self._alone.append(took)
         self.measured_at = time.time()
@@ -227,6 +229,7 @@ class EngineRunner:
             step_s=typical_step(self._small) if self._small else None,
             full_step_s=typical_step(self._full) if self._full else None,
             full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
+            small_batch=statistics.median_low(self._small_batches) if self._small_batches else None,
             alone_step_s=statistics.median(self._alone) if len(self._alone) >= MIN_SAMPLES else None,
             measured_at=self.measured_at,
         )

@@ -37,6 +37,7 @@ class ModelQueue:
     measured_at: float = 0.0  # when the newest of those steps ran
     full_batch: int | None = None  # the batch full_step_s was measured at (None: all the slots)
     alone_step_s: float | None = None  # the fastest worker's step with one request (None: not measured)
+    small_batch: int | None = None  # the batch step_s was measured at (None: 1)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def combine(
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
     """Step time at a batch size (`runtime.steps.step_time`, from the heartbeats' figures)."""
-    return step_time(q.step_s, q.full_step_s, q.full_batch, q.slots, batch)
+    return step_time(q.step_s, q.full_step_s, q.full_batch, q.slots, batch, q.small_batch)
 
 
 #: An idle fleet whose step times are older than this is probed with one request instead

@@ -30,6 +30,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         total.measured_at,
         total.full_batch,
         total.alone_step_s,
+        total.small_batch,
     )
 
 

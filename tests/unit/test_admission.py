@@ -207,3 +207,17 @@ def test_the_fleet_alone_is_its_fastest_worker():
     load = ModelLoad().plus(EngineLoad(alone_step_s=0.08)).plus(EngineLoad()).plus(EngineLoad(alone_step_s=0.05))
     assert load.alone_step_s == 0.05
     assert ModelLoad().plus(EngineLoad()).alone_step_s is None
+
+
+def test_with_only_small_batches_measured_steps_grow_in_proportion_beyond_them():
+    """A fresh stack's steps were measured at 1-4 requests: a first wave of 32 is judged
+    by them grown in proportion past their batch, not flat (llama.cpp on SmolLM2: 35 ms
+    at 2 requests, ~150 ms at 32; taken flat, 18 of 110 turns were admitted and missed)."""
+    from runtime.steps import step_time
+
+    assert step_time(0.035, None, None, 32, 1, small_batch=2) == pytest.approx(0.035)
+    assert step_time(0.035, None, None, 32, 2, small_batch=2) == pytest.approx(0.035)
+    assert step_time(0.035, None, None, 32, 32, small_batch=2) == pytest.approx(0.56)
+    assert step_time(0.035, None, None, 32, 64, small_batch=2) == pytest.approx(0.56)  # no more than the slots
+    assert step_time(0.035, None, None, 32, 32) == pytest.approx(0.035)  # batch unknown (older beats): as before
+    assert step_time(0.035, 0.15, 32, 32, 32, small_batch=2) == pytest.approx(0.15)  # once full is measured
