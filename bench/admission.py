@@ -245,17 +245,18 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| target | load | turns | answered | lost to refusals | missed | errors | attempts refused (late) "
+        "| target | load | turns | answered | lost to refusals | missed | 400 too long | errors "
+        "| attempts refused (late) "
         "| latency P50 / P99 / max s | TTFT P99 s | tok/s | answered / turns by budget | longest prompt answered "
         "| margin after |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         s = r["summary"]
         budgets = ", ".join(f"{k}: {v['answered']}/{v['turns']}" for k, v in s["by_budget"].items())
         lines.append(
             f"| {r['target']} | {r['load']} | {s['turns']} | {s['answered']} | {s['turns_lost_refused']} "
-            f"| {s['missed']} | {s['error'] + s['rejected']} "
+            f"| {s['missed']} | {s['rejected']} | {s['error']} "
             f"| {s['refused'] + s['refused_late']} of {s['attempts']} ({s['refused_late']}) "
             f"| {fmt(s['latency_p50_s'])} / {fmt(s['latency_p99_s'])} / {fmt(s['latency_max_s'])} "
             f"| {fmt(s['ttft_p99_s'])} | {s['output_tokens'] / r['wall_s']:.1f} | {budgets} "
