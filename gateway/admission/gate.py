@@ -249,13 +249,6 @@ class EarlyGate:
         """A request this gate let through is counted in the route's queue now."""
         self.unreserved.get(model, {}).pop(member, None)
 
-    def judge(
-        self, model: str, tokens: int, budget_s: float, workers: estimate.ModelQueue | None = None
-    ) -> estimate.Estimate | None:
-        """The estimate when the request cannot finish within `budget_s`; None to let it on."""
-        est = self.estimate(model, tokens, workers)
-        return est if est.finish_s > budget_s else None
-
     def estimate(self, model: str, tokens: int, workers: estimate.ModelQueue | None = None) -> estimate.Estimate:
         """When the request would finish: the fleet's queue with what was let through
         since its state was read, at the model's learned margin (stricter than the
