@@ -63,15 +63,20 @@ class Calibration:
         self.configured = configured
         self.window = window
         self.needed: dict[str, deque[float]] = {}
+        #: Each model's margin, worked out when a request ends (`record`), read by every
+        #: request judged (`margin`), which far outnumber them.
+        self.margins: dict[str, float] = {}
 
     def record(self, model: str, needed: float | None) -> None:
-        if needed is not None:
-            self.needed.setdefault(model, deque(maxlen=self.window)).append(needed)
-            METRICS.admission_margin.labels(model).set(self.margin(model))
+        if needed is None:
+            return
+        seen = self.needed.setdefault(model, deque(maxlen=self.window))
+        seen.append(needed)
+        if len(seen) >= MIN_SAMPLES:
+            ordered = sorted(seen)
+            quantile = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+            self.margins[model] = min(CEILING, max(FLOOR, quantile))
+        METRICS.admission_margin.labels(model).set(self.margin(model))
 
     def margin(self, model: str) -> float:
-        seen = self.needed.get(model)
-        if seen is None or len(seen) < MIN_SAMPLES:
-            return self.configured
-        ordered = sorted(seen)
-        return min(CEILING, max(FLOOR, ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]))
+        return self.margins.get(model, self.configured)
