@@ -64,10 +64,10 @@ class ModelLoad(EngineLoad):
                 "waiting": self.waiting + engine.waiting,
                 "max_batch": self.max_batch + engine.max_batch,
                 "measured_at": max(self.measured_at, engine.measured_at),
-                "step_s": self.step_s if engine.step_s is None else max(self.step_s or 0.0, engine.step_s),
+                "step_s": engine.step_s if small else self.step_s,
                 "full_step_s": engine.full_step_s if full else self.full_step_s,
                 "full_batch": engine.full_batch if full else self.full_batch,
-                "small_batch": engine.small_batch if engine.step_s is not None and small else self.small_batch,
+                "small_batch": engine.small_batch if small else self.small_batch,
                 # The fastest engine alone: a request too long for it is too long for all.
                 "alone_step_s": min(
                     (s for s in (self.alone_step_s, engine.alone_step_s) if s is not None), default=None
