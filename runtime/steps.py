@@ -4,6 +4,8 @@ too-late check both use (pure)."""
 
 from __future__ import annotations
 
+import math
+
 
 def step_time(
     small: float | None,
@@ -43,3 +45,33 @@ def step_time(
     # full one, 30 ms against 13 ms in one burst's heartbeat, is not believed).
     small = min(small, full)
     return small + (full - small) * (batch - 1) / (at - 1)
+
+
+def too_long_alone(
+    field: str,
+    model: str,
+    tokens: int,
+    alone_step_s: float | None,
+    budget_s: float,
+    overhead_s: float = 0.0,
+    max_deadline_s: float | None = None,
+) -> str | None:
+    """Why `tokens` can never be made within a deadline of `budget_s`, even with nothing
+    else to run (`alone_step_s`, a worker's median step with one request in its batch,
+    plus `overhead_s` outside decoding), naming `field` first and the most tokens that
+    fit, and a longer deadline when one up to `max_deadline_s` would do; None when they
+    fit, or the step is unmeasured. The gateway's 400 and the worker's refusal both say it."""
+    if alone_step_s is None:
+        return None
+    alone = overhead_s + tokens * alone_step_s
+    if alone <= budget_s:
+        return None
+    outside = f", {overhead_s:g} s outside decoding" if overhead_s else ""
+    longer = ""
+    if max_deadline_s is not None and alone <= max_deadline_s and budget_s < max_deadline_s:
+        longer = f", or a deadline_s up to {max_deadline_s:g}"
+    return (
+        f"{field}: {tokens} tokens take about {alone:.1f} s on model '{model}' even with nothing else to run "
+        f"(a token every {alone_step_s * 1000:.0f} ms{outside}), over the request's {budget_s:g} s deadline; "
+        f"ask for at most {math.floor((budget_s - overhead_s) / alone_step_s)} tokens{longer}"
+    )

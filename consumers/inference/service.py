@@ -44,7 +44,7 @@ from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
 from events import encode, subjects
-from events.fleet import EngineLoad, ModelLoad
+from events.fleet import ModelLoad
 from events.models import (
     ChatCompleted,
     ChatFailed,
@@ -57,6 +57,7 @@ from events.models import (
 )
 from runtime import tracing
 from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S
+from runtime.steps import too_long_alone
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,8 @@ class InferenceService:
             check_kv(gen, loaded, self.kv_budget)
         runner = self._runner_for(loaded)
         budget_s = event.deadline_at - event.received_at
-        if not resume_ids and (never := too_slow_alone(runner.load(), params.max_tokens, event.model, budget_s)):
+        never = too_long_alone("max_tokens", event.model, params.max_tokens, runner.load().alone_step_s, budget_s)
+        if not resume_ids and never:
             METRICS.deadline_misses.labels(event.model).inc()
             raise _Refused("deadline_too_short", never)
         late = (eta := runner.finish_at(params.max_tokens)) is not None and eta > event.deadline_at
@@ -677,23 +679,6 @@ def engine_params(event: PromptAccepted) -> EngineParams:
         frequency_penalty=p.frequency_penalty,
         logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs,
-    )
-
-
-def too_slow_alone(load: EngineLoad, tokens: int, model: str, budget_s: float) -> str | None:
-    """Why a request of `tokens` can never finish within its deadline (`budget_s`, from
-    its receipt at the gateway) on this engine, even alone (its median step with one
-    request in the batch, as the gateway judges it); None when it can, or until that
-    step is measured."""
-    if load.alone_step_s is None:
-        return None
-    alone = tokens * load.alone_step_s
-    if alone <= budget_s:
-        return None
-    return (
-        f"max_tokens: {tokens} tokens take about {alone:.1f} s on model '{model}' even with nothing else to "
-        f"run (a token every {load.alone_step_s * 1000:.0f} ms), over the request's {budget_s:g} s deadline; "
-        f"ask for at most {int(budget_s / load.alone_step_s)} tokens"
     )
 
 

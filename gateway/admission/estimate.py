@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
-from runtime.steps import step_time
+from runtime.steps import step_time, too_long_alone
 
 
 @dataclass(frozen=True)
@@ -149,19 +149,9 @@ def too_slow(
             "deadline_too_short",
             "deadline_s",
         )
-    alone = overhead_s + budget * step
-    fits = math.floor((budget_s - overhead_s) / step)
-    longer = (
-        f", or a deadline_s up to {max_deadline_s:g}" if alone <= max_deadline_s and budget_s < max_deadline_s else ""
-    )
-    return APIError(
-        400,
-        f"{field}: {budget} tokens take about {alone:.1f} s on model '{model}' even with nothing else to run "
-        f"(a token every {step * 1000:.0f} ms, {overhead_s:g} s outside decoding), over the request's "
-        f"{budget_s:g} s deadline; ask for at most {fits} tokens{longer}",
-        "deadline_too_short",
-        field,
-    )
+    message = too_long_alone(field, model, budget, q.alone_step_s, budget_s, overhead_s, max_deadline_s)
+    assert message is not None  # never(), with even one token fitting
+    return APIError(400, message, "deadline_too_short", field)
 
 
 def retry_after_s(est: Estimate, deadline_s: float) -> int:

@@ -158,10 +158,9 @@ def test_the_step_alone_is_the_median_of_batch_one_steps(runner):
 def test_a_worker_refuses_what_it_cannot_finish_even_alone():
     """Judged from the request's receipt, not from now: a request that waited is late
     (429 overloaded, elsewhere), not too long."""
-    from consumers.inference.service import too_slow_alone
-    from events.fleet import EngineLoad
+    from runtime.steps import too_long_alone
 
-    assert too_slow_alone(EngineLoad(), 1000, "m", 15.0) is None  # not measured
-    assert too_slow_alone(EngineLoad(alone_step_s=0.01), 1000, "m", 15.0) is None  # 10 s of a 15 s budget
-    why = too_slow_alone(EngineLoad(alone_step_s=0.02), 1000, "m", 15.0)
+    assert too_long_alone("max_tokens", "m", 1000, None, 15.0) is None  # not measured
+    assert too_long_alone("max_tokens", "m", 1000, 0.01, 15.0) is None  # 10 s of a 15 s budget
+    why = too_long_alone("max_tokens", "m", 1000, 0.02, 15.0)
     assert why is not None and why.startswith("max_tokens: 1000 tokens take about 20.0 s") and "at most 750" in why
