@@ -10,11 +10,13 @@ then ChatCompleted, all stored in an in-memory stream and sent to live subscribe
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import fakeredis
 from fastapi.testclient import TestClient
 
+from events.fleet import InferenceBeat, ModelLoad
 from events.models import (
     ChatCompleted,
     ChatFailed,
@@ -66,6 +68,19 @@ class FakePipeline(Pipeline):
         self.silent = False  # accept requests but never answer (deadline tests)
         self.beats: dict = {}  # (role, instance) -> events.fleet.ProcessBeat
         self.stream_state = StreamState()
+
+    def hold(self, load: ModelLoad, model: str = "stories-260k") -> None:
+        """One live inference worker holding `model` with `load` (its heartbeat, an hour ahead)."""
+        beat = InferenceBeat(
+            instance="w",
+            ready=True,
+            ts=time.time() + 3600,
+            pid=1,
+            models=(model,),
+            resident=(model,),
+            load={model: load},
+        )
+        self.beats = {(beat.role, beat.instance): beat}
 
     async def start(self) -> None:
         return None

@@ -266,20 +266,11 @@ def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport
     """A worker that makes a token every 60 ms alone cannot make 256 in 15 s: 400
     deadline_too_short naming the field (never a 429 to retry), before anything is
     published; 200 tokens fit, and a longer deadline_s would too."""
-    from events.fleet import InferenceBeat, ModelLoad
+    from events.fleet import ModelLoad
 
     client, pipeline = gateway()
     load = ModelLoad(max_batch=8, step_s=0.07, alone_step_s=0.06, measured_at=0.0)  # idle, measured long ago
-    beat = InferenceBeat(
-        instance="w",
-        ready=True,
-        ts=time.time() + 3600,
-        pid=1,
-        models=("stories-260k",),
-        resident=("stories-260k",),
-        load={"stories-260k": load},
-    )
-    pipeline.beats = {(beat.role, beat.instance): beat}
+    pipeline.hold(load)
     with client:
         v1 = client.post("/v1/chat/completions", json=chat(max_tokens=256))
         sse = client.post("/v1/chat/completions", json=chat(max_completion_tokens=256, stream=True))
@@ -305,21 +296,12 @@ def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
     it needed (gateway.admission.calibrate): a fleet that answers at once brings the
     margin down to 1 after 20 of them, from the configured 1.5, on the HTTP edge and on
     WebSockets."""
-    from events.fleet import InferenceBeat, ModelLoad
+    from events.fleet import ModelLoad
     from gateway.admission.calibrate import MIN_SAMPLES
 
     client, pipeline = gateway()
     load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.1, measured_at=time.time() + 3600)
-    beat = InferenceBeat(
-        instance="w",
-        ready=True,
-        ts=time.time() + 3600,
-        pid=1,
-        models=("stories-260k",),
-        resident=("stories-260k",),
-        load={"stories-260k": load},
-    )
-    pipeline.beats = {(beat.role, beat.instance): beat}
+    pipeline.hold(load)
     with client:
         calibration = client.app.state.chat.admission.calibration
         assert calibration.margin("stories-260k") == 1.5
