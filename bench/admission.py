@@ -35,14 +35,13 @@ import json
 import random
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-import orjson
 
 from bench import peers, procs, targets
-from bench.client import CLIENT_ERRORS, chat_body, check_local, post, session
+from bench.client import RequestRecord, chat_body, check_local, session, stream_chat
 from bench.stats import percentile
 from bench.workload import FOLLOW_UPS, PROMPTS, LengthMix
 
@@ -50,85 +49,42 @@ OUTCOMES = ("answered", "refused", "refused_late", "rejected", "missed", "error"
 
 
 @dataclass
-class Attempt:
-    """One request sent: how it ended, its times (s from its send) and sizes."""
+class Attempt(RequestRecord):
+    """One request sent (`session` is its user), as `bench.client` records it, and how it
+    ended for the battle (`outcome`)."""
 
-    user: int
-    turn: int
-    max_tokens: int
     outcome: str = "error"
-    status: int | None = None
-    latency_s: float | None = None
-    ttft_s: float | None = None
-    prompt_tokens: int | None = None
-    output_tokens: int = 0
-    retry_after_s: float | None = None
-    error: str | None = None
     retry: int = 0  # how many times this turn was sent before
     lost: bool = False  # the turn's last attempt: it was not answered (refused through every retry, or missed)
-    text: str = field(default="", repr=False)
 
 
-def classify(attempt: Attempt, error: dict | str | None, deadline_s: float) -> str:
+def classify(attempt: Attempt, deadline_s: float) -> str:
     """The attempt's outcome from its HTTP status and the error its stream or body carried."""
-    code = error.get("code") if isinstance(error, dict) else None
-    if attempt.status == 429:
+    status, code = attempt.http_status, attempt.error_code
+    if status == 429:
         return "refused"
-    if attempt.status == 504 or code == "deadline_exceeded":  # a client timeout past the deadline too
+    if status == 504 or code == "deadline_exceeded":  # a client timeout past the deadline too
         return "missed"
-    if attempt.status is not None and 400 <= attempt.status < 500:
+    if status is not None and 400 <= status < 500:
         return "rejected" if code == "deadline_too_short" else "error"
     if code == "overloaded" and attempt.output_tokens == 0:
         return "refused_late"
-    if error is not None or attempt.status != 200 or attempt.latency_s is None:
+    if attempt.error is not None or status != 200 or attempt.latency_s is None:
         return "error"
     return "missed" if attempt.latency_s > deadline_s else "answered"
 
 
 async def send(client: aiohttp.ClientSession, base: str, body: dict, attempt: Attempt, deadline_s: float) -> Attempt:
-    """Send one streamed chat request and fill ``attempt``; never raises for HTTP trouble."""
-    sent = time.perf_counter()
-    error: dict | str | None = None
-    parts: list[str] = []
-    try:
-        async with post(client, f"{base}/v1/chat/completions", body) as resp:
-            attempt.status = resp.status
-            if resp.status != 200:
-                raw = await resp.read()
-                with contextlib.suppress(ValueError):
-                    error = (orjson.loads(raw) or {}).get("error") or raw[:200].decode(errors="replace")
-                if (after := resp.headers.get("Retry-After")) is not None:
-                    attempt.retry_after_s = float(after)
-            else:
-                error = await read_stream(resp, attempt, sent, parts)
-                attempt.latency_s = time.perf_counter() - sent
-    except CLIENT_ERRORS as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-        if time.perf_counter() - sent > deadline_s:  # no answer before the deadline: the battle is lost
-            attempt.status, attempt.latency_s = 504, time.perf_counter() - sent
-    attempt.text = "".join(parts)
-    attempt.error = None if error is None else str(error)[:200]
-    attempt.outcome = classify(attempt, error, deadline_s)
+    """Send one streamed chat request (`bench.client.stream_chat`) and classify it; never
+    raises for HTTP trouble."""
+    t0 = time.perf_counter()
+    await stream_chat(client, base, body, attempt, t0)
+    waited = time.perf_counter() - t0
+    if attempt.latency_s is None and attempt.error_code is None and waited > deadline_s:
+        # The client gave up (or the connection broke) past the deadline: the battle is lost.
+        attempt.http_status, attempt.latency_s = 504, waited
+    attempt.outcome = classify(attempt, deadline_s)
     return attempt
-
-
-async def read_stream(resp: aiohttp.ClientResponse, attempt: Attempt, sent: float, parts: list[str]) -> dict | None:
-    """Read an SSE answer into ``attempt`` and ``parts``; the error event, if one came."""
-    async for line in resp.content:
-        if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
-            continue
-        event = orjson.loads(data)
-        if event.get("error"):
-            return event["error"]
-        for choice in event.get("choices") or []:
-            if content := (choice.get("delta") or {}).get("content"):
-                attempt.ttft_s = attempt.ttft_s or time.perf_counter() - sent
-                attempt.output_tokens += 1
-                parts.append(content)
-        if usage := event.get("usage"):
-            attempt.prompt_tokens = usage.get("prompt_tokens")
-            attempt.output_tokens = usage.get("completion_tokens") or attempt.output_tokens
-    return None
 
 
 @dataclass(frozen=True)
@@ -158,7 +114,9 @@ async def conversation_user(client, target: targets.Target, level: Level, user: 
                 if time.perf_counter() >= stop_at:
                     return
                 body = chat_body(target.served_name, messages, max_tokens, target.send_ignore_eos)
-                attempt = await send(client, target.base_url, body, Attempt(user, turn, max_tokens), level.deadline_s)
+                attempt = await send(
+                    client, target.base_url, body, Attempt(user, turn, max_tokens, 0.0), level.deadline_s
+                )
                 attempt.retry = retry
                 out.append(attempt)
                 if attempt.outcome not in ("refused", "refused_late") or retry == level.retries:
@@ -190,7 +148,7 @@ async def run_burst(target: targets.Target, n: int, max_tokens: int, deadline_s:
                     client,
                     target.base_url,
                     chat_body(target.served_name, [{"role": "user", "content": rng.choice(PROMPTS)}], max_tokens),
-                    Attempt(i, 0, max_tokens),
+                    Attempt(i, 0, max_tokens, 0.0),
                     deadline_s,
                 )
                 for i in range(n)
@@ -270,9 +228,9 @@ async def warm(target: targets.Target, deadline_s: float) -> None:
     async with session(120) as client:
         for _ in range(3):
             body = chat_body(target.served_name, [{"role": "user", "content": PROMPTS[0]}], 16)
-            await send(client, target.base_url, body, Attempt(0, 0, 16), deadline_s)
+            await send(client, target.base_url, body, Attempt(0, 0, 16, 0.0), deadline_s)
         bodies = [chat_body(target.served_name, [{"role": "user", "content": p}], 32) for p in PROMPTS[:4]]
-        await asyncio.gather(*(send(client, target.base_url, b, Attempt(0, 0, 32), deadline_s) for b in bodies))
+        await asyncio.gather(*(send(client, target.base_url, b, Attempt(0, 0, 32, 0.0), deadline_s) for b in bodies))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -324,7 +282,7 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
             level_row = {"target": name, "load": f"{users} users", "wall_s": time.perf_counter() - t0}
             level_row["margin"] = learned_margin(target)
             level_row |= {"level": asdict(level) | {"lengths": str(lengths)}, "summary": summary(attempts)}
-            rows.append(level_row | {"attempts": [asdict(a) | {"text": None} for a in attempts]})
+            rows.append(level_row | {"attempts": [a.as_json() for a in attempts]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     if args.burst:
         for name, target in live.items():
@@ -332,7 +290,7 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
             attempts, wall = asyncio.run(run_burst(target, args.burst, 64, args.deadline))
             burst_row = {"target": name, "load": f"burst {args.burst}", "wall_s": wall, "summary": summary(attempts)}
             burst_row["margin"] = learned_margin(target)
-            rows.append(burst_row | {"attempts": [asdict(a) | {"text": None} for a in attempts]})
+            rows.append(burst_row | {"attempts": [a.as_json() for a in attempts]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
 
 

@@ -9,6 +9,7 @@ from the count of content chunks, one token each for the servers measured here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,6 +39,10 @@ class RequestRecord:
     output_tokens: int = 0
     tokens_from: Literal["usage", "chunks", "none"] = "none"
     error: str | None = None
+    #: The `code` of the error the server answered with (its JSON body's, or its stream's error event's).
+    error_code: str | None = None
+    retry_after_s: float | None = None  # the refusal's Retry-After
+    prompt_tokens: int | None = None  # from the final `usage` chunk
     text: str = ""
     timings: dict | None = None
     #: When each content chunk arrived, seconds after the request was sent (streamed requests).
@@ -132,9 +137,7 @@ async def complete_chat(
             record.http_status = resp.status
             raw = await resp.read()
         if resp.status != 200:
-            record.status = "rejected" if resp.status == 429 else "error"
-            record.error = f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}"
-            return record
+            return refused(record, resp, raw)
         answer = orjson.loads(raw)
     except CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -148,6 +151,19 @@ async def complete_chat(
     return record
 
 
+def refused(record: RequestRecord, resp: aiohttp.ClientResponse, raw: bytes) -> RequestRecord:
+    """``record`` of a request the server answered with an error status: the status, its
+    body's first 200 characters, its error `code` and `Retry-After` when it gave them."""
+    record.status = "rejected" if resp.status == 429 else "error"
+    record.error = f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}"
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # no error body of OpenAI's shape
+        record.error_code = orjson.loads(raw)["error"].get("code")
+    if (after := resp.headers.get("Retry-After")) is not None:
+        with contextlib.suppress(ValueError):
+            record.retry_after_s = float(after)
+    return record
+
+
 async def stream_chat(
     client: aiohttp.ClientSession, base_url: str, body: dict, record: RequestRecord, t0: float
 ) -> RequestRecord:
@@ -158,10 +174,7 @@ async def stream_chat(
         async with post(client, f"{base_url}/v1/chat/completions", body) as resp:
             record.http_status = resp.status
             if resp.status != 200:
-                detail = (await resp.read()).decode(errors="replace")[:200]
-                record.status = "rejected" if resp.status == 429 else "error"
-                record.error = f"HTTP {resp.status}: {detail}"
-                return record
+                return refused(record, resp, await resp.read())
             record.error = await _read_events(resp, record, sent)
     except CLIENT_ERRORS as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -181,8 +194,9 @@ async def _read_events(resp: aiohttp.ClientResponse, record: RequestRecord, sent
         if data == b"[DONE]":
             break
         event = orjson.loads(data)
-        if event.get("error"):
-            return str(event["error"])[:200]
+        if error := event.get("error"):
+            record.error_code = error.get("code") if isinstance(error, dict) else None
+            return str(error)[:200]
         for choice in event.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:
@@ -194,6 +208,7 @@ async def _read_events(resp: aiohttp.ClientResponse, record: RequestRecord, sent
         if usage and usage.get("completion_tokens") is not None:
             record.output_tokens = int(usage["completion_tokens"])
             record.tokens_from = "usage"
+            record.prompt_tokens = usage.get("prompt_tokens")
         record.timings = server_timings(event) or record.timings
     record.text = "".join(parts)
     if record.tokens_from == "none" and parts:
