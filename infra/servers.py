@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.children import end
 from runtime.net import free_port
 
 #: How often JetStream fsyncs what it has acknowledged (`sync_interval`): "always" (every
@@ -101,13 +102,7 @@ class LocalServer:
         return self.proc
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc, timeout)
 
 
 def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from runtime.children import end
 from runtime.net import free_port
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,5 @@ class LlamaServer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it has not ended in ``timeout_s``."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            end(self.proc, timeout_s)
