@@ -331,7 +331,7 @@ class BatchEngine:
         now = self._clock()
         for req in taken:
             req.admitted_at = now
-            fresh = self.prefix is not None and not req.resume_ids  # one taken over prefills cold
+            fresh = self.prefix is not None and not req.resume_ids and req.cache  # one taken over prefills cold
             if fresh and (hit := self.prefix.lookup(req.input_ids)) is not None:  # type: ignore[union-attr]
                 self._hits[req.request_id] = hit
         return taken
@@ -620,7 +620,7 @@ class BatchEngine:
         if self.prefix is None:
             return
         for row, (seq, out) in enumerate(zip(seqs, outputs, strict=True)):
-            if out.finish_reason in ("stop", "length"):
+            if out.finish_reason in ("stop", "length") and seq.req.cache:
                 ids = seq.req.prompt_ids + seq.tokens[:-1]  # tokens holds the resumed ones too
                 layers = self._kv.row(row, len(ids))
                 if layers is not None:

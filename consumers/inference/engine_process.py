@@ -107,6 +107,7 @@ def _child(
     options: dict[str, Any],
     conn: Any,
     consumer: int,
+    profile: bool = False,
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes."""
     with suppress(OSError):
@@ -117,7 +118,7 @@ def _child(
         torch.set_num_threads(threads)
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     end = _EngineEnd(conn)
-    end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step)  # type: ignore[arg-type]
+    end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step, profile=profile)  # type: ignore[arg-type]
     try:
         end.serve()
     except (EOFError, OSError):  # the parent is gone
@@ -255,16 +256,18 @@ def spawn(
     max_wait_s: float,
     threads: int,
     options: dict[str, Any] | None = None,
+    profile: bool = False,
 ) -> EngineChild:
     """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`);
-    ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets)."""
+    ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets);
+    ``profile``: its runner's step profile (:class:`EngineRunner`)."""
     forks.start()
     share(loaded)
     ctx = forks.context()
     parent, child = ctx.Pipe()
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(loaded, mode, max_batch, max_wait_s, threads, options or {}, child, os.getpid()),
+        args=(loaded, mode, max_batch, max_wait_s, threads, options or {}, child, os.getpid(), profile),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
     )
@@ -288,8 +291,10 @@ class ProcessRunner:
         max_wait_s: float = 0.0,
         threads: int = 0,
         options: dict[str, Any] | None = None,
+        profile: bool = False,
     ):
         self.loaded = loaded
+        self.profile = profile  # the engine process's step profile (EngineRunner)
         self.options = options or {}  # the engine's keyword arguments
         self.name = loaded.spec.name
         self.mode = mode
@@ -315,7 +320,9 @@ class ProcessRunner:
     # ---- the child -----------------------------------------------------------------
 
     def _start(self) -> None:
-        child = spawn(self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.options)
+        child = spawn(
+            self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.options, self.profile
+        )
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()

@@ -62,6 +62,9 @@ class GenRequest:
     #: worker): prefilled with the prompt, its sampler advanced past them, then continued.
     resume_ids: list[int] = field(default_factory=list)
     admitted_at: float | None = None  # when it joined a batch (its prefill began), by the engine's clock
+    #: Looked up in and kept in the prefix cache; False for prompts that are no one's (the
+    #: runner's step profile), which must neither count as misses nor push entries out.
+    cache: bool = True
 
     @property
     def input_ids(self) -> list[int]:

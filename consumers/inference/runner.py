@@ -20,6 +20,7 @@ from consumers.inference.protocol import (
     StepOutput,
     StepRecord,
 )
+from consumers.inference.sampling import SamplingParams
 from events.fleet import EngineLoad
 from runtime.steps import step_time
 
@@ -28,6 +29,17 @@ log = logging.getLogger(__name__)
 #: Steps measured before a speed is trusted: the first ones after a load run cold (torch
 #: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
 MIN_SAMPLES = 16
+
+#: An idle engine's profile (`EngineRunner(profile=True)`): decode steps it times with
+#: synthetic requests, one alone and one in every slot, so that admission judges a first
+#: burst by a measured full batch rather than by small batches grown in proportion.
+PROFILE_STEPS = MIN_SAMPLES
+#: A real request cancels the profile's requests at the next step (it waits behind the
+#: step in progress only); the next idle moment starts that batch again, this many times.
+PROFILE_ATTEMPTS = 3
+#: Tokens of the synthetic prompt (it stays out of the prefix cache: `GenRequest.cache`).
+PROFILE_PROMPT_TOKENS = 8
+PROFILE_PREFIX = "step-profile-"
 
 
 def typical_step(times) -> float:
@@ -89,7 +101,9 @@ class EngineRunner:
 
     ``max_wait_s``: the static mode's hold, how long a micro-batch may wait to fill before
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
-    step (default: the worker's metrics, :func:`record_step`)."""
+    step (default: the worker's metrics, :func:`record_step`) but the profile's own.
+    ``profile``: while idle, time decode steps at one request and at every slot
+    (:meth:`_profile`) before any load does."""
 
     def __init__(
         self,
@@ -98,6 +112,7 @@ class EngineRunner:
         on_outputs: Callable[[list[StepOutput]], None],
         max_wait_s: float = 0.0,
         on_step: Callable[[StepRecord, EngineStats], None] | None = None,
+        profile: bool = False,
     ):
         self.engine = engine
         self.max_wait_s = max_wait_s
@@ -124,6 +139,14 @@ class EngineRunner:
         #: decode steps, the one prefill of each request aside).
         self._alone: deque[float] = deque(maxlen=64)
         self.measured_at = 0.0
+        #: The profile's batches still to run (the first one started `_profile_tries` times),
+        #: the ids of its requests in the engine now, whether a real request came since it
+        #: began and whether it was cancelled for one.
+        self._profile_todo: list[int] = [1, engine.max_batch_size] if profile else []
+        self._profile_tries = 0
+        self._profile_batch = 0  # the batch of its last start
+        self._profiling: set[str] = set()
+        self._real_came = self._yielded = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -132,6 +155,7 @@ class EngineRunner:
         return self.engine.loaded
 
     def add(self, req: GenRequest) -> None:
+        self._real_came = True
         self.engine.add(req)
         self._wake.set()
 
@@ -152,6 +176,11 @@ class EngineRunner:
     def _run(self) -> None:
         while not self._stop:
             queue = self.engine.stats()
+            if self._profiling and self._real_came:
+                self._yield_profile()
+            if not queue.has_work() and self._profile_todo:
+                self._profile()
+                continue
             if not queue.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -162,25 +191,93 @@ class EngineRunner:
                 self._wake.clear()
                 continue
             self._first_wait = None
-            batch = len(queue.running)
-            started = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a broken step must not kill the thread silently
-                log.exception("engine step failed", extra={"model": self.name})
-                outputs = self.engine.fail_all()
-            took = time.perf_counter() - started
-            if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
-                if batch:
-                    self._measure(batch, took)
-            elif timed:  # what the streams timed of the server's step(s) read now: one sample
-                self._measure(
-                    max(1, round(statistics.fmean(b for b, _ in timed))), statistics.fmean(s for _, s in timed)
-                )
-            after = self.engine.stats()
+            self._step(len(queue.running))
+
+    def _step(self, batch: int) -> None:
+        """One engine step of `batch` running requests: timed, told, its outputs posted."""
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a broken step must not kill the thread silently
+            log.exception("engine step failed", extra={"model": self.name})
+            outputs = self.engine.fail_all()
+        took = time.perf_counter() - started
+        if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
+            if batch:
+                self._measure(batch, took)
+        elif timed:  # what the streams timed of the server's step(s) read now: one sample
+            self._measure(max(1, round(statistics.fmean(b for b, _ in timed))), statistics.fmean(s for _, s in timed))
+        after = self.engine.stats()
+        own = len(self._profiling) >= batch  # the profile's step alone: not in the metrics
+        if self._profiling:
+            outputs = self._profile_outputs(outputs)
+        if not own:
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
-            if outputs:
-                self._post(outputs)
+        if outputs:
+            self._post(outputs)
+
+    # ---- the profile ------------------------------------------------------------------
+
+    def _profile(self) -> None:
+        """Idle: start the profile's next batch, `n` greedy requests of a short prompt that
+        decode PROFILE_STEPS steps together (its end of sequence barred), timed as any step
+        (`_measure`: the prefill step, at batch 0 before it, is not). Their outputs are
+        dropped (`_profile_outputs`)."""
+        self._real_came = False
+        if self.engine.stats().has_work():  # a real request came since the runner looked
+            return
+        n = self._profile_todo[0]
+        self._profile_tries += 1
+        self._yielded, self._profile_batch = False, n
+        loaded = self.engine.loaded
+        prompt = loaded.tokenizer.encode("Tell me about the weather in the mountains", add_special_tokens=False)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=PROFILE_STEPS + 1,
+            logit_bias={eos: -100.0 for eos in loaded.eos_ids},
+        )
+        ids = [f"{PROFILE_PREFIX}{n}-{self._profile_tries}-{i}" for i in range(n)]
+        self._profiling.update(ids)
+        for rid in ids:
+            self.engine.add(GenRequest(rid, prompt[:PROFILE_PROMPT_TOKENS], params, cache=False))
+
+    def _yield_profile(self) -> None:
+        """A real request came: the profile's requests end at the next step, and their
+        batch starts again at the next idle moment while it has attempts left."""
+        for rid in list(self._profiling):
+            self.engine.cancel(rid)
+        self._real_came, self._yielded = False, True
+        if self._profile_tries >= PROFILE_ATTEMPTS:
+            self._next_profile()
+
+    def _next_profile(self) -> None:
+        self._profile_todo.pop(0)
+        self._profile_tries = 0
+
+    def _profile_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """The step's outputs less the profile's; when the profile's batch has ended, its
+        figures go out (an empty hand-off carries the runner's state: an engine process's
+        worker learns them with no real output)."""
+        mine = [o for o in outputs if o.request_id in self._profiling]
+        for o in mine:
+            if o.finished:
+                self._profiling.discard(o.request_id)
+        if mine and not self._profiling:
+            if not self._yielded and self._profile_todo:  # it ran to its end
+                self._next_profile()
+            load = self.load()
+            log.info(
+                "step profile: batch %d %s; steps %s s at small batches (median batch %s), %s s at near-full (%s)",
+                self._profile_batch,
+                "cancelled" if self._yielded else "done",
+                None if load.step_s is None else round(load.step_s, 4),
+                load.small_batch,
+                None if load.full_step_s is None else round(load.full_step_s, 4),
+                load.full_batch,
+                extra={"model": self.name},
+            )
+            self._post([])
+        return [o for o in outputs if not o.request_id.startswith(PROFILE_PREFIX)] if mine else outputs
 
     def _record(self, step: StepRecord, stats: EngineStats) -> None:
         """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""

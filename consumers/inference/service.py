@@ -378,7 +378,7 @@ class InferenceService:
             if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
                 binary = locate(s.llama_cpp_dir)  # the error names the build command
                 llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.torch_threads)
-                runner = EngineRunner(llama, self.loop, self.on_outputs)
+                runner = EngineRunner(llama, self.loop, self.on_outputs, profile=s.step_profile)
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -389,10 +389,11 @@ class InferenceService:
                     hold_s,
                     s.torch_threads,
                     self.engine_options,
+                    s.step_profile,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
-                runner = EngineRunner(engine, self.loop, self.on_outputs, hold_s)
+                runner = EngineRunner(engine, self.loop, self.on_outputs, hold_s, profile=s.step_profile)
             self.runners[id(loaded)] = runner
         return runner
 

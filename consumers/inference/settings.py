@@ -64,6 +64,12 @@ class InferenceSettings(CommonSettings):
         description="Per model engine: MB of finished sequences' keys and values kept, so a conversation's next "
         "turn on this worker prefills only its new tokens (least recently used out first; 0: off).",
     )
+    step_profile: bool = Field(
+        True,
+        description="While an engine is idle after it starts: time its decode steps with synthetic requests, one "
+        "alone and one in every slot (a real request cancels them), so admission judges a first burst by a measured "
+        "full batch (`docs/admission.md`).",
+    )
     engine_process: bool = Field(
         True,
         description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "

@@ -28,7 +28,7 @@ from consumers.inference import service as service_module
 from consumers.inference.engine import GenRequest
 from consumers.inference.errors import RetryableError
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.runner import EngineRunner
+from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
 from consumers.inference.sampling import SamplingParams
 from events import decode
 from tests.conftest import STORIES
@@ -287,3 +287,34 @@ def test_the_engine_process_ends_with_a_consumer_killed_with_9():
             pytest.fail(f"engine process {child} outlived its consumer")
     finally:
         parent.kill()
+
+
+async def test_an_idle_engine_process_profiles_its_steps_and_a_request_is_served_as_without(nats_server):
+    """The step profile (ARENA_STEP_PROFILE, on by default) times decode steps in the engine
+    process while it is idle, one request alone and every slot full: the worker's load (what
+    its heartbeats carry, what admission judges a first burst by) has both before any request
+    ran. The profile's requests reach neither the worker's jobs nor its events, and requests
+    sent while it runs get the tokens they get with no profile (greedy and seeded)."""
+    texts = {}
+    for profile in (False, True):
+        worker, nc = await start_worker(nats_server.url, engine_process=True, torch_threads=1, step_profile=profile)
+        try:
+            await worker.service.warm([MODEL])
+            runner = runner_of(worker)
+            if profile:
+                end = time.monotonic() + 60
+                while (load := runner.load()).full_batch is None and time.monotonic() < end:
+                    await asyncio.sleep(0.05)
+                assert load.full_batch == runner.max_batch_size == 16 and load.full_step_s
+                assert load.small_batch == 1 and load.alone_step_s and load.running == load.waiting == 0
+            else:
+                assert runner.load().step_s is None and runner.load().full_step_s is None
+            for i, p in enumerate(PROMPTS):
+                await request(worker.js, f"{profile}-{i}", p, healthy_params(i))
+            done = await serve(worker, len(PROMPTS))
+        finally:
+            await stop_worker(worker, nc)
+        assert not [rid for rid in done if rid.startswith(PROFILE_PREFIX)]
+        assert all(done[f"{profile}-{i}"].type == "chat.completed" for i in range(len(PROMPTS))), done
+        texts[profile] = [done[f"{profile}-{i}"].text for i in range(len(PROMPTS))]
+    assert texts[True] == texts[False]

@@ -121,3 +121,17 @@ def test_a_request_taken_over_from_another_worker_prefills_cold(loaded):
     assert whole[:10] + tokens(run(engine, {0: [resumed]})["taken-over"]) == whole
     after = engine.prefix.stats
     assert (after.hits, after.misses, after.reused_tokens) == (before.hits, before.misses, before.reused_tokens)
+
+
+def test_a_request_kept_out_of_the_cache_neither_counts_nor_stores(loaded):
+    """`GenRequest.cache` False (the runner's step profile: prompts that are no one's):
+    no lookup, so no miss or hit counted, and nothing stored; its tokens are the same."""
+    engine = BatchEngine(loaded, "continuous", prefix_cache_bytes=BUDGET)
+    prompt = loaded.tokenizer(STORY_PROMPTS[0]).input_ids
+    outs = [
+        tokens(run(engine, {0: [GenRequest(f"p{i}", prompt, GREEDY, cache=False)]})[f"p{i}"]) for i in range(2)
+    ]
+    stats = engine.stats().prefix
+    assert stats is not None and (stats.hits, stats.misses, stats.entries) == (0, 0, 0)
+    kept = tokens(run(engine, {0: [GenRequest("kept", prompt, GREEDY)]})["kept"])
+    assert outs[0] == outs[1] == kept and engine.stats().prefix.misses == 1 and engine.stats().prefix.entries == 1

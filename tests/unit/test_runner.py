@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
-from consumers.inference.runner import MIN_SAMPLES, EngineRunner, steps_until_slot, typical_step
+from consumers.inference.runner import (
+    MIN_SAMPLES,
+    PROFILE_PREFIX,
+    PROFILE_PROMPT_TOKENS,
+    EngineRunner,
+    steps_until_slot,
+    typical_step,
+)
+from consumers.inference.sampling import SamplingParams
 
 
 class QueueOnly:
@@ -164,3 +173,108 @@ def test_a_worker_refuses_what_it_cannot_finish_even_alone():
     assert too_long_alone("max_tokens", "m", 1000, 0.01, 15.0) is None  # 10 s of a 15 s budget
     why = too_long_alone("max_tokens", "m", 1000, 0.02, 15.0)
     assert why is not None and why.startswith("max_tokens: 1000 tokens take about 20.0 s") and "at most 750" in why
+
+
+class SteppingEngine(QueueOnly):
+    """Admits what waits (up to its slots) and decodes a token a step for each request
+    held, sleeping `per_row` a row a step: a batch's step time is what the runner measures."""
+
+    loaded = SimpleNamespace(
+        spec=SimpleNamespace(name="toy"),
+        tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: list(range(1, 20))),
+        eos_ids=[0],
+    )
+
+    def __init__(self, slots: int = 8, per_row: float = 0.001) -> None:
+        self.max_batch_size, self.per_row = slots, per_row
+        self.lock = threading.Lock()
+        self.waiting: list[GenRequest] = []
+        self.running: dict[str, list] = {}  # request id -> [request, tokens made]
+        self.cancelled: set[str] = set()
+        self.seen: list[GenRequest] = []
+
+    def add(self, req: GenRequest) -> None:
+        with self.lock:
+            self.waiting.append(req)
+            self.seen.append(req)
+
+    def cancel(self, request_id: str) -> None:
+        with self.lock:
+            self.cancelled.add(request_id)
+
+    def stats(self) -> EngineStats:
+        with self.lock:
+            return EngineStats(
+                tuple(r.params.max_tokens - n for r, n in self.running.values()),
+                tuple(r.params.max_tokens for r in self.waiting),
+            )
+
+    def step(self) -> list[StepOutput]:
+        with self.lock:
+            time.sleep(self.per_row * max(1, len(self.running)))
+            out = []
+            for rid in [rid for rid in self.running if rid in self.cancelled]:
+                req, n = self.running.pop(rid)
+                out.append(StepOutput(rid, [], "", True, "cancelled", len(req.prompt_ids), n))
+            for entry in self.running.values():
+                entry[1] += 1
+            while self.waiting and len(self.running) < self.max_batch_size:
+                req = self.waiting.pop(0)
+                self.running[req.request_id] = [req, 1]
+            for rid, (req, n) in list(self.running.items()):
+                done = n >= req.params.max_tokens
+                out.append(StepOutput(rid, [7], "x", done, "length" if done else None, len(req.prompt_ids), n))
+                if done:
+                    del self.running[rid]
+            return out
+
+
+async def test_an_idle_engine_profiles_its_steps_alone_and_at_every_slot():
+    """Before any request, the runner times decode steps with its own requests at one and
+    at every slot (admission judges a first burst by them); their outputs and steps reach
+    neither the loop nor the metrics, only the figures do (an empty hand-off)."""
+    delivered: list[list] = []
+    steps: list = []
+    engine = SteppingEngine(slots=8, per_row=0.002)
+    runner = EngineRunner(
+        engine, asyncio.get_running_loop(), delivered.append, on_step=lambda s, _: steps.append(s), profile=True
+    )  # type: ignore[arg-type]
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if not runner._profile_todo and not runner._profiling:
+                break
+        load = runner.load()
+    finally:
+        runner.stop()
+    assert [len([r for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}{n}-")]) for n in (1, 8)] == [1, 8]
+    assert all(
+        len(r.prompt_ids) == PROFILE_PROMPT_TOKENS and r.params.logit_bias == ((0, -100.0),) and not r.cache
+        for r in engine.seen
+    )
+    assert load.small_batch == 1 and load.alone_step_s == pytest.approx(0.002, rel=0.5)
+    assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.016, rel=0.5)
+    assert steps == [] and delivered and all(outs == [] for outs in delivered)
+
+
+async def test_a_request_cancels_the_profile_and_the_profile_runs_again_when_idle():
+    """A real request arriving mid-profile waits for the step in progress only: the
+    profile's requests are cancelled; the request is answered in full, and the profile
+    runs again once the engine is idle."""
+    delivered: list = []
+    engine = SteppingEngine(slots=8, per_row=0.01)
+    runner = EngineRunner(engine, asyncio.get_running_loop(), delivered.extend, profile=True)  # type: ignore[arg-type]
+    try:
+        while not any(r.request_id.startswith(f"{PROFILE_PREFIX}8-") for r in engine.seen):
+            await asyncio.sleep(0.01)
+        runner.add(GenRequest("real", [5, 6], SamplingParams(temperature=0, max_tokens=5)))
+        while not any(o.finished for o in delivered):
+            await asyncio.sleep(0.01)
+        while runner._profile_todo or runner._profiling:
+            await asyncio.sleep(0.05)
+    finally:
+        runner.stop()
+    assert {o.request_id for o in delivered} == {"real"} and [o.completion_tokens for o in delivered] == [1, 2, 3, 4, 5]
+    full = [r.request_id for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}8-")]
+    assert len(full) == 16 and any(rid in engine.cancelled for rid in full[:8])  # tried twice, the first cancelled
+    assert runner.load().full_batch == 8

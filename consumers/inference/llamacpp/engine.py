@@ -81,7 +81,7 @@ def completion_body(req: GenRequest, context: int) -> dict[str, Any]:
         "n_predict": max(0, min(p.max_tokens - len(req.resume_ids), context - len(ids))),
         "stream": True,
         "return_tokens": True,
-        "cache_prompt": True,
+        "cache_prompt": req.cache,
         "temperature": p.temperature,
         "top_p": p.top_p,
         "samplers": ["penalties", "temperature", "top_p"],
