@@ -83,6 +83,8 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     size = min(max_batch, len(running) + len(waiting) + 1)
     step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size, load.small_batch)
     step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
+    if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
+        step = load.alone_step_s
     return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
 
 

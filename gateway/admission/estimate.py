@@ -100,7 +100,10 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
     if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
         return probe
     batch = min(q.slots, q.requests + 1)
-    step = step_at(q, batch)
+    # Alone, a request steps as fast as requests alone do (the median step at batch 1),
+    # the figure `never` judges it by: an idle fleet refuses with 429 only what a retry
+    # could get, never a request that a 400 would have told to change.
+    step = q.alone_step_s if batch == 1 and q.alone_step_s is not None else step_at(q, batch)
     if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
         return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
     # An idle fleet is judged without the margin: refused there, a request would never

@@ -115,7 +115,7 @@ def test_an_answer_streams_in_chunks_and_is_stored_as_sent(served):
 
 def test_a_client_that_leaves_cancels_its_request_in_the_server(served):
     with httpx.stream(
-        "POST", f"{served.url}/v1/chat/completions", json=chat(max_tokens=900, stream=True), timeout=60
+        "POST", f"{served.url}/v1/chat/completions", json=chat(max_tokens=900, stream=True, deadline_s=60), timeout=60
     ) as r:
         rid = r.headers["x-request-id"]
         for line in r.iter_lines():

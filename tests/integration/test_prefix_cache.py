@@ -128,9 +128,7 @@ def test_a_request_kept_out_of_the_cache_neither_counts_nor_stores(loaded):
     no lookup, so no miss or hit counted, and nothing stored; its tokens are the same."""
     engine = BatchEngine(loaded, "continuous", prefix_cache_bytes=BUDGET)
     prompt = loaded.tokenizer(STORY_PROMPTS[0]).input_ids
-    outs = [
-        tokens(run(engine, {0: [GenRequest(f"p{i}", prompt, GREEDY, cache=False)]})[f"p{i}"]) for i in range(2)
-    ]
+    outs = [tokens(run(engine, {0: [GenRequest(f"p{i}", prompt, GREEDY, cache=False)]})[f"p{i}"]) for i in range(2)]
     stats = engine.stats().prefix
     assert stats is not None and (stats.hits, stats.misses, stats.entries) == (0, 0, 0)
     kept = tokens(run(engine, {0: [GenRequest("kept", prompt, GREEDY)]})["kept"])

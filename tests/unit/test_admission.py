@@ -179,6 +179,23 @@ def test_a_small_batch_measured_slower_than_a_full_one_is_not_believed():
     assert step_at(usual, 64) == pytest.approx(0.013 * 64 / 48)
 
 
+def test_an_idle_fleet_judges_a_request_by_the_step_alone_as_the_400_does():
+    """Alone, a request steps at the median batch-1 step, the figure `never` judges it by:
+    what an idle fleet refuses is then a 400 (change the request), never a 429 that every
+    retry would get again (the mean small-batch step, prefills in it, said 22 s where alone
+    took 14)."""
+    from dataclasses import replace
+
+    from gateway.admission.estimate import never
+
+    idle = replace(q(step_s=0.024, full_step_s=0.024), alone_step_s=0.015)
+    assert estimate(idle, 900, 0.5).finish_s == pytest.approx(0.5 + 900 * 0.015)
+    assert not never(idle, 900, 15.0, 0.5)
+    assert estimate(replace(idle, requests=1, tokens=50), 900, 0.5).finish_s == pytest.approx(0.5 + 900 * 0.024)
+    unmeasured = q(step_s=0.024, full_step_s=0.024)  # alone not measured
+    assert estimate(unmeasured, 900, 0.5).finish_s == pytest.approx(0.5 + 900 * 0.024)
+
+
 def test_a_budget_too_long_even_alone_is_a_400_naming_the_field():
     from dataclasses import replace
 
