@@ -34,14 +34,26 @@ class EngineLoad(Beat):
     running: int = Field(0, ge=0, description="Requests in the engine's batch.")
     waiting: int = Field(0, ge=0, description="Requests added to the engine, waiting for a slot in its batch.")
     max_batch: int = Field(0, ge=0, description="The engine's batch size: slots for running requests.")
-    step_s: float | None = Field(None, description="Typical step time at small batches; None until measured.")
-    full_step_s: float | None = Field(None, description="Typical step time at near-full batches; None until measured.")
+    step_s: float | None = Field(
+        None,
+        description="Typical decode step time at small batches (no newcomer's prefill in it); None until measured.",
+    )
+    full_step_s: float | None = Field(
+        None, description="Typical decode step time at near-full batches (the same); None until measured."
+    )
     full_batch: int | None = Field(None, description="The batch those near-full steps ran at (their median).")
     small_batch: int | None = Field(None, description="The batch the small-batch steps ran at (their median).")
     alone_step_s: float | None = Field(
         None,
         description="Median step with one request in the batch: a token's time for a request served alone "
         "(the fastest it can go); None until measured.",
+    )
+    prefill_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Of the last seconds' step time, the share newcomers' prefills took: a request's decode steps "
+        "are stretched by 1 / (1 - share) while others keep arriving (0: none, or idle).",
     )
     measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
 
@@ -64,6 +76,7 @@ class ModelLoad(EngineLoad):
                 "waiting": self.waiting + engine.waiting,
                 "max_batch": self.max_batch + engine.max_batch,
                 "measured_at": max(self.measured_at, engine.measured_at),
+                "prefill_share": max(self.prefill_share, engine.prefill_share),
                 "step_s": engine.step_s if small else self.step_s,
                 "full_step_s": engine.full_step_s if full else self.full_step_s,
                 "full_batch": engine.full_batch if full else self.full_batch,

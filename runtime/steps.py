@@ -1,10 +1,28 @@
-"""Decode step time at a batch size, from the step times measured at a small and at a
-near-full batch: the one model the gateway's admission and the inference worker's own
-too-late check both use (pure)."""
+"""A request's step time: the decode step at a batch size, from the decode steps measured
+at a small and at a near-full batch, stretched by the share of recent step time that
+newcomers' prefills took: the one model the gateway's admission and the inference
+worker's own too-late check both use (pure)."""
 
 from __future__ import annotations
 
 import math
+
+#: The window a worker's share of step time spent on newcomers' prefills is measured over
+#: (`EngineLoad.prefill_share`): a few arrivals long, and a load's prefills stop counting
+#: this soon after the load ends (a burst after conversations is not judged by their
+#: histories' prefills).
+PREFILL_WINDOW_S = 5.0
+#: The most of it taken: a request's decode steps are counted at most 3x.
+MAX_PREFILL_SHARE = 2 / 3
+
+
+def stretch(prefill_share: float, measured_at: float, now: float) -> float:
+    """How much newcomers' prefills stretch a request's decode steps while others arrive
+    beside it: 1 / (1 - share), the share at most MAX_PREFILL_SHARE; 1 once the share is
+    older than its window (no step since: no one arrived, whatever the last figure said)."""
+    if now - measured_at > PREFILL_WINDOW_S:
+        return 1.0
+    return 1 / (1 - min(prefill_share, MAX_PREFILL_SHARE))
 
 
 def step_time(
@@ -15,9 +33,10 @@ def step_time(
     batch: int,
     small_batch: int | None = None,
 ) -> float | None:
-    """Linear from the small-batch time (at 1) to the near-full one (at `full_batch`, the
-    batch it was measured at, else all the `slots`), and in proportion to the batch beyond
-    it: a burst fills batches no steady load reached. None when nothing was measured.
+    """Decode step time (newcomers' prefills apart: `stretch`): linear from the small-batch
+    time (at 1) to the near-full one (at `full_batch`, the batch it was measured at, else
+    all the `slots`), and in proportion to the batch beyond it: a burst fills batches no
+    steady load reached. None when nothing was measured.
     On hardware whose steps hardly grow with the batch (a GPU's decode), this refuses more
     of a burst than needed only until its own steps are measured (heartbeats, every second)."""
     if full is None and small is not None and small_batch:
@@ -34,15 +53,14 @@ def step_time(
     batch = min(batch, slots)
     # Beyond the batch the full step was measured at, a step is taken to grow in
     # proportion to its batch: an upper bound (a step's fixed part does not grow), where
-    # a line through the small-batch figure would be a guess. Small batches run while a
-    # load ramps up or drains, mostly with a prompt's prefill in them, so their figure is
-    # high and the line's slope low: flat from 12.4 ms at the small batches to 12.0 at 48,
-    # a burst filling 64 slots was judged at 12 ms a step and ran at ~18, and the two
-    # gateways of test_overload admitted 320 to 384 requests finishing at up to 15 s.
+    # a line through the small-batch figure would be a guess (when small batches' steps
+    # carried their prefills, the line ran flat from 12.4 ms to 12.0 at 48; a burst
+    # filling 64 slots ran at ~18 and the two gateways of test_overload admitted 320 to
+    # 384 requests finishing at up to 15 s). An idle engine's profile measures every slot.
     if batch >= at:
         return full * batch / at
-    # A bigger batch never steps faster (a prefill-heavy small-batch median above the
-    # full one, 30 ms against 13 ms in one burst's heartbeat, is not believed).
+    # A bigger batch never steps faster (a noisy small-batch figure above the full one is
+    # not believed).
     small = min(small, full)
     return small + (full - small) * (batch - 1) / (at - 1)
 

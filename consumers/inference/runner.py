@@ -22,7 +22,7 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.sampling import SamplingParams
 from events.fleet import EngineLoad
-from runtime.steps import step_time
+from runtime.steps import PREFILL_WINDOW_S, step_time, stretch
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +39,24 @@ PROFILE_STEPS = MIN_SAMPLES
 PROFILE_ATTEMPTS = 3
 #: Tokens of the synthetic prompt (it stays out of the prefix cache: `GenRequest.cache`).
 PROFILE_PROMPT_TOKENS = 8
+
 PROFILE_PREFIX = "step-profile-"
 
 
 def typical_step(times) -> float:
-    """The step time a request's tokens take on average: the mean of recent steps, the
-    slowest tenth left out. A request lives through many steps, and under arrivals many
-    of them carry a newcomer's prefill: the median (what this was before) took the
-    decode-only step, 56 ms where a 60M model's requests stepped at ~105 ms, and let in
-    requests that ended at their deadline. The trim keeps a rare outlier (warm-up, a
-    collection) from moving it."""
+    """The step time a request's tokens take on average: the mean of recent decode steps,
+    the slowest tenth left out (a rare outlier, warm-up or a collection, does not move it).
+    Newcomers' prefills are counted apart (`EngineLoad.prefill_share`): they took the
+    median from 56 ms to ~105 ms for a 60M model's requests under arrivals, and a step
+    figure with them in it, grown to a burst's batch, refused most of the burst."""
     ordered = sorted(times)
     kept = ordered[: max(1, len(ordered) - len(ordered) // 10)]
     return sum(kept) / len(kept)
+
+
+def newcomers(outputs: list[StepOutput]) -> int:
+    """Requests whose first tokens a step's outputs carry: those it prefilled."""
+    return sum(1 for o in outputs if o.new_token_ids and o.completion_tokens == len(o.new_token_ids))
 
 
 def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
@@ -85,6 +90,8 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
     if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
         step = load.alone_step_s
+    elif running or waiting:  # others' prefills stretch its steps, as the gateway counts them
+        step *= stretch(load.prefill_share, load.measured_at, time.time())
     return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
 
 
@@ -137,9 +144,10 @@ class EngineRunner:
         self._full: deque[float] = deque(maxlen=64)
         self._full_batches: deque[int] = deque(maxlen=64)  # the batch of each of those steps
         self._small_batches: deque[int] = deque(maxlen=64)
-        #: Steps with one request in the batch: how fast a request goes alone (the median:
-        #: decode steps, the one prefill of each request aside).
+        #: Steps with one request in the batch: how fast a request goes alone (the median).
         self._alone: deque[float] = deque(maxlen=64)
+        #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
         self.measured_at = 0.0
         #: The profile's batches still to run (the first one started `_profile_tries` times),
         #: the ids of its requests in the engine now, whether a real request came since it
@@ -204,11 +212,13 @@ class EngineRunner:
             log.exception("engine step failed", extra={"model": self.name})
             outputs = self.engine.fail_all()
         took = time.perf_counter() - started
+        fresh = newcomers(outputs)
         if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
             if batch:
-                self._measure(batch, took)
+                self._measure(batch, took, fresh)
         elif timed:  # what the streams timed of the server's step(s) read now: one sample
-            self._measure(max(1, round(statistics.fmean(b for b, _ in timed))), statistics.fmean(s for _, s in timed))
+            mean_batch = max(1, round(statistics.fmean(b for b, _ in timed)))
+            self._measure(mean_batch, statistics.fmean(s for _, s in timed), fresh)
         after = self.engine.stats()
         own = len(self._profiling) >= batch  # the profile's step alone: not in the metrics
         if self._profiling:
@@ -300,9 +310,18 @@ class EngineRunner:
             outputs, self._handoff, self._posted = self._handoff, [], False
         self.on_outputs(outputs)
 
-    def _measure(self, batch: int, took: float) -> None:
-        """A step's time (with the prefill of requests joining it: under a steady load
-        most steps admit someone, and that is the speed requests see)."""
+    def _measure(self, batch: int, took: float, fresh: int = 0) -> None:
+        """A step's time: a decode step's (no newcomer in it) at its batch; a step that
+        prefilled `fresh` newcomers counts its time past a decode step's at that batch as
+        prefill, for the share (`_prefill_share`)."""
+        self.measured_at = time.time()
+        prefill = 0.0
+        if fresh:
+            decode = self._decode_at(batch)
+            prefill = max(0.0, took - decode) if decode is not None else 0.0
+        self._recent.append((time.monotonic(), took, prefill))
+        if fresh:
+            return
         if batch * 2 >= self.engine.max_batch_size:
             self._full.append(took)
             self._full_batches.append(batch)
@@ -311,7 +330,26 @@ class EngineRunner:
             self._small_batches.append(batch)
         if batch == 1:
             self._alone.append(took)
-        self.measured_at = time.time()
+
+    def _decode_at(self, batch: int) -> float | None:
+        small, full = self._small, self._full
+        return step_time(
+            typical_step(small) if small else None,
+            typical_step(full) if full else None,
+            statistics.median_low(self._full_batches) if full else None,
+            self.engine.max_batch_size,
+            batch,
+            statistics.median_low(self._small_batches) if small else None,
+        )
+
+    def _prefill_share(self) -> float:
+        """Of the steps in the last PREFILL_WINDOW_S, the share of their time that went to
+        newcomers' prefills: under arrivals, a request's decode steps are stretched by it
+        (`runtime.steps.stretch`: new requests' prompts join its steps)."""
+        since = time.monotonic() - PREFILL_WINDOW_S
+        recent = [(took, prefill) for at, took, prefill in list(self._recent) if at >= since]
+        busy = sum(took for took, _ in recent)
+        return min(1.0, sum(p for _, p in recent) / busy) if busy > 0 else 0.0
 
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (:func:`estimate_finish`)."""
@@ -330,6 +368,7 @@ class EngineRunner:
             full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
             small_batch=statistics.median_low(self._small_batches) if self._small_batches else None,
             alone_step_s=statistics.median(self._alone) if len(self._alone) >= MIN_SAMPLES else None,
+            prefill_share=self._prefill_share(),
             measured_at=self.measured_at,
         )
         return SchedulerStats(queue, load, (len(self._small), len(self._full)))

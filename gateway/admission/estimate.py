@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
-from runtime.steps import step_time, too_long_alone
+from runtime.steps import step_time, stretch, too_long_alone
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ModelQueue:
     full_batch: int | None = None  # the batch full_step_s was measured at (None: all the slots)
     alone_step_s: float | None = None  # the fastest worker's step with one request (None: not measured)
     small_batch: int | None = None  # the batch step_s was measured at (None: 1)
+    prefill_share: float = 0.0  # of recent step time, newcomers' prefills' (the busiest worker's)
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,10 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
     if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
         return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
     # An idle fleet is judged without the margin: refused there, a request would never
-    # run, and nothing would refresh the measurements that refused it.
+    # run, and nothing would refresh the measurements that refused it; nor is anyone
+    # arriving beside it there, whose prefills would stretch its steps.
     margin = margin if q.requests else 1.0
-    step *= margin
+    step *= margin * stretch(q.prefill_share, q.measured_at, now or time.time()) if q.requests else margin
     beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
     wait_s = 0.0
     if beyond > 0 and q.requests:

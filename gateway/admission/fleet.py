@@ -31,6 +31,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         total.full_batch,
         total.alone_step_s,
         total.small_batch,
+        total.prefill_share,
     )
 
 

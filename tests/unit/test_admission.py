@@ -196,6 +196,24 @@ def test_an_idle_fleet_judges_a_request_by_the_step_alone_as_the_400_does():
     assert estimate(unmeasured, 900, 0.5).finish_s == pytest.approx(0.5 + 900 * 0.024)
 
 
+def test_newcomers_prefills_stretch_the_steps_of_a_busy_fleet_only():
+    """The workers' prefill share (the busiest's) stretches decode steps by 1 / (1 - share)
+    where others are running beside the request, at most 3x; an idle fleet has no one
+    arriving beside it, and a share with no step after it for its window is over."""
+    from dataclasses import replace
+
+    from events.fleet import EngineLoad, ModelLoad
+
+    busy = replace(q(requests=10, tokens=640, step_s=0.02, full_step_s=0.02), prefill_share=0.5)
+    assert estimate(busy, 64, 0.5).finish_s == pytest.approx(0.5 + 64 * 0.04)
+    assert estimate(replace(busy, prefill_share=0.9), 64, 0.5).finish_s == pytest.approx(0.5 + 64 * 0.06)
+    assert estimate(replace(busy, requests=0, tokens=0), 64, 0.5).finish_s == pytest.approx(0.5 + 64 * 0.02)
+    stale = replace(busy, measured_at=time.time() - 6)  # no step for longer than the share's window
+    assert estimate(stale, 64, 0.5).finish_s == pytest.approx(0.5 + 64 * 0.02)
+    shares = ModelLoad().plus(EngineLoad(prefill_share=0.1)).plus(EngineLoad(prefill_share=0.3)).plus(EngineLoad())
+    assert shares.prefill_share == 0.3
+
+
 def test_a_budget_too_long_even_alone_is_a_400_naming_the_field():
     from dataclasses import replace
 

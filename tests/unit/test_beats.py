@@ -46,10 +46,12 @@ def test_a_beat_of_the_dict_era_decodes_as_its_roles_model_and_writes_the_same_k
     assert isinstance(beat, InferenceBeat) and beat.schema_version == 1
     assert beat.load["a"].running == 2 and beat.defaults["v"].temperature == 1.2 and beat.acks == ("$JS.ACK.x",)
     assert decode_beat(encode_beat(beat)) == beat
-    # What a reader of the dict beats reads: the same keys and values, less those that were None.
+    # What a reader of the dict beats reads: the same keys and values, less those that were
+    # None, and the fields added since at their defaults (a reader ignores keys it does not know).
     sent = json.loads(encode_beat(beat))
     assert sent.pop("schema_version") == 1
-    assert sent == {**DICT_BEAT, "load": {"a": {k: v for k, v in DICT_BEAT["load"]["a"].items() if v is not None}}}
+    load = {k: v for k, v in DICT_BEAT["load"]["a"].items() if v is not None}
+    assert sent == {**DICT_BEAT, "load": {"a": {**load, "prefill_share": 0.0}}}
 
 
 def test_roles_without_a_beat_of_their_own_and_fields_from_a_newer_contract():

@@ -20,6 +20,7 @@ from consumers.inference.runner import (
     typical_step,
 )
 from consumers.inference.sampling import SamplingParams
+from runtime.steps import MAX_PREFILL_SHARE, PREFILL_WINDOW_S, stretch
 
 
 class QueueOnly:
@@ -72,8 +73,8 @@ def test_no_estimate_until_enough_steps_were_measured(runner):
 
 def test_estimate_is_the_mean_step_without_the_rare_outliers(runner):
     """A rare slow step (warm-up, a collection: at most a tenth) does not move the
-    estimate; steps that carry a newcomer's prefill, as many do under arrivals, do: a
-    request's tokens take the mean step, not the median one."""
+    estimate; slower decode steps that are not rare do: a request's tokens take the mean
+    step, not the median one."""
     for took in [0.01] * (MIN_SAMPLES + 2) + [5.0] * 2:
         runner._measure(20, took)
     assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
@@ -131,7 +132,7 @@ class CountingEngine(QueueOnly):
 
     def step(self) -> list:
         self.left -= 1
-        return [SimpleNamespace(request_id="r", step=self.left)]
+        return [SimpleNamespace(request_id="r", step=self.left, new_token_ids=[7], completion_tokens=200 - self.left)]
 
 
 async def test_outputs_reach_the_loop_in_step_order_with_wake_ups_coalesced():
@@ -278,3 +279,34 @@ async def test_a_request_cancels_the_profile_and_the_profile_runs_again_when_idl
     full = [r.request_id for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}8-")]
     assert len(full) == 16 and any(rid in engine.cancelled for rid in full[:8])  # tried twice, the first cancelled
     assert runner.load().full_batch == 8
+
+
+def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, monkeypatch):
+    """A step that prefilled newcomers stays out of the decode figures (grown to a burst's
+    batch, it refused most of the burst); its time past a decode step at its batch is the
+    prefill share of the last PREFILL_WINDOW_S, which stretches a request's steps and is
+    gone once arrivals stop."""
+    from consumers.inference import runner as runner_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(runner_module.time, "monotonic", lambda: clock[0])
+    for _ in range(MIN_SAMPLES):
+        runner._measure(20, 0.05)
+    runner._measure(20, 0.25, fresh=3)  # 0.20 s of prefill beside 0.05 of decode
+    for _ in range(4):
+        runner._measure(20, 0.05)
+    load = runner.load()
+    assert load.full_step_s == pytest.approx(0.05) and len(runner._full) == MIN_SAMPLES + 4
+    busy = MIN_SAMPLES * 0.05 + 0.25 + 4 * 0.05
+    assert load.prefill_share == pytest.approx(0.20 / busy)
+    runner.engine.queue = EngineStats((100,) * 19)  # it joins 19 running: others' prefills stretch its steps
+    assert runner.finish_at(100) == pytest.approx(time.time() + 100 * 0.05 / (1 - load.prefill_share), abs=0.05)
+    clock[0] += PREFILL_WINDOW_S + 0.1  # arrivals stopped: a burst now is judged by decode steps
+    assert runner.load().prefill_share == 0.0
+    assert runner.finish_at(100) == pytest.approx(time.time() + 100 * 0.05, abs=0.05)
+    for _ in range(3):
+        clock[0] += 0.1
+        runner._measure(20, 1.0, fresh=20)  # a burst's prefills alone: its steps counted at most 3x
+    load = runner.load()
+    assert load.prefill_share == pytest.approx(0.95)
+    assert stretch(load.prefill_share, load.measured_at, time.time()) == pytest.approx(1 / (1 - MAX_PREFILL_SHARE))
