@@ -310,3 +310,17 @@ def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, mo
     load = runner.load()
     assert load.prefill_share == pytest.approx(0.95)
     assert stretch(load.prefill_share, load.measured_at, time.time()) == pytest.approx(1 / (1 - MAX_PREFILL_SHARE))
+
+
+def test_the_step_alone_is_the_faster_of_the_profiles_and_the_recent_ones(runner):
+    """A 400 says a budget can never fit: it is judged by the fastest a request goes alone,
+    the profile's lone request on an idle machine, where recent steps alone ran beside
+    other load (60 ms against 50 for SmolLM2 made every 256-token answer a 400)."""
+    for _ in range(MIN_SAMPLES):
+        runner._measure(1, 0.05, idle=True)
+    for _ in range(MIN_SAMPLES * 4):
+        runner._measure(1, 0.06)
+    assert runner.load().alone_step_s == pytest.approx(0.05)
+    for _ in range(MIN_SAMPLES * 4):
+        runner._measure(1, 0.04)  # a faster machine now: the recent ones
+    assert runner.load().alone_step_s == pytest.approx(0.04)
