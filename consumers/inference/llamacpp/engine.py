@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import secrets
@@ -154,7 +155,8 @@ class LlamaCppEngine:
         self._running: dict[str, _Stream] = {}
         self._failure: str | None = None  # why the last start failed, until one succeeds
         #: The server's steps as the streams timed them (`_timed`), until `timed_steps` takes them.
-        self._steps: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._steps: deque[tuple[int, float, bool]] = deque(maxlen=4096)
+        self._prefill_ended_at = -math.inf  # the last first token's arrival (time.perf_counter())
         self._stopping = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"llama-{self.name}", daemon=True)
@@ -202,7 +204,7 @@ class LlamaCppEngine:
             outputs.append(self._outputs.get_nowait())
         return outputs
 
-    def timed_steps(self) -> list[tuple[int, float]]:
+    def timed_steps(self) -> list[tuple[int, float, bool]]:
         """The server's steps since the last call, timed by the tokens' arrivals (`_timed`)."""
         steps = []
         while self._steps:
@@ -397,14 +399,20 @@ class LlamaCppEngine:
     def _timed(self, stream: _Stream, tokens: int) -> None:
         """The server's decode step as this stream saw it: the time since its last token
         (its first token's wait, queue and prefill, is no step), over the tokens that came,
-        at the batch the server holds now (other streams' prefills in it, as the built-in
-        engine's steps hold its newcomers')."""
+        at the batch the server holds now, marked when another stream's prefill was in it
+        (one was waiting for its first token, or got it, since this stream's last token):
+        the runner counts those apart, as the built-in engine's steps with newcomers."""
         if not tokens:
             return
         now = time.perf_counter()
-        if stream.last_token_at is not None:
+        if stream.last_token_at is None:  # its first token: its prefill ended now
+            self._prefill_ended_at = now
+        else:
             step = (now - stream.last_token_at) / tokens
-            self._steps.extend([(len(self._running), step)] * tokens)
+            prefill = self._prefill_ended_at > stream.last_token_at or any(
+                s.last_token_at is None for s in self._running.values()
+            )
+            self._steps.extend([(len(self._running), step, prefill)] * tokens)
         stream.last_token_at = now
 
     def _finish(self, stream: _Stream, out: StepOutput) -> None:
