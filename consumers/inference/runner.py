@@ -249,7 +249,7 @@ class EngineRunner:
         params = SamplingParams(
             temperature=0,
             max_tokens=PROFILE_STEPS + 1,
-            logit_bias={eos: -100.0 for eos in loaded.eos_ids},
+            logit_bias=tuple((eos, -100.0) for eos in loaded.eos_ids),
         )
         ids = [f"{PROFILE_PREFIX}{n}-{self._profile_tries}-{i}" for i in range(n)]
         self._profiling.update(ids)
