@@ -45,8 +45,8 @@ class EngineLoad(Beat):
     small_batch: int | None = Field(None, description="The batch the small-batch steps ran at (their median).")
     alone_step_s: float | None = Field(
         None,
-        description="Median decode step with one request in the batch, of the idle profile's or of recent steps, "
-        "the faster: a token's time for a request served alone (the fastest it can go); None until measured.",
+        description="Median decode step with one request in the batch (recent ones; the idle profile's until "
+        "those are measured): a token's time for a request served alone; None until measured.",
     )
     prefill_share: float = Field(
         0.0,

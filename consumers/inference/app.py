@@ -94,7 +94,7 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
     async def serving(runtime: ProcessRuntime) -> AsyncIterator[None]:
         """Models warm before the first pull; on stop (pulls stopped), what is held is
         finished within the drain grace or given back, then the engine processes end."""
-        register_pool(pool)
+        register_pool(pool, service)
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
         await runtime.connection().subscribe(
             subjects.ADMIN_MODELS,

@@ -64,6 +64,7 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
+from runtime import logs
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def _child(
     conn: Any,
     consumer: int,
     profile: bool = False,
+    log_level: str = "INFO",
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes."""
     with suppress(OSError):
@@ -116,6 +118,7 @@ def _child(
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
+    logs.setup(log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     end = _EngineEnd(conn)
     end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step, profile=profile)  # type: ignore[arg-type]
@@ -267,7 +270,18 @@ def spawn(
     parent, child = ctx.Pipe()
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
-        args=(loaded, mode, max_batch, max_wait_s, threads, options or {}, child, os.getpid(), profile),
+        args=(
+            loaded,
+            mode,
+            max_batch,
+            max_wait_s,
+            threads,
+            options or {},
+            child,
+            os.getpid(),
+            profile,
+            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        ),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
     )

@@ -105,5 +105,35 @@ class PoolCollector:
         yield resident
 
 
-def register_pool(pool) -> None:
+class LoadCollector:
+    """Each model's step figures as this worker's heartbeats carry them (what admission
+    judges by: `events.fleet.EngineLoad`), read from the service at scrape time."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        steps = GaugeMetricFamily(
+            "arena_engine_step_seconds",
+            "Decode step time measured (alone: one request; small and full: the batches' typical step)",
+            labels=["model", "batch"],
+        )
+        share = GaugeMetricFamily(
+            "arena_engine_prefill_share",
+            "Share of the last seconds' step time newcomers' prefills took",
+            labels=["model"],
+        )
+        for model, load in self.service.load().items():
+            for batch, value in (("alone", load.alone_step_s), ("small", load.step_s), ("full", load.full_step_s)):
+                if value is not None:
+                    steps.add_metric([model, batch], value)
+            share.add_metric([model], load.prefill_share)
+        yield steps
+        yield share
+
+
+def register_pool(pool, service=None) -> None:
+    """The pool's collector, and with `service` its models' step figures (`LoadCollector`)."""
     REGISTRY.register(PoolCollector(pool))
+    if service is not None:
+        REGISTRY.register(LoadCollector(service))

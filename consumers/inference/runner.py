@@ -332,9 +332,7 @@ class EngineRunner:
             self._small.append(took)
             self._small_batches.append(batch)
         if batch == 1:
-            self._alone.append(took)
-            if idle:
-                self._alone_idle.append(took)
+            (self._alone_idle if idle else self._alone).append(took)
 
     def _decode_at(self, batch: int) -> float | None:
         small, full = self._small, self._full
@@ -348,12 +346,16 @@ class EngineRunner:
         )
 
     def _alone_step(self) -> float | None:
-        """How fast a request goes alone, at best: the median step of the profile's lone
-        request (nothing else on the machine) or of the recent steps with one request in
-        the batch, the faster (steps alone under others' load, 60 ms against 50 idle for
-        SmolLM2, made 256-token answers a 400 that an idle moment would have served)."""
-        medians = [statistics.median(a) for a in (self._alone, self._alone_idle) if len(a) >= MIN_SAMPLES]
-        return min(medians, default=None)
+        """How fast a request goes alone: the median of the recent steps with one request
+        in the batch (real prompts and answers, the stack's own work beside them), else,
+        until MIN_SAMPLES of those ran, of the profile's lone request. The profile's is a
+        lower bound (a short context, nothing streamed beside it: 51 ms for SmolLM2, whose
+        256-token answer then stepped ~55 ms and ended at 15.04 s in the stack), so it is
+        not preferred once the real ones are measured."""
+        for steps in (self._alone, self._alone_idle):
+            if len(steps) >= MIN_SAMPLES:
+                return statistics.median(steps)
+        return None
 
     def _prefill_share(self) -> float:
         """Of the steps in the last PREFILL_WINDOW_S, the share of their time that went to

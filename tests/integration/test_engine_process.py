@@ -27,6 +27,7 @@ from consumers.inference import engine_process
 from consumers.inference import service as service_module
 from consumers.inference.engine import GenRequest
 from consumers.inference.errors import RetryableError
+from consumers.inference.metrics import LoadCollector
 from consumers.inference.models import ModelSpec, load_model
 from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
 from consumers.inference.sampling import SamplingParams
@@ -307,6 +308,10 @@ async def test_an_idle_engine_process_profiles_its_steps_and_a_request_is_served
                     await asyncio.sleep(0.05)
                 assert load.full_batch == runner.max_batch_size == 16 and load.full_step_s
                 assert load.small_batch == 1 and load.alone_step_s and load.running == load.waiting == 0
+                # The worker's /metrics shows them (arena_engine_step_seconds{model,batch}).
+                families = {f.name: f for f in LoadCollector(worker.service).collect()}
+                shown = {s.labels["batch"]: s.value for s in families["arena_engine_step_seconds"].samples}
+                assert shown == {"alone": load.alone_step_s, "small": load.step_s, "full": load.full_step_s}
             else:
                 assert runner.load().step_s is None and runner.load().full_step_s is None
             for i, p in enumerate(PROMPTS):

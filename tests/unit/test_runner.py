@@ -312,15 +312,15 @@ def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, mo
     assert stretch(load.prefill_share, load.measured_at, time.time()) == pytest.approx(1 / (1 - MAX_PREFILL_SHARE))
 
 
-def test_the_step_alone_is_the_faster_of_the_profiles_and_the_recent_ones(runner):
-    """A 400 says a budget can never fit: it is judged by the fastest a request goes alone,
-    the profile's lone request on an idle machine, where recent steps alone ran beside
-    other load (60 ms against 50 for SmolLM2 made every 256-token answer a 400)."""
+def test_the_step_alone_is_the_profiles_only_until_real_ones_are_measured(runner):
+    """Before any request ran alone, the profile's lone request says how fast one goes;
+    the real ones then do (the profile's short context with nothing streamed beside it
+    is faster than a real answer: 51 ms against ~55 for SmolLM2's 256 tokens)."""
     for _ in range(MIN_SAMPLES):
         runner._measure(1, 0.05, idle=True)
-    for _ in range(MIN_SAMPLES * 4):
+    assert runner.load().alone_step_s == pytest.approx(0.05)
+    for _ in range(MIN_SAMPLES - 1):
         runner._measure(1, 0.06)
     assert runner.load().alone_step_s == pytest.approx(0.05)
-    for _ in range(MIN_SAMPLES * 4):
-        runner._measure(1, 0.04)  # a faster machine now: the recent ones
-    assert runner.load().alone_step_s == pytest.approx(0.04)
+    runner._measure(1, 0.06)
+    assert runner.load().alone_step_s == pytest.approx(0.06)
