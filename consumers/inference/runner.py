@@ -86,13 +86,18 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     # The step time at the batch it will run in, extrapolated as the gateway does: at
     # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
     size = min(max_batch, len(running) + len(waiting) + 1)
-    step = step_time(load.step_s, load.full_step_s, load.full_batch, max_batch, size, load.small_batch)
+    step = decode_step(load, size)
     step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
     if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
         step = load.alone_step_s
     elif running or waiting:  # others' prefills stretch its steps, as the gateway counts them
         step *= stretch(load.prefill_share, load.measured_at, time.time())
     return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
+
+
+def decode_step(load: EngineLoad, batch: int) -> float | None:
+    """An engine's decode step at `batch`, from its load's figures (`runtime.steps.step_time`)."""
+    return step_time(load.step_s, load.full_step_s, load.full_batch, load.max_batch, batch, load.small_batch)
 
 
 def record_step(model: str, step: StepRecord) -> None:
@@ -273,10 +278,8 @@ class EngineRunner:
         """The step's outputs less the profile's; when the profile's batch has ended, its
         figures go out (an empty hand-off carries the runner's state: an engine process's
         worker learns them with no real output)."""
-        mine = [o for o in outputs if o.request_id in self._profiling]
-        for o in mine:
-            if o.finished:
-                self._profiling.discard(o.request_id)
+        mine = {o.request_id for o in outputs if o.request_id in self._profiling}
+        self._profiling -= {o.request_id for o in outputs if o.request_id in mine and o.finished}
         if mine and not self._profiling:
             if not self._yielded and self._profile_todo:  # it ran to its end
                 self._next_profile()
@@ -292,7 +295,7 @@ class EngineRunner:
                 extra={"model": self.name},
             )
             self._post([])
-        return [o for o in outputs if not o.request_id.startswith(PROFILE_PREFIX)] if mine else outputs
+        return [o for o in outputs if o.request_id not in mine] if mine else outputs
 
     def _record(self, step: StepRecord, stats: EngineStats) -> None:
         """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""
@@ -320,7 +323,7 @@ class EngineRunner:
         self.measured_at = time.time()
         prefill = 0.0
         if fresh:
-            decode = self._decode_at(batch)
+            decode = decode_step(self._decode_figures(), batch)
             prefill = max(0.0, took - decode) if decode is not None else 0.0
         self._recent.append((time.monotonic(), took, prefill))
         if fresh:
@@ -334,15 +337,16 @@ class EngineRunner:
         if batch == 1:
             (self._alone_idle if idle else self._alone).append(took)
 
-    def _decode_at(self, batch: int) -> float | None:
+    def _decode_figures(self) -> EngineLoad:
+        """The decode steps measured, as a load carries them (at small and at near-full
+        batches, of the last 64 each)."""
         small, full = self._small, self._full
-        return step_time(
-            typical_step(small) if small else None,
-            typical_step(full) if full else None,
-            statistics.median_low(self._full_batches) if full else None,
-            self.engine.max_batch_size,
-            batch,
-            statistics.median_low(self._small_batches) if small else None,
+        return EngineLoad(
+            max_batch=self.engine.max_batch_size,
+            step_s=typical_step(small) if small else None,
+            full_step_s=typical_step(full) if full else None,
+            full_batch=statistics.median_low(self._full_batches) if full else None,
+            small_batch=statistics.median_low(self._small_batches) if small else None,
         )
 
     def _alone_step(self) -> float | None:
@@ -374,17 +378,14 @@ class EngineRunner:
         """The engine's queue, its load and the steps measured (at small and at near-full
         batches, of the last 64 each)."""
         queue = self.engine.stats()
-        load = EngineLoad(
-            running=len(queue.running),
-            waiting=len(queue.waiting),
-            max_batch=self.engine.max_batch_size,
-            step_s=typical_step(self._small) if self._small else None,
-            full_step_s=typical_step(self._full) if self._full else None,
-            full_batch=statistics.median_low(self._full_batches) if self._full_batches else None,
-            small_batch=statistics.median_low(self._small_batches) if self._small_batches else None,
-            alone_step_s=self._alone_step(),
-            prefill_share=self._prefill_share(),
-            measured_at=self.measured_at,
+        load = self._decode_figures().model_copy(
+            update={
+                "running": len(queue.running),
+                "waiting": len(queue.waiting),
+                "alone_step_s": self._alone_step(),
+                "prefill_share": self._prefill_share(),
+                "measured_at": self.measured_at,
+            }
         )
         return SchedulerStats(queue, load, (len(self._small), len(self._full)))
 

@@ -110,8 +110,11 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
     # An idle fleet is judged without the margin: refused there, a request would never
     # run, and nothing would refresh the measurements that refused it; nor is anyone
     # arriving beside it there, whose prefills would stretch its steps.
-    margin = margin if q.requests else 1.0
-    step *= margin * stretch(q.prefill_share, q.measured_at, now or time.time()) if q.requests else margin
+    if q.requests:
+        step *= stretch(q.prefill_share, q.measured_at, now or time.time())
+    else:
+        margin = 1.0
+    step *= margin
     beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
     wait_s = 0.0
     if beyond > 0 and q.requests:
