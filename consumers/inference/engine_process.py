@@ -155,7 +155,9 @@ class _EngineEnd:
             self.steps.append(step)
 
     def serve(self) -> None:
-        """Say ready, then apply each command until the parent says stop (or goes away: EOFError)."""
+        """Say ready once the runner's profile has ended (its figures in the message), then
+        apply each command until the parent says stop (or goes away: EOFError)."""
+        self.runner.profiled.wait()
         with self.lock:
             self.conn.send(EngineReady(self.runner.stats()))
         while True:

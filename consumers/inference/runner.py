@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import suppress
 
 from consumers.inference.metrics import METRICS, PrefixCounts
 from consumers.inference.protocol import (
@@ -30,15 +31,16 @@ log = logging.getLogger(__name__)
 #: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
 MIN_SAMPLES = 16
 
-#: An idle engine's profile (`EngineRunner(profile=True)`): decode steps it times with
-#: synthetic requests, one alone and one in every slot, so that admission judges a first
-#: burst by a measured full batch rather than by small batches grown in proportion.
+#: A starting engine's profile (`EngineRunner(profile=True)`): decode steps it times with
+#: synthetic requests, one alone and one in every slot, before it takes a real request,
+#: so that admission judges a first burst by a measured full batch rather than by small
+#: batches grown in proportion (as vLLM profiles its engine before it serves).
 PROFILE_STEPS = MIN_SAMPLES
-#: A real request cancels the profile's requests at the next step (it waits behind the
-#: step in progress only); the next idle moment starts that batch again, this many times.
-PROFILE_ATTEMPTS = 3
 #: Tokens of the synthetic prompt (it stays out of the prefix cache: `GenRequest.cache`).
 PROFILE_PROMPT_TOKENS = 8
+#: A profile that has not ended by then (a llama-server that never came up) is given up:
+#: the engine serves, its figures come from real steps.
+PROFILE_TIMEOUT_S = 180.0
 
 PROFILE_PREFIX = "step-profile-"
 
@@ -116,8 +118,8 @@ class EngineRunner:
     ``max_wait_s``: the static mode's hold, how long a micro-batch may wait to fill before
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
     step (default: the worker's metrics, :func:`record_step`) but the profile's own.
-    ``profile``: while idle, time decode steps at one request and at every slot
-    (:meth:`_profile`) before any load does."""
+    ``profile``: first time decode steps at one request and at every slot (:meth:`_profile`);
+    requests added meanwhile wait for it (`profiled`)."""
 
     def __init__(
         self,
@@ -156,14 +158,14 @@ class EngineRunner:
         #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
         self.measured_at = 0.0
-        #: The profile's batches still to run (the first one started `_profile_tries` times),
-        #: the ids of its requests in the engine now, whether a real request came since it
-        #: began and whether it was cancelled for one.
-        self._profile_todo: list[int] = [1, engine.max_batch_size] if profile else []
-        self._profile_tries = 0
-        self._profile_batch = 0  # the batch of its last start
+        #: Set once the profile has ended (at once without one); until then real requests
+        #: and cancels wait in `_held`, in their order. The profile's requests in the engine.
+        self.profiled = threading.Event()
+        self._held: list[GenRequest | str] = []
+        self._held_lock = threading.Lock()
         self._profiling: set[str] = set()
-        self._real_came = self._yielded = False
+        if not profile:
+            self.profiled.set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -172,13 +174,24 @@ class EngineRunner:
         return self.engine.loaded
 
     def add(self, req: GenRequest) -> None:
-        self._real_came = True
+        if self._hold(req):
+            return
         self.engine.add(req)
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:
+        if self._hold(request_id):
+            return
         self.engine.cancel(request_id)
         self._wake.set()
+
+    def _hold(self, command: GenRequest | str) -> bool:
+        """While the profile runs, a request (or a cancel, by its id) waits for it."""
+        with self._held_lock:
+            if self.profiled.is_set():
+                return False
+            self._held.append(command)
+            return True
 
     def _hold_for_batch(self, queue: EngineStats) -> float:
         """Static mode: seconds to wait for a fuller micro-batch before starting one."""
@@ -191,13 +204,10 @@ class EngineRunner:
         return max(0.0, self.max_wait_s - (now - self._first_wait))
 
     def _run(self) -> None:
+        if not self.profiled.is_set():
+            self._profile()
         while not self._stop:
             queue = self.engine.stats()
-            if self._profiling and self._real_came:
-                self._yield_profile()
-            if not queue.has_work() and self._profile_todo:
-                self._profile()
-                continue
             if not queue.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -219,7 +229,7 @@ class EngineRunner:
             log.exception("engine step failed", extra={"model": self.name})
             outputs = self.engine.fail_all()
         took = time.perf_counter() - started
-        own = len(self._profiling) >= batch  # the profile's step alone: not in the metrics
+        own = bool(self._profiling)  # the profile's step (it runs alone): not in the metrics
         if (timed := self.engine.timed_steps()) is None:  # the step was one engine step
             if batch:
                 self._measure(batch, took, newcomers(outputs), idle=own)
@@ -239,16 +249,51 @@ class EngineRunner:
     # ---- the profile ------------------------------------------------------------------
 
     def _profile(self) -> None:
-        """Idle: start the profile's next batch, `n` greedy requests of a short prompt that
-        decode PROFILE_STEPS steps together (its end of sequence barred), timed as any step
-        (`_measure`: the prefill step, at batch 0 before it, is not). Their outputs are
-        dropped (`_profile_outputs`)."""
-        self._real_came = False
-        if self.engine.stats().has_work():  # a real request came since the runner looked
-            return
-        n = self._profile_todo[0]
-        self._profile_tries += 1
-        self._yielded, self._profile_batch = False, n
+        """Before any real request: `n` greedy requests of a short prompt, decoding
+        PROFILE_STEPS steps together (their end of sequence barred), for `n` of one and of
+        every slot, timed as any step (`_measure`: the prefill step, at batch 0 before it,
+        is not); their outputs are dropped (`_profile_outputs`). Then the requests held
+        meanwhile go in, in their order. A profile that fails or outlasts
+        PROFILE_TIMEOUT_S is given up (logged): the engine serves all the same."""
+        started = time.monotonic()
+        try:
+            for n in (1, self.engine.max_batch_size):
+                self._profile_batch(n)
+                while self._profiling and not self._stop:
+                    if time.monotonic() - started > PROFILE_TIMEOUT_S:
+                        raise TimeoutError(f"not done after {PROFILE_TIMEOUT_S:g} s")
+                    self._step(len(self.engine.stats().running))
+                load = self.load()
+                log.info(
+                    "step profile: batch %d done; steps %s s at small batches (median batch %s), "
+                    "%s s at near-full (%s)",
+                    n,
+                    None if load.step_s is None else round(load.step_s, 4),
+                    load.small_batch,
+                    None if load.full_step_s is None else round(load.full_step_s, 4),
+                    load.full_batch,
+                    extra={"model": self.name},
+                )
+        except Exception as exc:  # noqa: BLE001 - the engine must serve without its figures
+            log.warning("step profile given up: %r", exc, extra={"model": self.name})
+            for rid in self._profiling:
+                self.engine.cancel(rid)
+            with suppress(Exception):
+                self._profile_outputs(self.engine.step())
+            self._profiling.clear()
+        with self._held_lock:
+            for command in self._held:
+                if isinstance(command, str):
+                    self.engine.cancel(command)
+                else:
+                    with suppress(Exception):
+                        self.engine.add(command)
+                        continue
+                    self._post([StepOutput.ended(command, "error")])
+            self._held.clear()
+            self.profiled.set()
+
+    def _profile_batch(self, n: int) -> None:
         loaded = self.engine.loaded
         prompt = loaded.tokenizer.encode("Tell me about the weather in the mountains", add_special_tokens=False)
         params = SamplingParams(
@@ -256,46 +301,18 @@ class EngineRunner:
             max_tokens=PROFILE_STEPS + 1,
             logit_bias=tuple((eos, -100.0) for eos in loaded.eos_ids),
         )
-        ids = [f"{PROFILE_PREFIX}{n}-{self._profile_tries}-{i}" for i in range(n)]
+        ids = [f"{PROFILE_PREFIX}{n}-{i}" for i in range(n)]
         self._profiling.update(ids)
         for rid in ids:
             self.engine.add(GenRequest(rid, prompt[:PROFILE_PROMPT_TOKENS], params, cache=False))
 
-    def _yield_profile(self) -> None:
-        """A real request came: the profile's requests end at the next step, and their
-        batch starts again at the next idle moment while it has attempts left."""
-        for rid in list(self._profiling):
-            self.engine.cancel(rid)
-        self._real_came, self._yielded = False, True
-        if self._profile_tries >= PROFILE_ATTEMPTS:
-            self._next_profile()
-
-    def _next_profile(self) -> None:
-        self._profile_todo.pop(0)
-        self._profile_tries = 0
-
     def _profile_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """The step's outputs less the profile's; when the profile's batch has ended, its
-        figures go out (an empty hand-off carries the runner's state: an engine process's
-        worker learns them with no real output)."""
+        """The step's outputs less the profile's (whose finished ones leave `_profiling`)."""
         mine = {o.request_id for o in outputs if o.request_id in self._profiling}
+        if not mine:
+            return outputs
         self._profiling -= {o.request_id for o in outputs if o.request_id in mine and o.finished}
-        if mine and not self._profiling:
-            if not self._yielded and self._profile_todo:  # it ran to its end
-                self._next_profile()
-            load = self.load()
-            log.info(
-                "step profile: batch %d %s; steps %s s at small batches (median batch %s), %s s at near-full (%s)",
-                self._profile_batch,
-                "cancelled" if self._yielded else "done",
-                None if load.step_s is None else round(load.step_s, 4),
-                load.small_batch,
-                None if load.full_step_s is None else round(load.full_step_s, 4),
-                load.full_batch,
-                extra={"model": self.name},
-            )
-            self._post([])
-        return [o for o in outputs if o.request_id not in mine] if mine else outputs
+        return [o for o in outputs if o.request_id not in mine]
 
     def _record(self, step: StepRecord, stats: EngineStats) -> None:
         """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""

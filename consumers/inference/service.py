@@ -364,10 +364,10 @@ class InferenceService:
                 except LlamaServerMissing as exc:  # its requests fail saying so; the others serve
                     log.error("%s: %s", name, exc)
                     continue
-            if isinstance(runner, ProcessRunner):
+            if isinstance(runner, ProcessRunner):  # ready once its profile ended
                 await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
-            elif isinstance(runner.engine, LlamaCppEngine):
-                await asyncio.to_thread(runner.engine.ready.wait, START_TIMEOUT_S)
+            else:  # a llama-server's profile waits for it to come up
+                await asyncio.to_thread(runner.profiled.wait, START_TIMEOUT_S)
 
     def _runner_for(self, loaded) -> Runner:
         runner = self.runners.get(id(loaded))

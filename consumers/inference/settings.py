@@ -66,9 +66,9 @@ class InferenceSettings(CommonSettings):
     )
     step_profile: bool = Field(
         True,
-        description="While an engine is idle after it starts: time its decode steps with synthetic requests, one "
-        "alone and one in every slot (a real request cancels them), so admission judges a first burst by a measured "
-        "full batch (`docs/admission.md`).",
+        description="When an engine starts, before it serves: time its decode steps with synthetic requests, one "
+        "alone and one in every slot (requests that come meanwhile wait for it), so admission judges a first burst "
+        "by a measured full batch (`docs/admission.md`).",
     )
     engine_process: bool = Field(
         True,

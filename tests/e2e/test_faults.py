@@ -38,8 +38,13 @@ def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
 
         async def run() -> tuple[list[Stream], float]:
             async with httpx.AsyncClient(timeout=60) as client:
-                tasks = [asyncio.create_task(stream_one(client, up.url, prompt(i))) for i in range(40)]
-                await asyncio.sleep(1.5)
+                seen = [Stream() for _ in range(40)]
+                tasks = [asyncio.create_task(stream_one(client, up.url, prompt(i), out=seen[i])) for i in range(40)]
+                # Killed mid-stream: once tokens flow (stories-260k makes 200 in about a
+                # second, so a fixed wait can find the victim done with its share).
+                while not any(s.chunk_times for s in seen) and not all(t.done() for t in tasks):
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.2)
                 os.kill(victim, signal.SIGKILL)
                 killed_at = time.monotonic()
                 return await asyncio.gather(*tasks), killed_at

@@ -290,32 +290,34 @@ def test_the_engine_process_ends_with_a_consumer_killed_with_9():
         parent.kill()
 
 
-async def test_an_idle_engine_process_profiles_its_steps_and_a_request_is_served_as_without(nats_server):
-    """The step profile (ARENA_STEP_PROFILE, on by default) times decode steps in the engine
-    process while it is idle, one request alone and every slot full: the worker's load (what
-    its heartbeats carry, what admission judges a first burst by) has both before any request
-    ran. The profile's requests reach neither the worker's jobs nor its events, and requests
-    sent while it runs get the tokens they get with no profile (greedy and seeded)."""
+async def test_a_starting_engine_process_profiles_its_steps_and_a_request_is_served_as_without(nats_server):
+    """The step profile (ARENA_STEP_PROFILE, on by default) times decode steps in a starting
+    engine process, one request alone and every slot full, before it says ready: the
+    worker's load (what its heartbeats carry, what admission judges a first burst by) has
+    both once the model is warm. Requests that come while it runs wait for it; the
+    profile's requests reach neither the worker's jobs nor its events, and the requests
+    get the tokens they get with no profile (greedy and seeded)."""
     texts = {}
     for profile in (False, True):
         worker, nc = await start_worker(nats_server.url, engine_process=True, torch_threads=1, step_profile=profile)
         try:
+            if profile:  # sent first: they arrive while the engine starts and profiles
+                for i, p in enumerate(PROMPTS):
+                    await request(worker.js, f"{profile}-{i}", p, healthy_params(i))
             await worker.service.warm([MODEL])
             runner = runner_of(worker)
             if profile:
-                end = time.monotonic() + 60
-                while (load := runner.load()).full_batch is None and time.monotonic() < end:
-                    await asyncio.sleep(0.05)
+                load = runner.load()
                 assert load.full_batch == runner.max_batch_size == 16 and load.full_step_s
-                assert load.small_batch == 1 and load.alone_step_s and load.running == load.waiting == 0
+                assert load.step_s and load.alone_step_s  # (real steps may have joined the small ones)
                 # The worker's /metrics shows them (arena_engine_step_seconds{model,batch}).
                 families = {f.name: f for f in LoadCollector(worker.service).collect()}
                 shown = {s.labels["batch"]: s.value for s in families["arena_engine_step_seconds"].samples}
                 assert shown == {"alone": load.alone_step_s, "small": load.step_s, "full": load.full_step_s}
             else:
                 assert runner.load().step_s is None and runner.load().full_step_s is None
-            for i, p in enumerate(PROMPTS):
-                await request(worker.js, f"{profile}-{i}", p, healthy_params(i))
+                for i, p in enumerate(PROMPTS):
+                    await request(worker.js, f"{profile}-{i}", p, healthy_params(i))
             done = await serve(worker, len(PROMPTS))
         finally:
             await stop_worker(worker, nc)

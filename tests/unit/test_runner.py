@@ -230,10 +230,10 @@ class SteppingEngine(QueueOnly):
             return out
 
 
-async def test_an_idle_engine_profiles_its_steps_alone_and_at_every_slot():
+async def test_a_starting_engine_profiles_its_steps_alone_and_at_every_slot():
     """Before any request, the runner times decode steps with its own requests at one and
     at every slot (admission judges a first burst by them); their outputs and steps reach
-    neither the loop nor the metrics, only the figures do (an empty hand-off)."""
+    neither the loop nor the metrics, only the figures do."""
     delivered: list[list] = []
     steps: list = []
     engine = SteppingEngine(slots=8, per_row=0.002)
@@ -241,11 +241,9 @@ async def test_an_idle_engine_profiles_its_steps_alone_and_at_every_slot():
         engine, asyncio.get_running_loop(), delivered.append, on_step=lambda s, _: steps.append(s), profile=True
     )  # type: ignore[arg-type]
     try:
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            if not runner._profile_todo and not runner._profiling:
-                break
+        assert await asyncio.to_thread(runner.profiled.wait, 10)
         load = runner.load()
+        await asyncio.sleep(0.1)
     finally:
         runner.stop()
     assert [len([r for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}{n}-")]) for n in (1, 8)] == [1, 8]
@@ -255,30 +253,36 @@ async def test_an_idle_engine_profiles_its_steps_alone_and_at_every_slot():
     )
     assert load.small_batch == 1 and load.alone_step_s == pytest.approx(0.002, rel=0.5)
     assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.016, rel=0.5)
-    assert steps == [] and delivered and all(outs == [] for outs in delivered)
+    assert steps == [] and delivered == []
 
 
-async def test_a_request_cancels_the_profile_and_the_profile_runs_again_when_idle():
-    """A real request arriving mid-profile waits for the step in progress only: the
-    profile's requests are cancelled; the request is answered in full, and the profile
-    runs again once the engine is idle."""
+async def test_a_request_during_the_profile_waits_for_it_and_a_cancel_keeps_its_order():
+    """Requests that come while the profile runs (a burst right after a model loads) wait
+    for it: the profile ends with both its figures, so the burst is judged by a measured
+    full batch, not by the step alone grown in proportion (which refused 31 of 40
+    stories-260k streams at 15.0 s in CI). They are then served in full; one cancelled
+    meanwhile ends as cancelled."""
     delivered: list = []
     engine = SteppingEngine(slots=8, per_row=0.01)
     runner = EngineRunner(engine, asyncio.get_running_loop(), delivered.extend, profile=True)  # type: ignore[arg-type]
     try:
-        while not any(r.request_id.startswith(f"{PROFILE_PREFIX}8-") for r in engine.seen):
-            await asyncio.sleep(0.01)
+        while not engine.seen:
+            await asyncio.sleep(0.001)
         runner.add(GenRequest("real", [5, 6], SamplingParams(temperature=0, max_tokens=5)))
-        while not any(o.finished for o in delivered):
+        runner.add(GenRequest("gone", [5, 6], SamplingParams(temperature=0, max_tokens=5)))
+        runner.cancel("gone")
+        assert not runner.profiled.is_set() and [r.request_id for r in engine.seen if "real" in r.request_id] == []
+        while len([o for o in delivered if o.finished]) < 2:
             await asyncio.sleep(0.01)
-        while runner._profile_todo or runner._profiling:
-            await asyncio.sleep(0.05)
     finally:
         runner.stop()
-    assert {o.request_id for o in delivered} == {"real"} and [o.completion_tokens for o in delivered] == [1, 2, 3, 4, 5]
-    full = [r.request_id for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}8-")]
-    assert len(full) == 16 and any(rid in engine.cancelled for rid in full[:8])  # tried twice, the first cancelled
-    assert runner.load().full_batch == 8
+    assert [o.completion_tokens for o in delivered if o.request_id == "real"] == [1, 2, 3, 4, 5]
+    [*_, gone] = [o for o in delivered if o.request_id == "gone"]
+    assert gone.finish_reason == "cancelled" and gone.completion_tokens <= 1
+    assert not [o for o in delivered if o.request_id.startswith(PROFILE_PREFIX)]
+    assert engine.seen[-2].request_id == "real" and not engine.cancelled & {r.request_id for r in engine.seen[:-2]}
+    load = runner.load()
+    assert load.full_batch == 8 and load.small_batch == 1
 
 
 def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, monkeypatch):
