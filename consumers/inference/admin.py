@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from consumers.inference import prepack
 from consumers.inference.models import ModelSpec, resolve_source
 from events.admin import (
     AddModel,
@@ -65,7 +66,7 @@ def describe(pool, spec: ModelSpec) -> ModelDetails:
     if model is None:  # llama.cpp serves it: its GGUF says what the weights are
         parameters, dtype = loaded.parameters, f"{loaded.weights_type} (llama.cpp)"
     else:
-        parameters, dtype = sum(p.numel() for p in model.parameters()), str(model.dtype).removeprefix("torch.")
+        parameters, dtype = prepack.parameter_count(model), str(model.dtype).removeprefix("torch.")
     return ModelDetails(
         **out,
         quantize=spec.quantize,

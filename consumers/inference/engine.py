@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from consumers.inference import packed
+from consumers.inference import packed, prepack
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
 from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
 from consumers.inference.models import LoadedModel
@@ -158,6 +158,8 @@ class BatchEngine:
         self._clock = clock
         self._model = loaded.model
         self._device = next(self._model.parameters()).device
+        if prepack.wanted(loaded.spec, self._model):  # this process's copy (prepack.py)
+            log.info("%s: %d linear layers packed", loaded.spec.name, prepack.prepack_model(self._model))
         self._eos = set(loaded.eos_ids)
         pad = loaded.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (loaded.eos_ids[0] if loaded.eos_ids else 0)

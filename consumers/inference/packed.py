@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from consumers.inference import prepack
 from consumers.inference.kvcache import KVSlab
 
 ARENA_ATTENTION = "arena_sdpa"
@@ -85,7 +86,7 @@ PACK_MIN_PARAMS = 10_000_000
 
 
 def worth_packing(model) -> bool:
-    return sum(p.numel() for p in model.parameters()) >= PACK_MIN_PARAMS
+    return prepack.parameter_count(model) >= PACK_MIN_PARAMS
 
 
 def register() -> None:

@@ -23,7 +23,7 @@ import torch
 from prometheus_client import REGISTRY
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from consumers.inference import engine_process
+from consumers.inference import engine_process, prepack
 from consumers.inference import service as service_module
 from consumers.inference.engine import GenRequest
 from consumers.inference.errors import RetryableError
@@ -125,6 +125,32 @@ async def test_a_model_of_more_tensors_than_descriptors_a_child_takes_serves_fro
                 assert len(engine_process.storages(model)) == 1
                 (mapped,) = shared_weights_maps(runner.pid)
                 assert mapped.size >= runner.loaded.nbytes
+        finally:
+            await stop_worker(worker, nc)
+        assert all(e.type == "chat.completed" for e in done.values()), done
+        texts[mode] = [done[f"{mode}-{i}"].text for i in range(len(PROMPTS))]
+    assert texts[True] == texts[False]
+
+
+async def test_a_packed_bfloat16_model_serves_the_same_tokens_from_an_engine_process(nats_server, deep_model):
+    """bfloat16 linear layers packed in oneDNN's layout by the engine that steps them
+    (prepack.py, where the CPU computes bfloat16 natively): the engine process packs its
+    copy of the pool's shared weights (the pool's stay row-major and shared), the thread
+    engine the pool's own; both answer alike."""
+    texts = {}
+    for mode in (False, True):
+        worker, nc = await start(nats_server, engine_process=mode)
+        try:
+            await worker.service.pool.add(ModelSpec(name="deep", path=str(deep_model), dtype="bfloat16"))
+            for i, p in enumerate(PROMPTS):
+                await request(worker.js, f"{mode}-{i}", p, healthy_params(i), model="deep")
+            done = await serve(worker, len(PROMPTS))
+            model = runner_of(worker).loaded.model
+            linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, prepack.PackedLinear))]
+            packed = prepack.supported(model, "cpu") and not mode
+            assert all(isinstance(m, prepack.PackedLinear) == packed for m in linears) and len(linears) == 32 * 7 + 1
+            if mode:
+                assert all(t.is_shared() for t in model.parameters())
         finally:
             await stop_worker(worker, nc)
         assert all(e.type == "chat.completed" for e in done.values()), done
