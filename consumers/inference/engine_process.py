@@ -64,7 +64,7 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
-from runtime import logs
+from runtime import heap, logs
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ def _child(
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
+    heap.mmap_threshold()  # forked from the fork server, which did not set it
     logs.setup(log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     end = _EngineEnd(conn)

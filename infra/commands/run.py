@@ -29,6 +29,8 @@ def run_role(role: str) -> int:
     module, func = topology.role(role).entry.split(":")
     logs.setup(CommonSettings().log_level, role)
     heap.enable()  # startup's objects are frozen out of the collector once the process is up
+    if role == topology.INFERENCE.name:
+        heap.mmap_threshold()  # freed activations go back to the system (an engine process sets its own)
     if role == topology.INFERENCE.name and InferenceSettings().engine_process:
         forks.start()  # the engine processes' fork server imports torch beside this process's imports
     getattr(importlib.import_module(module), func)()
