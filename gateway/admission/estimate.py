@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 from gateway.admission.calibrate import Judged
@@ -39,6 +40,7 @@ class ModelQueue:
     alone_step_s: float | None = None  # the fastest worker's step with one request (None: not measured)
     small_batch: int | None = None  # the batch step_s was measured at (None: 1)
     prefill_share: float = 0.0  # of recent step time, newcomers' prefills' (the busiest worker's)
+    heard_at: float = 0.0  # the newest of the heartbeats it sums
 
 
 @dataclass(frozen=True)
@@ -63,21 +65,48 @@ class StreamState:
     read_at: float = 0.0  # when the read began: what was published before is in it
 
 
+class Endings:
+    """When the requests this gateway served ended, by model. A request that ended after
+    both the newest heartbeat and the stream state was read is still in both: `combine`
+    takes it off (a client sending its next request as the last one ends would otherwise
+    find it still queued for up to a beat, and a long answer refused with 429 on an idle
+    fleet)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, deque[float]] = {}
+
+    def add(self, model: str, now: float | None = None) -> None:
+        self.at.setdefault(model, deque(maxlen=1024)).append(now or time.time())
+
+    def since(self, model: str, since: float) -> int:
+        return sum(1 for t in self.at.get(model, ()) if t > since)
+
+
 def combine(
-    workers: ModelQueue, stream: StreamState, local_requests: int, local_tokens: int, mean_budget: float
+    workers: ModelQueue,
+    stream: StreamState,
+    local_requests: int,
+    local_tokens: int,
+    mean_budget: float,
+    endings: Endings | None = None,
+    model: str = "",
 ) -> ModelQueue:
     """The queue a new request joins: the stream's requests (counted by the consumers'
     state when it was read), the admissions not visible in it yet (`local_*`: every
     gateway's), and the workers' token budgets and step times (heartbeats, up to a beat
     old). A heartbeat newer than the stream state may already hold some of those recent
     admissions: they are counted once (the workers never hold more than all of them).
-    Requests whose budgets no heartbeat reported count `mean_budget` tokens each."""
+    Requests whose budgets no heartbeat reported count `mean_budget` tokens each. Less
+    the requests that ended since both were read (`endings`, this gateway's)."""
     requests = max(stream.ahead + stream.held + local_requests, workers.requests)
     known, known_tokens = workers.requests + local_requests, workers.tokens + local_tokens
     if known > requests:  # some recent admissions are in the heartbeat already
         tokens = round(known_tokens * requests / known)
     else:
         tokens = known_tokens + round((requests - known) * mean_budget)
+    if endings is not None and requests and (ended := endings.since(model, max(workers.heard_at, stream.read_at))):
+        left = max(0, requests - ended)
+        tokens, requests = round(tokens * left / requests), left
     return replace(workers, requests=requests, tokens=tokens)
 
 

@@ -16,10 +16,11 @@ LATE_BEAT_S = 30.0
 
 def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
     """The model's queue summed over the inference beats that hold it resident."""
-    total, held = ModelLoad(), 0
+    total, held, heard_at = ModelLoad(), 0, 0.0
     for beat in beats:
         if isinstance(beat, InferenceBeat) and model in beat.resident and model in beat.load:
             total, held = total.plus(beat.load[model]), held + beat.held
+            heard_at = max(heard_at, beat.ts)
     requests = total.running + total.waiting + held
     return ModelQueue(
         total.max_batch,
@@ -32,6 +33,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         total.alone_step_s,
         total.small_batch,
         total.prefill_share,
+        heard_at,
     )
 
 

@@ -114,12 +114,14 @@ class EarlyGate:
         recent: FleetAdmissions,
         in_flight: dict[str, int],
         calibration: Calibration | None = None,
+        endings: estimate.Endings | None = None,
     ):
         """`pipeline`: the fleet as the heartbeats and the consumers' state say (`queue`,
         `context_len`, `stream_state`) and the NATS connection peers talk on; `in_flight`:
         the requests the routes count per model (Admission's); `calibration`: the
         margins learned per model (Admission's)."""
         self.settings, self.pipeline, self.recent, self.in_flight = settings, pipeline, recent, in_flight
+        self.endings = endings or estimate.Endings()  # the requests served here that ended (Admission's)
         self.calibration = calibration or Calibration(settings.admission_margin)
         #: The estimates the requests let through were judged by, until their leases take them.
         self.judged: dict[str, Judged] = {}
@@ -256,7 +258,7 @@ class EarlyGate:
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - VISIBILITY_LAG_S, self.share(model, time.time()))
-        queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget)
+        queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget, self.endings, model)
         margin = self.calibration.margin(model) * STRICTER
         return estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
 

@@ -16,7 +16,16 @@ from contextlib import suppress
 from typing import Any
 
 from gateway.admission.calibrate import CEILING, Calibration, Judged
-from gateway.admission.estimate import Estimate, ModelQueue, StreamState, backstop, combine, estimate, overloaded
+from gateway.admission.estimate import (
+    Endings,
+    Estimate,
+    ModelQueue,
+    StreamState,
+    backstop,
+    combine,
+    estimate,
+    overloaded,
+)
 from gateway.admission.gate import EarlyGate
 from gateway.admission.recent import FleetAdmissions, Judge
 from gateway.metrics import METRICS
@@ -73,6 +82,7 @@ class Lease:
         """It ended `took_s` after admission with `tokens` generated (at its deadline of
         `budget_s` when `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
         counts as needing the most margin there is."""
+        self.admission.endings.add(self.model)
         if self.judged is not None:
             admission = self.admission
             overhead_s = admission.settings.admission_overhead_s
@@ -128,7 +138,8 @@ class Admission:
         self.recent = recent or FleetAdmissions(
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
-        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight, self.calibration)
+        self.endings = Endings()  # when the requests served here ended (`combine` takes them off)
+        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight, self.calibration, self.endings)
         self.background = Background()  # the leases' bookkeeping after a publish
 
     async def start(self) -> None:
@@ -166,7 +177,8 @@ class Admission:
         settings = self.settings
 
         def judge(stream: StreamState, n: int, ahead: int) -> Estimate | None:
-            queue = combine(workers or self.pipeline.queue(model), stream, n, ahead, self.recent.mean_budget)
+            workers_now = workers or self.pipeline.queue(model)
+            queue = combine(workers_now, stream, n, ahead, self.recent.mean_budget, self.endings, model)
             est = estimate(queue, tokens, settings.admission_overhead_s, self.calibration.margin(model))
             if est.finish_s > budget_s:
                 return est

@@ -8,7 +8,7 @@ import time
 import fakeredis
 import pytest
 
-from gateway.admission.estimate import ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
+from gateway.admission.estimate import Endings, ModelQueue, StreamState, combine, estimate, retry_after_s, step_at
 from gateway.admission.recent import FleetAdmissions
 
 
@@ -256,3 +256,26 @@ def test_with_only_small_batches_measured_steps_grow_in_proportion_beyond_them()
     assert step_time(0.035, None, None, 32, 64, small_batch=2) == pytest.approx(0.56)  # no more than the slots
     assert step_time(0.035, None, None, 32, 32) == pytest.approx(0.035)  # batch unknown (older beats): as before
     assert step_time(0.035, 0.15, 32, 32, 32, small_batch=2) == pytest.approx(0.15)  # once full is measured
+
+
+def test_a_request_that_ended_after_the_beat_and_the_stream_read_is_not_ahead_of_the_next():
+    """One client's requests back to back (SmolLM2, 256 tokens each): the first has ended,
+    but the last heartbeat and stream read still hold it. Counted, the next is judged
+    beside it at the margin (16.6 s, a 429 on an idle fleet); taken off, it is judged
+    alone, as the fleet is. An end before either read is theirs to count."""
+    workers = ModelQueue(64, 1, 200, 0.040, 0.099, time.time(), 64, 0.037, 1, heard_at=100.0)
+    stream = StreamState(0, 1, 100.5)
+    endings = Endings()
+    endings.add("m", now=99.9)  # a beat and the stream read after it know it ended
+    held = combine(workers, stream, 0, 0, 256.0, endings, "m")
+    assert (held.requests, held.tokens) == (1, 200)
+    endings.add("m", now=101.0)
+    idle = combine(workers, stream, 0, 0, 256.0, endings, "m")
+    assert (idle.requests, idle.tokens) == (0, 0)
+    alone = estimate(idle, 256, 0.5, margin=1.65, now=101.5)
+    beside = estimate(held, 256, 0.5, margin=1.65, now=101.5)
+    assert alone.finish_s == pytest.approx(0.5 + 256 * 0.037) and alone.margin == 1.0
+    assert beside.finish_s > 15.0 > alone.finish_s
+    # Two requests running, one of them ended: the other's share of the budgets stays.
+    two = combine(ModelQueue(64, 2, 400, 0.04, 0.099, 0.0, heard_at=100.0), stream, 0, 0, 256.0, endings, "m")
+    assert (two.requests, two.tokens) == (1, 200)
