@@ -285,10 +285,11 @@ class EngineRunner:
             for command in self._held:
                 if isinstance(command, str):
                     self.engine.cancel(command)
-                else:
-                    with suppress(Exception):
-                        self.engine.add(command)
-                        continue
+                    continue
+                try:
+                    self.engine.add(command)
+                except Exception as exc:  # noqa: BLE001 - as an engine process's add: it ends, the rest go in
+                    log.warning("engine refused a request: %r", exc, extra={"request_id": command.request_id})
                     self._post([StepOutput.ended(command, "error")])
             self._held.clear()
             self.profiled.set()
