@@ -19,6 +19,7 @@ import pytest
 import redis as redis_client
 
 from events import subjects
+from events.fleet import InferenceBeat, decode_beat
 from events.readmodel import OWNER
 from infra.servers import start_nats, start_redis
 from tests.arena_up import ArenaUp
@@ -34,22 +35,31 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_kill_9_of_a_replica_under_40_streams_at_the_default_deadline(tmp_path):
     up = ArenaUp(tmp_path, "--inference-replicas", "2")
     try:
-        [victim, _] = sorted(up.inference_pids())
+        pids = up.inference_pids()
+        assert len(pids) == 2
 
-        async def run() -> tuple[list[Stream], float]:
+        async def run() -> tuple[list[Stream], float, int]:
+            nc = await nats.connect(up.nats_url)
+            beats = await nc.subscribe(subjects.heartbeat_subject("inference", "*"))
             async with httpx.AsyncClient(timeout=60) as client:
                 seen = [Stream() for _ in range(40)]
-                tasks = [asyncio.create_task(stream_one(client, up.url, prompt(i), out=seen[i])) for i in range(40)]
-                # Killed mid-stream: once tokens flow (stories-260k makes 200 in about a
-                # second, so a fixed wait can find the victim done with its share).
-                while not any(s.chunk_times for s in seen) and not all(t.done() for t in tasks):
-                    await asyncio.sleep(0.02)
-                await asyncio.sleep(0.2)
-                os.kill(victim, signal.SIGKILL)
+                tasks = [
+                    asyncio.create_task(stream_one(client, up.url, prompt(i, 400), out=s)) for i, s in enumerate(seen)
+                ]
+                # Killed mid-stream: once tokens flow, the first replica whose heartbeat (every
+                # second) says it holds some of them (stories-260k makes 400 tokens in 2-3 s;
+                # a fixed wait can find a replica done with its share, or never given one).
+                while True:
+                    beat = decode_beat((await beats.next_msg(timeout=30)).data)
+                    flowing = any(s.chunk_times for s in seen)
+                    if flowing and isinstance(beat, InferenceBeat) and beat.acks and beat.pid in pids:
+                        break
+                os.kill(beat.pid, signal.SIGKILL)
                 killed_at = time.monotonic()
-                return await asyncio.gather(*tasks), killed_at
+                await nc.close()
+                return await asyncio.gather(*tasks), killed_at, beat.pid
 
-        streams, killed_at = asyncio.run(run())
+        streams, killed_at, victim = asyncio.run(run())
         answered = [s for s in streams if s.done and s.error is None]
         failed_cleanly = [s for s in streams if s.status != 200 or s.error is not None]
         assert len(answered) + len(failed_cleanly) == 40, [(s.status, s.done, s.error) for s in streams]
