@@ -159,6 +159,8 @@ class _EngineEnd:
         """Say ready once the runner's profile has ended (its figures in the message), then
         apply each command until the parent says stop (or goes away: EOFError)."""
         self.runner.profiled.wait()
+        heap.enable()  # what the fork, the model and the profile left alive: out of the collector's walks
+        heap.freeze()
         with self.lock:
             self.conn.send(EngineReady(self.runner.stats()))
         while True:
