@@ -366,7 +366,7 @@ class InferenceService:
                     continue
             if isinstance(runner, ProcessRunner):  # ready once its profile ended
                 await asyncio.to_thread(runner.ready.wait, START_TIMEOUT_S)
-            else:  # a llama-server's profile waits for it to come up
+            else:  # an engine on a thread: ready once its profile ended (a llama-server's waits for it to come up)
                 await asyncio.to_thread(runner.profiled.wait, START_TIMEOUT_S)
 
     def _runner_for(self, loaded) -> Runner:

@@ -79,7 +79,14 @@ class Endings:
         self.at.setdefault(model, deque(maxlen=1024)).append(now or time.time())
 
     def since(self, model: str, since: float) -> int:
-        return sum(1 for t in self.at.get(model, ()) if t > since)
+        """How many ended after `since`: from the newest back (they are kept in order), so
+        an admission reads only the few since the last heartbeat, not the whole history."""
+        ended = 0
+        for t in reversed(self.at.get(model, ())):
+            if t <= since:
+                break
+            ended += 1
+        return ended
 
 
 def combine(
