@@ -41,6 +41,11 @@ PROFILE_PROMPT_TOKENS = 8
 #: A profile that has not ended by then (a llama-server that never came up) is given up:
 #: the engine serves, its figures come from real steps.
 PROFILE_TIMEOUT_S = 180.0
+#: The profile's full batch stops after this long once it has PROFILE_MIN_FULL_STEPS
+#: decode steps: on a slow CPU its 16 steps at 64 rows took 18 s (SmolLM2 in float32 on
+#: an AVX2 EPYC, 0.8 s a step), and a restarted worker's requests waited them out.
+PROFILE_FULL_BUDGET_S = 3.0
+PROFILE_MIN_FULL_STEPS = 4
 
 PROFILE_PREFIX = "step-profile-"
 
@@ -251,17 +256,26 @@ class EngineRunner:
     def _profile(self) -> None:
         """Before any real request: `n` greedy requests of a short prompt, decoding
         PROFILE_STEPS steps together (their end of sequence barred), for `n` of one and of
-        every slot, timed as any step (`_measure`: the prefill step, at batch 0 before it,
-        is not); their outputs are dropped (`_profile_outputs`). Then the requests held
+        every slot (that one cut short past PROFILE_FULL_BUDGET_S), timed as any step
+        (`_measure`: the prefill step, at batch 0 before it, is not); their outputs are
+        dropped (`_profile_outputs`). Then the requests held
         meanwhile go in, in their order. A profile that fails or outlasts
         PROFILE_TIMEOUT_S is given up (logged): the engine serves all the same."""
         started = time.monotonic()
         try:
             for n in (1, self.engine.max_batch_size):
                 self._profile_batch(n)
+                batch_started = time.monotonic()
                 while self._profiling and not self._stop:
                     if time.monotonic() - started > PROFILE_TIMEOUT_S:
                         raise TimeoutError(f"not done after {PROFILE_TIMEOUT_S:g} s")
+                    if (
+                        n > 1
+                        and time.monotonic() - batch_started > PROFILE_FULL_BUDGET_S
+                        and len(self._full) >= PROFILE_MIN_FULL_STEPS
+                    ):
+                        self._end_profile_requests()  # enough steps to judge a burst by
+                        break
                     self._step(len(self.engine.stats().running))
                 load = self.load()
                 log.info(
@@ -276,11 +290,7 @@ class EngineRunner:
                 )
         except Exception as exc:  # noqa: BLE001 - the engine must serve without its figures
             log.warning("step profile given up: %r", exc, extra={"model": self.name})
-            for rid in self._profiling:
-                self.engine.cancel(rid)
-            with suppress(Exception):
-                self._profile_outputs(self.engine.step())
-            self._profiling.clear()
+            self._end_profile_requests()
         with self._held_lock:
             for command in self._held:
                 if isinstance(command, str):
@@ -293,6 +303,14 @@ class EngineRunner:
                     self._post([StepOutput.ended(command, "error")])
             self._held.clear()
             self.profiled.set()
+
+    def _end_profile_requests(self) -> None:
+        """Cancel the profile's requests still running; their last outputs are dropped."""
+        for rid in self._profiling:
+            self.engine.cancel(rid)
+        with suppress(Exception):
+            self._profile_outputs(self.engine.step())
+        self._profiling.clear()
 
     def _profile_batch(self, n: int) -> None:
         loaded = self.engine.loaded

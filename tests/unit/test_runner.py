@@ -15,6 +15,7 @@ from consumers.inference.runner import (
     MIN_SAMPLES,
     PROFILE_PREFIX,
     PROFILE_PROMPT_TOKENS,
+    PROFILE_STEPS,
     EngineRunner,
     steps_until_slot,
     typical_step,
@@ -254,6 +255,38 @@ async def test_a_starting_engine_profiles_its_steps_alone_and_at_every_slot():
     assert load.small_batch == 1 and load.alone_step_s == pytest.approx(0.002, rel=0.5)
     assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.016, rel=0.5)
     assert steps == [] and delivered == []
+
+
+async def test_a_slow_full_batch_profile_stops_at_its_budget_with_enough_steps(monkeypatch):
+    """On a slow CPU the profile's full batch would hold a starting (or restarted) engine
+    for PROFILE_STEPS long steps (18 s for SmolLM2 in float32 on an AVX2 EPYC): past
+    PROFILE_FULL_BUDGET_S, once it has PROFILE_MIN_FULL_STEPS steps, its requests are
+    cancelled and a real request held meanwhile is served; the full batch's figure is kept."""
+    from consumers.inference import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "PROFILE_FULL_BUDGET_S", 0.2)
+    delivered: list = []
+    engine = SteppingEngine(slots=8, per_row=0.01)  # 80 ms a full step: 16 of them 1.3 s
+    runner = EngineRunner(engine, asyncio.get_running_loop(), delivered.extend, profile=True)  # type: ignore[arg-type]
+    try:
+        while not engine.seen:
+            await asyncio.sleep(0.001)
+        runner.add(GenRequest("real", [5, 6], SamplingParams(temperature=0, max_tokens=3)))
+        started = time.monotonic()
+        assert await asyncio.to_thread(runner.profiled.wait, 10)
+        took = time.monotonic() - started
+        while not [o for o in delivered if o.finished]:
+            await asyncio.sleep(0.01)
+        load = runner.load()
+    finally:
+        runner.stop()
+    full = {r.request_id for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}8-")}
+    assert len(full) == 8 and full <= engine.cancelled
+    assert runner_module.PROFILE_MIN_FULL_STEPS <= len(runner._full) < PROFILE_STEPS
+    assert took < PROFILE_STEPS * 0.08  # not the 16 full steps
+    assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.08, rel=0.5)
+    assert [o.completion_tokens for o in delivered if o.request_id == "real"] == [1, 2, 3]
+    assert not [o for o in delivered if o.request_id.startswith(PROFILE_PREFIX)]
 
 
 async def test_a_request_during_the_profile_waits_for_it_and_a_cancel_keeps_its_order():
