@@ -69,16 +69,15 @@ WEIGHT_FIRST_MARGIN = 1.1
 WEIGHT_FIRST_MIN_PARAMS = 4_000_000
 
 
+def _onednn_bf16() -> bool:
+    """Whether this CPU's oneDNN has native bfloat16 kernels (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def supported(model: nn.Module, device: str) -> bool:
     """Whether `model`'s linear layers can run packed: bfloat16 weights on a CPU whose
-    oneDNN has native bfloat16 kernels (AVX512-BF16 or AMX)."""
-    dtype = next(model.parameters()).dtype
-    return (
-        device == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    oneDNN has native bfloat16 kernels."""
+    return device == "cpu" and next(model.parameters()).dtype == torch.bfloat16 and _onednn_bf16()
 
 
 def half_supported(model: nn.Module, device: str) -> bool:
@@ -91,7 +90,7 @@ def half_supported(model: nn.Module, device: str) -> bool:
         and dtype == torch.float32
         and "fbgemm" in torch.backends.quantized.supported_engines
         and hasattr(torch.ops.quantized, "linear_prepack_fp16")
-        and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and not _onednn_bf16()
     )
 
 
@@ -111,8 +110,10 @@ def wanted(spec: Any, model: nn.Module) -> Packing | None:
 
 def packed_nbytes(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """The bytes a packed copy of `model`'s linear layers takes (the packing engine's)."""
-    size = 2 if packing == "float16" else None
-    return sum(m.weight.numel() * (size or m.weight.element_size()) for m in model.modules() if type(m) is nn.Linear)
+    layers = [m for m in model.modules() if type(m) is nn.Linear]
+    if packing == "float16":
+        return sum(2 * m.weight.numel() for m in layers)
+    return sum(m.weight.nbytes for m in layers)
 
 
 class PackedLinear(nn.Module):
