@@ -5,6 +5,13 @@ A child that dies is restarted with backoff (logged, and counted in
 serving. So is a nats-server or redis-server `arena up` started itself: on its port, with
 its store (JetStream's files, Redis's append-only file), while the roles reconnect.
 
+A replicated role (inference) has a warm spare beside it, started with the roles:
+`arena run inference --standby` imports torch and transformers at a lower priority and
+waits. A worker that dies is replaced by promoting it (it loads the models at once)
+instead of by a cold process that first spends ~11 s importing; a new spare is started
+STANDBY_AFTER_PROMOTION_S later, once the promoted worker has its models in. Which
+process is which: `processes.json` in the state dir.
+
 On stop, the roles go down one at a time in the reverse of their start order
 (`events.topology.ROLES`): the gateway stops taking requests, inference drains and gives
 back what it could not finish while delivery still delivers, and the servers go last.
@@ -65,12 +72,21 @@ RESTARTS = Counter("arena_process_restarts_total", "Children of `arena up` resta
 #: Backoff between restarts of one child: doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S,
 #: and starts over once the child has stayed up STABLE_S.
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+#: A warm spare's priority while it waits (a nice value; its imports take only the CPU the
+#: serving processes leave), and how long after a promotion its successor is started (it
+#: imports beside the promoted worker's model loads otherwise).
+STANDBY_NICE, STANDBY_AFTER_PROMOTION_S = 10, 30.0
 
 
 def _die_with_parent() -> None:
     """Children get SIGTERM if `arena up` itself dies (even by kill -9)."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _standby_preexec() -> None:
+    _die_with_parent()
+    os.nice(STANDBY_NICE)
 
 
 def torch_threads(env: dict, replicas: int) -> dict:
@@ -98,6 +114,16 @@ class Child:
 
 
 @dataclass
+class Standby:
+    """A replicated role's warm spare (`arena run ROLE --standby`): none while ``due`` is
+    in the future."""
+
+    role: str
+    proc: subprocess.Popen | None = None
+    due: float = 0.0
+
+
+@dataclass
 class Stack:
     state: Path
     env: dict
@@ -105,6 +131,8 @@ class Stack:
     children: dict[str, Child] = field(default_factory=dict)
     takeover: Takeover | None = None  # naks a dead inference process's messages at once
     lock: IO[str] | None = None  # the state dir's lock (infra.start_checks), held until stop() ends
+    standbys: dict[str, Standby] = field(default_factory=dict)  # by role; started by supervise()
+    _roster: dict = field(default_factory=dict)  # as processes.json says it
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -127,13 +155,80 @@ class Stack:
         return self.children[name].proc
 
     def supervise(self, say=print) -> None:
-        """Restart children and the servers this stack started that died, with backoff;
-        call it periodically."""
+        """Restart children and the servers this stack started that died, with backoff
+        (a child of a role with a warm spare: by promoting the spare); start the spares
+        that are due; call it periodically."""
         now = time.monotonic()
         for child in self.children.values():
-            self._revive(child.name, child, lambda c=child: self._popen(c.role, c.name, c.env), now, say)
+            self._revive(child.name, child, functools.partial(self._restart, child, say), now, say)
         for name, server in self._local_servers():
             self._revive(name, server, server.respawn, now, say)
+        for standby in self.standbys.values():
+            self._keep_standby(standby, now, say)
+        self.write_roster()
+
+    def roster(self) -> dict:
+        """Which process is which: each child's pid by name, each role's warm spare (a
+        promoted spare keeps its `--standby` command line; this says what it runs as)."""
+        return {
+            "children": {name: c.proc.pid for name, c in self.children.items() if c.due is None},
+            "standbys": {role: s.proc.pid if s.proc is not None else None for role, s in self.standbys.items()},
+        }
+
+    def write_roster(self) -> None:
+        """`processes.json` in the state dir, when the roster changed (arena top, the tests)."""
+        roster = self.roster()
+        if roster != self._roster:
+            self._roster = roster
+            path = self.state / "processes.json"
+            path.with_suffix(".tmp").write_text(json.dumps(roster))
+            path.with_suffix(".tmp").replace(path)
+
+    def _restart(self, child: Child, say) -> subprocess.Popen:
+        """A process for ``child``: its role's warm spare, promoted, if one is there; else a new one."""
+        standby = self.standbys.get(child.role)
+        if standby is not None and standby.proc is not None:
+            spare, standby.proc = standby.proc, None
+            standby.due = time.monotonic() + STANDBY_AFTER_PROMOTION_S
+            if self.promote(spare, child):
+                say(json.dumps({"event": "standby_promoted", "process": child.name, "pid": spare.pid}), flush=True)
+                return spare
+            _terminate([spare], 1.0)
+        return self._popen(child.role, child.name, child.env)
+
+    def promote(self, spare: subprocess.Popen, child: Child) -> bool:
+        """Tell ``spare`` to run as ``child`` (its environment, log file and this process's
+        priority: see infra.commands.run.promoted); False if it is gone."""
+        order = {"env": child.env, "log": str(self.state / "logs" / f"{child.name}.log"), "nice": os.nice(0)}
+        assert spare.stdin is not None
+        try:
+            spare.stdin.write(json.dumps(order).encode() + b"\n")
+            spare.stdin.close()
+        except OSError:
+            return False
+        return spare.poll() is None
+
+    def _keep_standby(self, standby: Standby, now: float, say) -> None:
+        """Start ``standby``'s spare when it is due and none is there (a spare that died on
+        its own is started again after STANDBY_AFTER_PROMOTION_S)."""
+        if standby.proc is not None and standby.proc.poll() is not None:
+            say(
+                json.dumps({"event": "standby_exited", "role": standby.role, "code": standby.proc.returncode}),
+                flush=True,
+            )
+            standby.proc, standby.due = None, now + STANDBY_AFTER_PROMOTION_S
+        if standby.proc is not None or now < standby.due:
+            return
+        env = next((c.env for c in self.children.values() if c.role == standby.role), self.env)
+        with open(self.state / "logs" / f"{standby.role}-standby.log", "ab") as log:
+            standby.proc = subprocess.Popen(
+                [sys.executable, "-m", "infra.cli", "run", standby.role, "--standby"],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_standby_preexec,  # noqa: PLW1509 - PDEATHSIG and a nice value; no threads run yet
+            )
 
     def _local_servers(self) -> list[tuple[str, LocalServer]]:
         out: list[tuple[str, LocalServer]] = []
@@ -175,7 +270,8 @@ class Stack:
         )
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """Stop the roles one at a time, in the reverse of their start order, then the servers."""
+        """Stop the spares, the roles one at a time in the reverse of their start order, then the servers."""
+        _terminate([s.proc for s in self.standbys.values() if s.proc is not None], grace_s)
         for role in reversed(topology.role_names()):
             _terminate([c.proc for c in self.children.values() if c.role == role], grace_s)
         if self.takeover is not None:
@@ -219,6 +315,11 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     env.update(_role_env(args, port, nats_at.url, redis_at.url, env))
     convert_sources(env["ARENA_MODELS_CONFIG"], print_fn)
     targets = _spawn_roles(stack, args.inference_replicas, nats_at.credentials, redis_at.users)
+    if getattr(args, "standby", True) and args.inference_replicas >= 1:
+        # Started with the roles, at its lower priority: imported by the time they are ready.
+        stack.standbys[topology.INFERENCE.name] = standby = Standby(topology.INFERENCE.name)
+        stack._keep_standby(standby, time.monotonic(), print_fn)
+    stack.write_roster()
     metrics_port = _serve_metrics(stack, targets, print_fn)
     url = f"http://{args.host}:{port}"
     _private_file(

@@ -60,12 +60,17 @@ class ArenaUp:
         self.endpoints = json.loads((self.state / "endpoints.json").read_text())
         self.url, self.nats_url = self.endpoints["gateway_url"], self.endpoints["nats_url"]
 
+    def roster(self) -> dict:
+        """The supervisor's processes.json: each child's pid by name, each role's warm spare."""
+        return json.loads((self.state / "processes.json").read_text())
+
     def inference_pids(self) -> list[int]:
+        """The live inference workers (a promoted warm spare among them; a waiting one not)."""
         out = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        for name, pid in self.roster()["children"].items():
             try:
-                if "inference" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
-                    out.append(child.pid)
+                if name.startswith("inference") and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
             except psutil.NoSuchProcess:
                 pass
         return out

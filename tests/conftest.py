@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +14,9 @@ import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines started in this process keep their step figures for this run only (not the
+# developer's earlier runs'); `arena up` stacks (tests.arena_up) use the user's default.
+os.environ.setdefault("ARENA_STEP_FIGURES_DIR", tempfile.mkdtemp(prefix="arena-step-figures-"))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

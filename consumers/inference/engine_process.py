@@ -110,10 +110,19 @@ def _child(
     consumer: int,
     profile: bool = False,
     log_level: str = "INFO",
+    figures: str | None = None,
+    log_file: str | None = None,
 ) -> None:
-    """The engine process: step whatever comes down the pipe until it closes."""
+    """The engine process: step whatever comes down the pipe until it closes; its logs go
+    to ``log_file`` when given (else where the fork server's go: the worker's)."""
     with suppress(OSError):
         _die_with_parent()
+    if log_file:
+        with suppress(OSError):
+            fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
     if not psutil.pid_exists(consumer):  # it died while this process was starting
         os._exit(0)
     if threads:
@@ -122,7 +131,15 @@ def _child(
     logs.setup(log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
     engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     end = _EngineEnd(conn)
-    end.runner = EngineRunner(engine, _Immediate(), end.send, max_wait_s, on_step=end.on_step, profile=profile)  # type: ignore[arg-type]
+    end.runner = EngineRunner(
+        engine,
+        _Immediate(),  # type: ignore[arg-type]
+        end.send,
+        max_wait_s,
+        on_step=end.on_step,
+        profile=profile,
+        figures=figures,
+    )
     try:
         end.serve()
     except (EOFError, OSError):  # the parent is gone
@@ -265,10 +282,11 @@ def spawn(
     threads: int,
     options: dict[str, Any] | None = None,
     profile: bool = False,
+    figures: str | None = None,
 ) -> EngineChild:
     """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`);
     ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets);
-    ``profile``: its runner's step profile (:class:`EngineRunner`)."""
+    ``profile``, ``figures``: its runner's step profile and kept figures (:class:`EngineRunner`)."""
     forks.start()
     share(loaded)
     ctx = forks.context()
@@ -286,6 +304,8 @@ def spawn(
             os.getpid(),
             profile,
             logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            figures,
+            forks.log_file,
         ),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
@@ -311,9 +331,10 @@ class ProcessRunner:
         threads: int = 0,
         options: dict[str, Any] | None = None,
         profile: bool = False,
+        figures: str | None = None,
     ):
         self.loaded = loaded
-        self.profile = profile  # the engine process's step profile (EngineRunner)
+        self.profile, self.figures = profile, figures  # the engine process's step profile (EngineRunner)
         self.options = options or {}  # the engine's keyword arguments
         self.name = loaded.spec.name
         self.mode = mode
@@ -340,7 +361,14 @@ class ProcessRunner:
 
     def _start(self) -> None:
         child = spawn(
-            self.loaded, self.mode, self.max_batch_size, self.max_wait_s, self.threads, self.options, self.profile
+            self.loaded,
+            self.mode,
+            self.max_batch_size,
+            self.max_wait_s,
+            self.threads,
+            self.options,
+            self.profile,
+            self.figures,
         )
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)

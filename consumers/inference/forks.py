@@ -19,6 +19,10 @@ from multiprocessing.context import BaseContext
 
 #: What the fork server imports before it forks anything.
 PRELOAD = ["consumers.inference.engine_process"]
+#: Where engine processes write their logs when not where the fork server's stdout and
+#: stderr go: a promoted warm spare's (infra.commands.run.promoted) started its fork server
+#: while it wrote to the spare's log, and writes to the worker's from then on.
+log_file: str | None = None
 
 
 def context() -> BaseContext:
@@ -31,6 +35,25 @@ def start() -> None:
     background, so the caller goes on with its own imports meanwhile."""
     context().set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+
+
+def wait_ready() -> None:
+    """Wait until the fork server has imported :data:`PRELOAD` (it forks a process that
+    does nothing, which it can only do once they are in): a worker's warm spare waits for
+    this before it says it is ready to be promoted."""
+    proc = context().Process(target=_nothing, name="forks-ready")  # type: ignore[attr-defined]
+    proc.start()
+    proc.join()
+
+
+def _nothing() -> None:
+    pass
+
+
+def server_pids() -> list[int]:
+    """The fork server's process id, when it is running (else none)."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return [pid] if pid else []
 
 
 def stop() -> None:

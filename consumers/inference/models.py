@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -329,6 +330,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     ids += _as_list(getattr(model.config, "eos_token_id", None))
     ids += _as_list(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))
+
+
+def machine() -> list:
+    """What a step time measured here depends on, beside the model and the engine's
+    settings: the CPU (its name and the features torch found), its cores, torch's version."""
+    caps = torch.cpu.get_capabilities()
+    return [caps.get("cpu_name"), os.cpu_count(), sorted(k for k, v in caps.items() if v is True), torch.__version__]
 
 
 def cpu_bf16_native() -> bool:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import json
 import logging
+import os
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from pathlib import Path
 
 from consumers.inference.metrics import METRICS, PrefixCounts
 from consumers.inference.protocol import (
@@ -48,6 +51,14 @@ PROFILE_FULL_BUDGET_S = 3.0
 PROFILE_MIN_FULL_STEPS = 4
 
 PROFILE_PREFIX = "step-profile-"
+
+#: An engine's measured steps are kept in a file (``EngineRunner(figures=...)``), written
+#: at the profile's end and every FIGURES_EVERY_S while it lives; an engine of the same
+#: model, settings and machine starting within FIGURES_MAX_AGE_S of the last write (a
+#: worker restarted after a kill -9 or an OOM) takes them instead of profiling: its
+#: requests waited 3.5-9 s for a profile on a 2-core VM.
+FIGURES_EVERY_S = 30.0
+FIGURES_MAX_AGE_S = 900.0
 
 
 def typical_step(times) -> float:
@@ -124,7 +135,8 @@ class EngineRunner:
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
     step (default: the worker's metrics, :func:`record_step`) but the profile's own.
     ``profile``: first time decode steps at one request and at every slot (:meth:`_profile`);
-    requests added meanwhile wait for it (`profiled`)."""
+    requests added meanwhile wait for it (`profiled`). ``figures``: the file its measured
+    steps are kept in (see FIGURES_EVERY_S); a fresh one there stands for the profile."""
 
     def __init__(
         self,
@@ -134,6 +146,7 @@ class EngineRunner:
         max_wait_s: float = 0.0,
         on_step: Callable[[StepRecord, EngineStats], None] | None = None,
         profile: bool = False,
+        figures: str | None = None,
     ):
         self.engine = engine
         self.max_wait_s = max_wait_s
@@ -169,7 +182,9 @@ class EngineRunner:
         self._held: list[GenRequest | str] = []
         self._held_lock = threading.Lock()
         self._profiling: set[str] = set()
-        if not profile:
+        self._figures = Path(figures) if figures else None
+        self._figures_saved = 0.0
+        if not profile or self._take_figures():
             self.profiled.set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
@@ -212,6 +227,8 @@ class EngineRunner:
         if not self.profiled.is_set():
             self._profile()
         while not self._stop:
+            if self._figures is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:
+                self._keep_figures()
             queue = self.engine.stats()
             if not queue.has_work():
                 self._wake.wait(0.5)
@@ -303,6 +320,52 @@ class EngineRunner:
                     self._post([StepOutput.ended(command, "error")])
             self._held.clear()
             self.profiled.set()
+        if self._figures is not None:
+            self._keep_figures()
+
+    # ---- the figures kept between processes ---------------------------------------------
+
+    _KEPT = ("_small", "_small_batches", "_full", "_full_batches", "_alone", "_alone_idle")
+
+    def _keep_figures(self) -> None:
+        """Write the measured steps to the figures file (atomically: a reader sees the old
+        or the new); the write's time says how fresh they are."""
+        assert self._figures is not None
+        self._figures_saved = time.monotonic()
+        kept: dict[str, object] = {name: list(getattr(self, name)) for name in self._KEPT}
+        kept |= {"written_at": time.time(), "measured_at": self.measured_at, "pid": os.getpid()}
+        try:
+            self._figures.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._figures.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(kept))
+            tmp.replace(self._figures)
+        except OSError as exc:  # a read-only directory costs the next start its profile, nothing else
+            log.warning("step figures not kept (tried once): %r", exc, extra={"model": self.name})
+            self._figures = None
+
+    def _take_figures(self) -> bool:
+        """Seed the measured steps from the figures file if one was written within
+        FIGURES_MAX_AGE_S with a full batch's steps in it: the profile is then skipped."""
+        if self._figures is None:
+            return False
+        try:
+            kept = json.loads(self._figures.read_text())
+            age = time.time() - float(kept["written_at"])
+            if age > FIGURES_MAX_AGE_S or len(kept["_full"]) < PROFILE_MIN_FULL_STEPS:
+                return False
+            seeds = {name: [(int if name.endswith("batches") else float)(x) for x in kept[name]] for name in self._KEPT}
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        for name, values in seeds.items():
+            getattr(self, name).extend(values)
+        self.measured_at = float(kept.get("measured_at") or 0.0)
+        log.info(
+            "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it",
+            kept.get("pid"),
+            age,
+            extra={"model": self.name},
+        )
+        return True
 
     def _end_profile_requests(self) -> None:
         """Cancel the profile's requests still running; their last outputs are dropped."""

@@ -21,11 +21,14 @@ a margin past their deadline, whatever lost them).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -39,7 +42,7 @@ from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import encode_prompt, encode_text, vocab_size
+from consumers.inference.models import encode_prompt, encode_text, machine, vocab_size
 from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
@@ -378,7 +381,9 @@ class InferenceService:
             if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
                 binary = locate(s.llama_cpp_dir)  # the error names the build command
                 llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.torch_threads)
-                runner = EngineRunner(llama, self.loop, self.on_outputs, profile=s.step_profile)
+                runner = EngineRunner(
+                    llama, self.loop, self.on_outputs, profile=s.step_profile, figures=self.figures_path(loaded)
+                )
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -390,12 +395,36 @@ class InferenceService:
                     s.torch_threads,
                     self.engine_options,
                     s.step_profile,
+                    self.figures_path(loaded),
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
-                runner = EngineRunner(engine, self.loop, self.on_outputs, hold_s, profile=s.step_profile)
+                runner = EngineRunner(
+                    engine,
+                    self.loop,
+                    self.on_outputs,
+                    hold_s,
+                    profile=s.step_profile,
+                    figures=self.figures_path(loaded),
+                )
             self.runners[id(loaded)] = runner
         return runner
+
+    def figures_path(self, loaded) -> str | None:
+        """Where ``loaded``'s engine keeps its measured steps (:data:`runner.FIGURES_MAX_AGE_S`):
+        one file per model, engine settings, threads and machine; None without a step
+        profile or with ARENA_STEP_FIGURES_DIR empty."""
+        s = self.settings
+        if not s.step_profile or not s.step_figures_dir:
+            return None
+        key = {
+            "spec": loaded.spec.model_dump(mode="json"),
+            "version": loaded.version,
+            "engine": [s.engine, s.engine_process, s.max_batch_size, s.torch_threads, self.engine_options],
+            "machine": machine(),
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return str(Path(s.step_figures_dir).expanduser() / f"{loaded.spec.name}-{digest}.json")
 
     @staticmethod
     def _shareable(loaded) -> bool:

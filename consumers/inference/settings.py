@@ -70,6 +70,12 @@ class InferenceSettings(CommonSettings):
         "alone and one in every slot (requests that come meanwhile wait for it), so admission judges a first burst "
         "by a measured full batch (`docs/admission.md`).",
     )
+    step_figures_dir: str = Field(
+        str(Path.home() / ".cache" / "arenaflow" / "step-figures"),
+        description="Where each engine keeps its measured step times (a file per model, engine settings and "
+        "machine, rewritten every 30 s): an engine of the same model starting within 15 minutes of the last write "
+        "(a worker restarted after a crash) takes them instead of profiling. Empty: off.",
+    )
     engine_process: bool = Field(
         True,
         description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "

@@ -1,10 +1,21 @@
-"""`arena run ROLE`: one process of the topology (settings from ARENA_* variables)."""
+"""`arena run ROLE`: one process of the topology (settings from ARENA_* variables).
+
+`arena run inference --standby` is `arena up`'s warm spare: it does everything a worker
+does before it reads its settings (imports torch and transformers, starts its engine
+fork server and waits for that one's imports too: ~11 s of CPU on a slow 2-core VM), then
+waits. When a worker dies, the supervisor promotes it instead of starting a cold
+process: one JSON line on its stdin gives it the dead worker's environment, log file and
+priority, and it runs as that worker from there (see infra.supervisor.Stack.promote).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import logging
 import os
+import sys
 
 from consumers.inference import forks
 from consumers.inference.settings import InferenceSettings
@@ -17,14 +28,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="run one process (settings from ARENA_* variables)")
     p.set_defaults(run=run)
     p.add_argument("role", choices=topology.role_names())
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="import everything, then wait for one JSON line on stdin (env, log, nice) and run as that process",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_role(args.role)
+    return run_role(args.role, standby=args.standby)
 
 
-def run_role(role: str) -> int:
-    """Run one process of the topology (blocking), with JSON logs."""
+def run_role(role: str, standby: bool = False) -> int:
+    """Run one process of the topology (blocking), with JSON logs; ``standby``: once
+    imported, wait to be promoted first (:func:`promoted`), and exit 0 if stdin closes
+    before that."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     module, func = topology.role(role).entry.split(":")
     logs.setup(CommonSettings().log_level, role)
@@ -33,5 +51,37 @@ def run_role(role: str) -> int:
         heap.mmap_threshold()  # freed activations go back to the system (an engine process sets its own)
     if role == topology.INFERENCE.name and InferenceSettings().engine_process:
         forks.start()  # the engine processes' fork server imports torch beside this process's imports
-    getattr(importlib.import_module(module), func)()
+    main = getattr(importlib.import_module(module), func)
+    if standby:
+        if role == topology.INFERENCE.name and InferenceSettings().engine_process:
+            forks.wait_ready()
+        logging.getLogger(__name__).info("standby for %s: imported, waiting to be promoted", role)
+        if not promoted(sys.stdin.buffer.readline()):
+            return 0
+    main()
     return 0
+
+
+def promoted(line: bytes) -> bool:
+    """Become the process the supervisor's line describes: its environment (the same as the
+    standby's but for per-process values such as its metrics port), its log file on
+    stdout and stderr, and its priority (the standby waits at a lower one, and so does its
+    engine fork server, which the engines are forked from). False when there is no line."""
+    if not line.strip():
+        return False
+    order = json.loads(line)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    forks.log_file = order["log"]  # the engine processes its fork server forks write there too
+    pids = [0, *forks.server_pids()]
+    try:
+        for pid in pids:
+            os.setpriority(os.PRIO_PROCESS, pid, order["nice"])
+    except OSError as exc:  # raising a priority back needs CAP_SYS_NICE (root here, not in every container)
+        logging.getLogger(__name__).warning("promoted standby keeps its lower priority: %r", exc)
+    logging.getLogger(__name__).info("standby promoted (pid %d)", os.getpid())
+    return True

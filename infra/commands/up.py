@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--inference-replicas", type=int, default=1)
     p.add_argument(
+        "--standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a warm spare inference process (imported, waiting at a lower priority) to replace a worker "
+        "that dies at once; --no-standby restarts a cold one (docs/operations.md, 'Restarts')",
+    )
+    p.add_argument(
         "--nats-cluster",
         type=int,
         default=1,

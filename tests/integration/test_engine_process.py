@@ -325,7 +325,9 @@ async def test_a_starting_engine_process_profiles_its_steps_and_a_request_is_ser
     get the tokens they get with no profile (greedy and seeded)."""
     texts = {}
     for profile in (False, True):
-        worker, nc = await start_worker(nats_server.url, engine_process=True, torch_threads=1, step_profile=profile)
+        worker, nc = await start_worker(
+            nats_server.url, engine_process=True, torch_threads=1, step_profile=profile, step_figures_dir=""
+        )  # no figures kept by an earlier engine: this one profiles
         try:
             if profile:  # sent first: they arrive while the engine starts and profiles
                 for i, p in enumerate(PROMPTS):

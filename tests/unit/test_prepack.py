@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consumers.inference import prepack
+from consumers.inference import models, prepack
 from consumers.inference.engine import BatchEngine
 from consumers.inference.models import ModelSpec, load_model
 from tests.conftest import STORIES
@@ -118,6 +118,7 @@ def test_dtype_auto_on_a_cpu_without_bfloat16_packs_float16_weights_and_an_expli
     model is big enough (stories260K is not: the floor is lowered here); `dtype: float32`
     asked for keeps float32 weights; the load counts the packed copy."""
     monkeypatch.setattr(prepack, "MIN_PARAMS", 0)
+    monkeypatch.setattr(models, "BF16_MIN_PARAMS", 0)  # where bfloat16 is native, auto takes it
     auto = load_model(ModelSpec(name="s", path=str(STORIES), dtype="auto"))
     fp32 = load_model(ModelSpec(name="s", path=str(STORIES), dtype="float32"))
     off = load_model(ModelSpec(name="s", path=str(STORIES), dtype="auto", prepack=False))
@@ -126,8 +127,10 @@ def test_dtype_auto_on_a_cpu_without_bfloat16_packs_float16_weights_and_an_expli
         want = fp32.model(input_ids=ids).logits
     for loaded in (auto, fp32, off):
         BatchEngine(loaded, "continuous")
-    if NATIVE:  # auto is bfloat16 here, packed as above
-        assert prepack.wanted(auto.spec, auto.model) is None and auto.model.dtype == torch.bfloat16
+    if NATIVE:  # auto is bfloat16 here, packed in oneDNN's layout (no float16 copy); float32 stays float32
+        assert auto.model.dtype == torch.bfloat16 and fp32.model.dtype == torch.float32
+        assert any(isinstance(m, prepack.PackedLinear) for m in auto.model.modules())
+        assert not any(isinstance(m, prepack.HalfLinear) for m in auto.model.modules())
         return
     expected = "float16" if HALF else None
     assert prepack.wanted(auto.spec, off.model) == expected

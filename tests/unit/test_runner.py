@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ from consumers.inference.runner import (
 )
 from consumers.inference.sampling import SamplingParams
 from runtime.steps import MAX_PREFILL_SHARE, PREFILL_WINDOW_S, stretch
+from tests.waiting import until
 
 
 class QueueOnly:
@@ -287,6 +289,53 @@ async def test_a_slow_full_batch_profile_stops_at_its_budget_with_enough_steps(m
     assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.08, rel=0.5)
     assert [o.completion_tokens for o in delivered if o.request_id == "real"] == [1, 2, 3]
     assert not [o for o in delivered if o.request_id.startswith(PROFILE_PREFIX)]
+
+
+async def test_a_restarted_engine_takes_the_figures_its_predecessor_kept_instead_of_profiling(tmp_path):
+    """A worker restarted after a kill -9 starts its engine with the figures the dead one
+    kept (written at its profile's end): it skips the profile, serves at once, and admission
+    has the same figures as before. A file older than FIGURES_MAX_AGE_S, or unreadable, is
+    not taken: that engine profiles."""
+    from consumers.inference import runner as runner_module
+
+    figures = tmp_path / "figures" / "toy.json"
+    loop = asyncio.get_running_loop()
+    first = SteppingEngine(slots=8, per_row=0.002)
+    runner = EngineRunner(first, loop, lambda _: None, profile=True, figures=str(figures))  # type: ignore[arg-type]
+    try:
+        assert await asyncio.to_thread(runner.profiled.wait, 10)
+        before = runner.load()
+    finally:
+        runner.stop()
+    assert figures.exists()
+
+    again = SteppingEngine(slots=8, per_row=0.002)
+    delivered: list = []
+    restarted = EngineRunner(again, loop, delivered.extend, profile=True, figures=str(figures))  # type: ignore[arg-type]
+    try:
+        assert restarted.profiled.is_set()  # at once: no profile to wait for
+        restarted.add(GenRequest("real", [5, 6], SamplingParams(temperature=0, max_tokens=2)))
+        await until(lambda: [o for o in delivered if o.finished], timeout=10)
+        after = restarted.load()
+    finally:
+        restarted.stop()
+    assert [r.request_id for r in again.seen] == ["real"]
+    assert (after.full_step_s, after.full_batch, after.alone_step_s) == (
+        before.full_step_s,
+        before.full_batch,
+        before.alone_step_s,
+    )
+
+    kept = json.loads(figures.read_text())
+    for stale in (kept | {"written_at": time.time() - runner_module.FIGURES_MAX_AGE_S - 1}, {"_full": "x"}):
+        figures.write_text(json.dumps(stale))
+        fresh = SteppingEngine(slots=8, per_row=0.002)
+        profiled = EngineRunner(fresh, loop, lambda _: None, profile=True, figures=str(figures))  # type: ignore[arg-type]
+        try:
+            assert await asyncio.to_thread(profiled.profiled.wait, 10)
+        finally:
+            profiled.stop()
+        assert any(r.request_id.startswith(PROFILE_PREFIX) for r in fresh.seen)
 
 
 async def test_a_request_during_the_profile_waits_for_it_and_a_cancel_keeps_its_order():
