@@ -21,7 +21,6 @@ model's masks are built as SDPA's, so every other call is unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -47,54 +46,9 @@ class Layout:
     prompts: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
 
-def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
-) -> torch.Tensor:
-    """Attention for one new token a row (``query`` [rows, heads, 1, dim] over ``key`` and
-    ``value`` [rows, kv heads, length, dim], ``mask`` None or bool [rows, 1, 1, length]),
-    in two batched products and a softmax, all in float32 and rounded once at the end:
-    each key head's query heads are the rows of one product (grouped-query attention
-    without repeating the keys). The result is [rows, heads, 1, dim].
-
-    On a CPU in bfloat16, SDPA's flash kernel takes a single query a row slowly:
-    SmolLM2's engine step at 32 rows of 400-token contexts took 353 ms with it and 86 ms
-    with this, 106 and 39 ms at 8 rows (docs/inference.md, "Decode attention"). Against
-    float64 from the same bfloat16 inputs this is closer than SDPA's (mean error 6.0e-4
-    against 6.9e-4 at 400 keys); keeping the probabilities in bfloat16, as SDPA does, was
-    15 % faster and further off (8.5e-4), and rounding the scores to bfloat16 moved greedy
-    answers off float32's sooner."""
-    rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
-    scores = torch.matmul(q, key.transpose(-1, -2).float()) * (scaling if scaling is not None else dim**-0.5)
-    if mask is not None:
-        scores = scores.masked_fill(~mask.view(rows, 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, value.float()).to(value.dtype).view(rows, heads, 1, dim)
-
-
-#: Decode steps in 16-bit on a CPU attend with :func:`decode_attention`
-#: (ARENA_DECODE_ATTENTION=0: SDPA's own kernel, for a side-by-side measure).
-DECODE_ATTENTION = os.environ.get("ARENA_DECODE_ATTENTION", "1") != "0"
-#: ... in these dtypes: in float32 SDPA's kernel is as fast (within 3-10 % either way).
-DECODE_DTYPES = {torch.bfloat16, torch.float16}
-
-
-def _decodes(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    return (
-        DECODE_ATTENTION
-        and query.shape[2] == 1
-        and query.device.type == "cpu"
-        and query.dtype in DECODE_DTYPES
-        and (mask is None or (mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[2] == 1))
-    )
-
-
 def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     layout: Layout | None = kwargs.pop("arena_layout", None)
     if layout is None:
-        if _decodes(query, attention_mask) and not dropout:
-            return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -108,10 +62,7 @@ def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         kb[:n, :, slab.end] = key[0, :, :n].transpose(0, 1)
         vb[:n, :, slab.end] = value[0, :, :n].transpose(0, 1)
         keys, values = kb[:n, :, slab.start : slab.end + 1], vb[:n, :, slab.start : slab.end + 1]
-        if _decodes(q, layout.mask):
-            out = decode_attention(q, keys, values, layout.mask, scaling)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, scale=scaling, enable_gqa=gqa)
         parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, heads, n, dim]
     kept = []
     offset = n

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference import packed
 from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
 from consumers.inference.kvcache import bytes_per_token
@@ -397,45 +396,6 @@ def test_a_bf16_model_batches_and_ends_every_request(pack):
         assert 0 < len(tokens(outs[r.request_id])) <= r.params.max_tokens
     greedy = reqs[0]
     assert tokens(outs[greedy.request_id]) == alone(bf16, "continuous", greedy)
-
-
-def test_decode_attention_is_sdpas_for_one_query_a_row_with_and_without_a_mask():
-    """The decode path's attention (packed.decode_attention): grouped-query heads over a
-    KV slab's window, rows masked where they are padded, as SDPA computes it."""
-    torch.manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        q = torch.randn(5, 9, 1, 64, dtype=dtype)
-        slab = torch.randn(5, 3, 80, 64, dtype=dtype)  # a slab wider than the window, as the engine's
-        k, v = slab[:, :, :37], torch.randn(5, 3, 80, 64, dtype=dtype)[:, :, :37]
-        mask = torch.ones(5, 1, 1, 37, dtype=torch.bool)
-        mask[1, ..., :6] = mask[3, ..., :30] = False  # left padding
-        for m in (None, mask):
-            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.125, enable_gqa=True)
-            got = packed.decode_attention(q, k, v, m, 0.125)
-            assert got.shape == want.shape and got.dtype == dtype
-            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-
-
-def test_the_engine_gives_sdpas_greedy_tokens_with_the_decode_attention(loaded, monkeypatch):
-    """The decode path's attention in the engine (plain decode steps with left-padded
-    rows, and the running rows of packed steps that newcomers join): in float32, where
-    both compute to within rounding, every request's greedy tokens are SDPA's. (It runs in
-    16-bit dtypes only; there rounding differs from SDPA's as bfloat16's differs from
-    float32's: docs/inference.md, "Decode attention", gives its agreement.)"""
-    monkeypatch.setattr(packed, "DECODE_DTYPES", {torch.float32})
-    calls = []
-    real = packed.decode_attention
-    monkeypatch.setattr(packed, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    reqs = _requests(loaded, sampled=False)
-    arrivals = {0: reqs[:3], 2: reqs[3:6], 5: reqs[6:]}
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(packed, "DECODE_ATTENTION", on)
-        calls.clear()
-        outs = run(BatchEngine(loaded, "continuous", max_batch_size=8, pack=True), arrivals)
-        got[on] = {r: tokens(o) for r, o in outs.items()}
-        assert bool(calls) is on
-    assert got[True] == got[False]
 
 
 def test_static_batches_never_pack_and_a_tiny_model_only_when_asked(loaded):
