@@ -176,7 +176,7 @@ class Stack:
         }
 
     def write_roster(self) -> None:
-        """`processes.json` in the state dir, when the roster changed (arena top, the tests)."""
+        """`processes.json` in the state dir, when the roster changed (for operators and the tests)."""
         roster = self.roster()
         if roster != self._roster:
             self._roster = roster
