@@ -63,6 +63,7 @@ class ProcessRuntime:
         self.nc: nats.NATS | None = None
         self.js: JetStreamContext | None = None
         self._beat: asyncio.Task | None = None
+        self._beat_soon = asyncio.Event()  # set: the next heartbeat goes now (beat_now)
         self.ready = False
         self.endpoint = ProcessEndpoint(
             role,
@@ -94,7 +95,15 @@ class ProcessRuntime:
             raw = encode_beat(self.describe(beat))
             with suppress(Exception):  # a heartbeat lost in a reconnect is replaced by the next
                 await self.connection().publish(subject, raw)
-            await asyncio.sleep(self.settings.heartbeat_s)
+            self._beat_soon.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), self.settings.heartbeat_s)
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat now rather than at its period (calls before it goes are
+        one beat): an inference worker's beat lists the messages it holds, and `arena up`
+        naks those the moment it dies; one pulled since the last beat waited out its AckWait."""
+        self._beat_soon.set()
 
     def connection(self) -> nats.NATS:
         assert self.nc is not None, "start() the runtime first"

@@ -77,6 +77,7 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
         if event is None:
             return
         async with service.held(message):
+            runtime.beat_now()  # its ack subject in a beat at once: a kill -9 from now on hands it on
             await service.wait_for_room()
             await service.submit(event, message)
 

@@ -145,6 +145,10 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
         assert up.inference_pids() == [spare], (up.roster(), spare)
         up.stop()
         assert any('"standby_promoted"' in line for line in up.lines), up.lines
+        # All 4 messages handed on at the exit, though the kill came within a second of their
+        # pull: the worker beats (listing what it holds) as it takes each one.
+        [exited] = [json.loads(line) for line in up.lines if '"process_exited"' in line]
+        assert exited["messages_handed_on"] == 4, exited
         # The spare writes to the worker's log from then on, its engine processes too; their
         # engine took the step figures the dead worker's kept instead of profiling again.
         log = (up.state / "logs" / "inference-0.log").read_text().split("standby promoted", 1)[1]
