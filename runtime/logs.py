@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -39,6 +40,15 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
+
+
+def output_to(path: str) -> None:
+    """Point this process's stdout and stderr (the log handler's stream among them) at the
+    file ``path``, appended to."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 def setup(level: str = "INFO", process: str | None = None) -> None:

@@ -119,10 +119,7 @@ def _child(
         _die_with_parent()
     if log_file:
         with suppress(OSError):
-            fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+            logs.output_to(log_file)
     if not psutil.pid_exists(consumer):  # it died while this process was starting
         os._exit(0)
     if threads:

@@ -378,12 +378,11 @@ class InferenceService:
             assert self.loop is not None, "start() the service first"
             s = self.settings
             hold_s = s.max_wait_ms / 1000 if s.engine == "static" else 0.0  # a micro-batch's wait to fill
+            figures = self.figures_path(loaded)
             if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
                 binary = locate(s.llama_cpp_dir)  # the error names the build command
                 llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.torch_threads)
-                runner = EngineRunner(
-                    llama, self.loop, self.on_outputs, profile=s.step_profile, figures=self.figures_path(loaded)
-                )
+                runner = EngineRunner(llama, self.loop, self.on_outputs, profile=s.step_profile, figures=figures)
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -395,17 +394,12 @@ class InferenceService:
                     s.torch_threads,
                     self.engine_options,
                     s.step_profile,
-                    self.figures_path(loaded),
+                    figures,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
                 runner = EngineRunner(
-                    engine,
-                    self.loop,
-                    self.on_outputs,
-                    hold_s,
-                    profile=s.step_profile,
-                    figures=self.figures_path(loaded),
+                    engine, self.loop, self.on_outputs, hold_s, profile=s.step_profile, figures=figures
                 )
             self.runners[id(loaded)] = runner
         return runner

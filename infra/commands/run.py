@@ -72,10 +72,7 @@ def promoted(line: bytes) -> bool:
     order = json.loads(line)
     os.environ.clear()
     os.environ.update(order["env"])
-    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for target in (1, 2):
-        os.dup2(fd, target)
-    os.close(fd)
+    logs.output_to(order["log"])
     forks.log_file = order["log"]  # the engine processes its fork server forks write there too
     pids = [0, *forks.server_pids()]
     try:
