@@ -136,15 +136,18 @@ async def test_a_packed_bfloat16_model_serves_the_same_tokens_from_an_engine_pro
     """bfloat16 linear layers packed in oneDNN's layout by the engine that steps them
     (prepack.py, where the CPU computes bfloat16 natively): the engine process packs its
     copy of the pool's shared weights (the pool's stay row-major and shared), the thread
-    engine the pool's own; both answer alike."""
+    engine the pool's own; both answer alike. Each request is served alone: bfloat16 rounds
+    differently with a batch's row count (the known defect test_chat_parity keeps as an
+    xfail), and the rows a request shares a step with depend on when each arrives."""
     texts = {}
     for mode in (False, True):
         worker, nc = await start(nats_server, engine_process=mode)
         try:
             await worker.service.pool.add(ModelSpec(name="deep", path=str(deep_model), dtype="bfloat16"))
+            done = {}
             for i, p in enumerate(PROMPTS):
                 await request(worker.js, f"{mode}-{i}", p, healthy_params(i), model="deep")
-            done = await serve(worker, len(PROMPTS))
+                done |= await serve(worker, 1)
             model = runner_of(worker).loaded.model
             linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, prepack.PackedLinear))]
             packed = prepack.supported(model, "cpu") and not mode
