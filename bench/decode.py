@@ -61,12 +61,13 @@ PROMPTS = [
 HELDOUT = Path(__file__).with_name("heldout.txt")
 
 
-def decode_speed(loaded: LoadedModel, rows: int, tokens: int) -> tuple[float, float]:
-    """(tokens/s, ms a step) of ``rows`` requests decoding together, prefill excluded."""
+def decode_speed(loaded: LoadedModel, rows: int, tokens: int, one_prompt: bool = False) -> tuple[float, float]:
+    """(tokens/s, ms a step) of ``rows`` requests decoding together, prefill excluded;
+    ``one_prompt``: every row the first prompt (rows of one length: no padding mask)."""
     engine = BatchEngine(loaded, "continuous", max_batch_size=rows)
     engine._eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
     for i in range(rows):
-        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        chat = [{"role": "user", "content": PROMPTS[0 if one_prompt else i % len(PROMPTS)]}]
         engine.add(GenRequest(f"r{i}", encode_prompt(loaded, chat), SamplingParams(temperature=0, max_tokens=tokens)))
     engine.step()  # the prefill and the first token
     steps, t0 = 0, time.perf_counter()
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--agree-tokens", type=int, default=48, help="greedy tokens compared per prompt")
     parser.add_argument("--no-quality", action="store_true", help="speed only")
+    parser.add_argument(
+        "--one-prompt", action="store_true", help="every row the same prompt (rows of one length: no padding mask)"
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -133,14 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         dtype, quant, packed = VARIANTS[name]
         models[name] = load_model(ModelSpec(name=name, path=args.model, dtype=dtype, quantize=quant, prepack=packed))
-    result: dict = {"threads": torch.get_num_threads(), "variants": speeds(models, rows, args.rounds, args.tokens)}
+    result: dict = {
+        "threads": torch.get_num_threads(),
+        "variants": speeds(models, rows, args.rounds, args.tokens, args.one_prompt),
+    }
     if not args.no_quality:
         quality(models, args.model, args.agree_tokens, result["variants"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def speeds(models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens: int) -> dict[str, dict]:
+def speeds(
+    models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens: int, one_prompt: bool = False
+) -> dict[str, dict]:
     """Each variant's decode speed at each batch size (the median of interleaved rounds), printed as a table."""
     for loaded in models.values():
         decode_speed(loaded, 2, 4)  # warm-up
@@ -148,7 +157,7 @@ def speeds(models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens:
     for _ in range(rounds):
         for r in rows:
             for name, loaded in models.items():
-                times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens))
+                times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens, one_prompt))
     out: dict[str, dict] = {}
     header = " ".join(f"{f'{r} row' + ('s' if r > 1 else ''):>20}" for r in rows)
     print(f"\n{'variant':<10} {'MB':>6} {header}   (tok/s, ms a step)")
