@@ -39,9 +39,6 @@ import nats
 import psutil
 from prometheus_client import Counter, start_http_server
 
-from consumers.inference import sources
-from consumers.inference.errors import PermanentError
-from consumers.inference.llamacpp import build as llamacpp
 from consumers.inference.settings import InferenceSettings
 from events import topology
 from infra import nats_auth, redis_auth, start_checks
@@ -313,7 +310,7 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     stack.takeover = _takeover(nats_at.operator_url, operator) if nats_at.operator_url else None
     redis_at = _redis(stack, args.redis_url or operator.redis_url, print_fn)
     env.update(_role_env(args, port, nats_at.url, redis_at.url, env))
-    convert_sources(env["ARENA_MODELS_CONFIG"], print_fn)
+    convert_sources(env["ARENA_MODELS_CONFIG"], env, print_fn)
     targets = _spawn_roles(stack, args.inference_replicas, nats_at.credentials, redis_at.users)
     if getattr(args, "standby", True) and args.inference_replicas >= 1:
         # Started with the roles, at its lower priority: imported by the time they are ready.
@@ -463,33 +460,15 @@ def _serve_metrics(stack: Stack, targets: list[scrape.Target], print_fn) -> int:
     return metrics_port
 
 
-def convert_sources(models_config: str, print_fn=print) -> None:
-    """Convert the config's GGUF sources now, with their stages on the terminal (the first
-    start on a machine: tens of seconds), so the workers load checkpoints from the cache
-    instead of converting one each behind a "waiting" line. A source that cannot be
-    converted is left to the workers, whose error names it."""
-    from consumers.inference.models import load_models_config  # noqa: PLC0415 - torch: only arena up needs it
-
-    settings = InferenceSettings()
-    try:
-        specs = load_models_config(models_config, settings.models_dir)
-    except PermanentError:
-        return  # the workers say what is wrong with the file
-    for spec in specs:
-        if spec.base is None and sources.is_converted_source(spec.path):
-            # llama.cpp serves the GGUF itself: the worker needs its tokenizer, not its weights.
-            prepare = sources.tokenizer_dir if spec.backend == "llamacpp" else sources.checkpoint
-            with contextlib.suppress(PermanentError):
-                prepare(spec.path, settings.model_cache, say=functools.partial(_said, print_fn, spec.name))
-        if spec.backend == "llamacpp":
-            try:
-                llamacpp.locate(settings.llama_cpp_dir)
-            except PermanentError as exc:  # its requests fail with this until it is built
-                _said(print_fn, spec.name, str(exc))
-
-
-def _said(print_fn, name: str, line: str) -> None:
-    print_fn(f"model {name}: {line}")
+def convert_sources(models_config: str, env: dict, print_fn=print) -> None:
+    """The config's GGUF sources converted before the workers start (infra.convert_sources),
+    in a child process whose lines are passed on: the supervisor never imports torch."""
+    command = [sys.executable, "-m", "infra.convert_sources", models_config]
+    # Its stderr (the conversion's progress bars) goes to this process's own.
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            print_fn(line.rstrip("\n"))
 
 
 def _takeover(url: str, operator: OperatorSettings) -> Takeover | None:

