@@ -21,6 +21,7 @@ a margin past their deadline, whatever lost them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -416,6 +417,7 @@ class InferenceService:
             "version": loaded.version,
             "engine": [s.engine, s.engine_process, s.max_batch_size, s.torch_threads, self.engine_options],
             "machine": machine(),
+            "code": engine_code(),
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return str(Path(s.step_figures_dir).expanduser() / f"{loaded.spec.name}-{digest}.json")
@@ -728,3 +730,16 @@ def _failure_of(exc: Exception, request_id: str) -> tuple[FailureCode, str]:
     # A bug: fail this request rather than hold it until its deadline.
     log.error("intake failed", exc_info=exc, extra={"request_id": request_id})
     return "internal_error", f"the worker could not start this request: {exc!r}"
+
+
+@functools.cache
+def engine_code() -> str:
+    """A digest of the code that steps a model (this package's sources) and of torch's and
+    transformers' versions: kept step figures are another code's after an upgrade."""
+    import torch  # noqa: PLC0415 - loaded by now wherever a model is
+    import transformers  # noqa: PLC0415
+
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for source in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
