@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from functools import partial
@@ -185,7 +187,7 @@ def main() -> None:
             "open-file limit below max_websockets + max_connections",
             extra={"limit": files, "max_websockets": settings.max_websockets},
         )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -203,3 +205,8 @@ def main() -> None:
         ws_ping_timeout=settings.ws_ping_timeout_s,
         ws_per_message_deflate=settings.ws_per_message_deflate,
     )
+    server = uvicorn.Server(config)
+    # `arena up` hands over the socket it holds for the stack (infra.start_checks.listen_on).
+    server.run(sockets=[socket.socket(fileno=settings.listen_fd)] if settings.listen_fd is not None else None)
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: it could not start (a failed bind, logged)

@@ -29,6 +29,12 @@ class KeyLimits(BaseModel):
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP API; 0 picks a free one.")
+    listen_fd: int | None = Field(
+        None,
+        ge=0,
+        description="A listening socket inherited from `arena up` (its file descriptor), served instead of binding "
+        "host:port: the supervisor holds the port for the stack's life, across the gateway's restarts.",
+    )
     metrics_port: int = Field(
         0,
         ge=0,

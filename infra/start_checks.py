@@ -48,19 +48,28 @@ def hold_state_dir(state: Path) -> IO[str]:
     return lock
 
 
-def check_port_free(host: str, port: int) -> int:
-    """Bind `port` as the gateway will (SO_REUSEADDR, like uvicorn, so a socket of a
-    stopped stack in TIME_WAIT does not count) and let it go; `port`, or StartRefused."""
+#: The gateway's listening socket's backlog (uvicorn's default).
+BACKLOG = 2048
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound (SO_REUSEADDR, like uvicorn, so a socket of a
+    stopped stack in TIME_WAIT does not count; port 0: a free one) and listening: `arena
+    up` holds it for the stack's life and hands it to each gateway process it starts, so
+    no other server takes the port between this check and the gateway's start, nor while
+    a gateway restarts (connections wait in the backlog). StartRefused when it cannot."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise StartRefused(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-            raise StartRefused(
-                f"port {port} on {host}: address already in use (another server listens there); "
-                "pass another --port, or --port 0 for a free one"
-            ) from None
-    return port
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise StartRefused(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise StartRefused(
+            f"port {port} on {host}: address already in use (another server listens there); "
+            "pass another --port, or --port 0 for a free one"
+        ) from None
+    sock.listen(BACKLOG)
+    return sock

@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +130,8 @@ class Stack:
     takeover: Takeover | None = None  # naks a dead inference process's messages at once
     lock: IO[str] | None = None  # the state dir's lock (infra.start_checks), held until stop() ends
     standbys: dict[str, Standby] = field(default_factory=dict)  # by role; started by supervise()
+    #: The gateway's listening socket (infra.start_checks.listen_on), handed to each gateway process.
+    listener: socket.socket | None = None
     _roster: dict = field(default_factory=dict)  # as processes.json says it
 
     @property
@@ -136,6 +139,7 @@ class Stack:
         return {name: c.proc for name, c in self.children.items()}
 
     def _popen(self, role: str, name: str, env: dict) -> subprocess.Popen:
+        listener = self.listener if role == topology.GATEWAY.name else None
         with open(self.state / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "infra.cli", "run", role],
@@ -143,6 +147,7 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG; no threads run yet
+                pass_fds=(listener.fileno(),) if listener is not None else (),
             )
 
     def spawn(self, role: str, name: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
@@ -269,6 +274,8 @@ class Stack:
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop the spares, the roles one at a time in the reverse of their start order, then the servers."""
         _terminate([s.proc for s in self.standbys.values() if s.proc is not None], grace_s)
+        if self.listener is not None:
+            self.listener.close()  # the gateway's copy alone: closed as it drains, refusing newcomers
         for role in reversed(topology.role_names()):
             _terminate([c.proc for c in self.children.values() if c.role == role], grace_s)
         if self.takeover is not None:
@@ -299,12 +306,12 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     each answers (`endpoints.json`) for the operator commands."""
     state = Path(args.state_dir).resolve()
     lock = start_checks.hold_state_dir(state)  # before anything else: a refused start touches nothing
-    port = args.port if args.port is not None else 8000
-    port = free_port() if port == 0 else start_checks.check_port_free(args.host, port)
+    listener = start_checks.listen_on(args.host, args.port if args.port is not None else 8000)
+    port = listener.getsockname()[1]
     (state / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    stack = Stack(state, env, lock=lock)
+    stack = Stack(state, env, lock=lock, listener=listener)
     operator = OperatorSettings()
     nats_at = _nats(stack, args, args.nats_url or operator.nats_url, print_fn)
     stack.takeover = _takeover(nats_at.operator_url, operator) if nats_at.operator_url else None
@@ -438,6 +445,8 @@ def _spawn_roles(
             }
         if redis_users:
             extra["REDIS_URL"] = redis_users[role.name]
+        if role is topology.GATEWAY and stack.listener is not None:
+            extra["ARENA_LISTEN_FD"] = str(stack.listener.fileno())
         for i in range(replicas):
             name = f"{role.name}-{i}" if role.replicated else role.name
             # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.

@@ -73,8 +73,8 @@ class InferenceSettings(CommonSettings):
     step_figures_dir: str = Field(
         str(Path.home() / ".cache" / "arenaflow" / "step-figures"),
         description="Where each engine keeps its measured step times (a file per model, engine settings, "
-        "machine and engine code, rewritten every 30 s): an engine of the same model starting within 15 minutes of the last write "
-        "(a worker restarted after a crash) takes them instead of profiling. Empty: off.",
+        "machine and engine code, rewritten every 30 s): an engine of the same model starting within 15 minutes "
+        "of the last write (a worker restarted after a crash) takes them instead of profiling. Empty: off.",
     )
     engine_process: bool = Field(
         True,

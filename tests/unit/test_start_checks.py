@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from infra.start_checks import LOCK_FILE, StartRefused, check_port_free, hold_state_dir
+from infra.start_checks import LOCK_FILE, StartRefused, hold_state_dir, listen_on
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(30)
@@ -36,11 +36,16 @@ def test_a_held_state_dir_is_refused_with_the_holders_pid_and_freed_by_its_death
     lock.close()
 
 
-def test_a_listening_port_is_refused_and_a_free_one_passes():
+def test_a_listening_port_is_refused_and_a_free_one_is_held():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(StartRefused, match=f"port {port} on 127.0.0.1: address already in use"):
-            check_port_free("127.0.0.1", port)
-    assert check_port_free("127.0.0.1", port) == port
+            listen_on("127.0.0.1", port)
+    with listen_on("127.0.0.1", port) as held:
+        assert held.getsockname()[1] == port
+        with pytest.raises(StartRefused, match="address already in use"):
+            listen_on("127.0.0.1", port)  # nobody else takes it while it is held
+    with listen_on("127.0.0.1", 0) as any_port:
+        assert any_port.getsockname()[1] > 0
