@@ -72,6 +72,8 @@ class Pipeline:
         #: Admission's batched fleet-wide check alone (admission.FleetAdmissions).
         self.admission_redis = redis_client(settings.redis_url, max_connections=2)
         self.beats: dict[tuple[str, str], ProcessBeat] = {}
+        #: When this gateway began to hear heartbeats (None: not yet).
+        self.listening_since: float | None = None
         #: The consumers' state (requests ahead of and held by the inference workers).
         self.stream_state = StreamState()
         self._tasks: list[asyncio.Task] = []
@@ -86,6 +88,7 @@ class Pipeline:
         self.js = self.nc.jetstream()
         await jetstream.prepare_topology(self.js, self.settings)
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
+        self.listening_since = time.time()
         self._tasks.append(asyncio.create_task(self._watch_stream()))
 
     async def stop(self) -> None:
@@ -103,9 +106,25 @@ class Pipeline:
             beat = decode_beat(msg.data)
             self.beats[(beat.role, beat.instance)] = beat
 
+    def beat_horizon(self) -> float:
+        """Seconds a process's last heartbeat counts for."""
+        return max(3 * self.settings.heartbeat_s, 3.0)
+
     def live_beats(self) -> list[ProcessBeat]:
-        horizon = time.time() - max(3 * self.settings.heartbeat_s, 3.0)
+        horizon = time.time() - self.beat_horizon()
         return [b for b in self.beats.values() if b.ts >= horizon]
+
+    async def heard_fleet(self) -> None:
+        """While this gateway is younger than a heartbeat's horizon and has heard no
+        inference worker, wait for one to beat: a request sent as the gateway starts (a
+        client reconnecting across its restart, which waited in the listening socket's
+        backlog) is not told that no worker is connected before the workers, beating every
+        `heartbeat_s`, could have said otherwise."""
+        if self.fleet()["inference"] or self.listening_since is None:
+            return
+        until = self.listening_since + self.beat_horizon()
+        while not self.fleet()["inference"] and time.time() < until:
+            await asyncio.sleep(0.05)
 
     def workers(self) -> list[InferenceBeat]:
         """The live inference workers' beats."""

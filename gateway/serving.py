@@ -163,6 +163,7 @@ class ChatService:
         held: dict[str, Any],
     ) -> tuple[Ticket, ChatRequested | None]:
         """`held`: what the ticket carries beside the request's own fields (its trace, ...)."""
+        await self.pipeline.heard_fleet()
         model = self._check(req)
         # Counted from here, with no await since the checks, so a burst sees itself.
         lease = self.admission.lease(model, req.token_limit(), edge)
