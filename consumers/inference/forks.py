@@ -18,7 +18,7 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import BaseContext
 
 #: What the fork server imports before it forks anything.
-PRELOAD = ["consumers.inference.engine_process", "consumers.inference.fork_freeze"]
+PRELOAD = ["consumers.inference.fork_guard", "consumers.inference.engine_process", "consumers.inference.fork_freeze"]
 #: Where engine processes write their logs when not where the fork server's stdout and
 #: stderr go: a promoted warm spare's (infra.commands.run.promoted) started its fork server
 #: while it wrote to the spare's log, and writes to the worker's from then on.

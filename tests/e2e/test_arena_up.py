@@ -56,7 +56,8 @@ def test_up_serves_replays_audits_and_stops_cleanly(tmp_path):
     finally:
         code = up.stop()
     assert code == 0
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "left processes behind"
+    left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"left processes behind: {[(c.pid, c.cmdline()) for c in left]}"
 
     # The stream outlives the stack: replay reads the store it left.
     again = arena("replay", "--request-id", rid, "--state-dir", str(state), env=env)
