@@ -140,6 +140,8 @@ class Stack:
 
     def _popen(self, role: str, name: str, env: dict) -> subprocess.Popen:
         listener = self.listener if role == topology.GATEWAY.name else None
+        if listener is not None:  # the socket it serves, and which descriptor it is
+            env = {**env, "ARENA_LISTEN_FD": str(listener.fileno())}
         with open(self.state / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "infra.cli", "run", role],
@@ -445,8 +447,6 @@ def _spawn_roles(
             }
         if redis_users:
             extra["REDIS_URL"] = redis_users[role.name]
-        if role is topology.GATEWAY and stack.listener is not None:
-            extra["ARENA_LISTEN_FD"] = str(stack.listener.fileno())
         for i in range(replicas):
             name = f"{role.name}-{i}" if role.replicated else role.name
             # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.

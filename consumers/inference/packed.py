@@ -51,9 +51,9 @@ def one_query_attention(query, keys, values, mask, scale):
     kv_heads, columns, dim]`` (a decode step). Where heads share a key/value head (GQA),
     each group of query heads attends as that head's queries ``[rows, kv_heads, group,
     dim]``, which a mask of one head ``[rows, 1, 1, columns]`` covers alike: SDPA's own
-    ``enable_gqa`` kernel is 5-6x slower for one query on a CPU (SmolLM2's 9 heads on 3,
-    bfloat16, one thread: 5.2 ms against 0.84 ms at 32 rows x 170 columns, 156 against 29
-    µs at one row: `python -m bench.attention`). What transformers does where a mask is
+    ``enable_gqa`` kernel is 5-7x slower for one query on a CPU (SmolLM2's 9 heads on 3,
+    bfloat16, one thread: 5,126 against 857 µs at 32 rows x 170 columns, 168 against 34 µs
+    at one row: `python -m bench.attention`). What transformers does where a mask is
     given (``pack_gqa``), for every one-query call."""
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
