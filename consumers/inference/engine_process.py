@@ -9,7 +9,10 @@ to the GIL). In its own process it has a GIL of its own.
 The child steps an :class:`EngineRunner` (the same stepping, static hold and step-time
 measurement as the in-process runner) over the pool's own copy of the weights: they are
 moved to shared memory, one flat buffer per dtype, and handed over (a file descriptor per
-buffer, torch's multiprocessing), so a model is in memory once, whichever process steps it. The child is
+buffer, torch's multiprocessing), so a model is in memory once, whichever process steps it
+(and where the child packs its linear layers, prepack.py, the pool's row-major copy of
+them is given back once it is ready and written back before another starts:
+:func:`release_packed`). The child is
 forked from a fork server that has torch imported already (``forks.py``): it is ready in
 a fraction of a second, not the seconds a fresh interpreter takes to import torch.
 Requests go down a pipe; each step's outputs come back with the engine's state (budgets
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import mmap
 import os
 import shutil
 import signal
@@ -43,7 +47,7 @@ from typing import Any
 import psutil
 import torch
 
-from consumers.inference import forks
+from consumers.inference import forks, prepack
 from consumers.inference.engine import BatchEngine, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
@@ -245,6 +249,52 @@ def share(loaded: LoadedModel) -> None:
                 t.data = view  # the same Parameter (or buffer) object: its modules keep it
 
 
+#: madvise(2)'s advice that frees a shared (tmpfs) mapping's pages, as a hole punched in its file.
+_MADV_REMOVE = 9
+
+
+def _punch(tensor: torch.Tensor) -> int:
+    """Free the whole pages of shared memory under ``tensor`` (for every process that maps
+    them; one that reads them after reads zeros); the bytes freed."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_REMOVE): {os.strerror(err)}")
+    return hi - lo
+
+
+def release_packed(loaded: LoadedModel) -> list[str]:
+    """Give back the shared row-major weights that ``loaded``'s engine process packed a copy
+    of and no longer reads (prepack.py: every linear layer's but a tied lm_head's, which the
+    embedding keeps); call it once that process is ready. Neither process reads them after:
+    the worker does not step its model, and a new engine process needs them written back (:func:`refill`)
+    first. The names of the weights given back (none where nothing is packed)."""
+    model = loaded.model
+    if prepack.wanted(loaded.spec, model) is None:
+        return []
+    prefixes = {id(m): n for n, m in model.named_modules()}
+    released = []
+    for parent, name, linear, tied in prepack.packed_linears(model):
+        if not tied and linear.weight.is_shared() and _punch(linear.weight):
+            released.append(".".join(filter(None, (prefixes[id(parent)], name, "weight"))))
+    return released
+
+
+def refill(loaded: LoadedModel, fresh: LoadedModel, names: list[str]) -> None:
+    """Write the weights named back into ``loaded``'s shared memory from ``fresh``, the same
+    model loaded again (the same function, the same weights)."""
+    weights = dict(fresh.model.named_parameters(remove_duplicate=False))
+    mine = dict(loaded.model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name in names:
+            mine[name].copy_(weights[name])
+
+
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Each parameter and buffer once (a tied weight is one Parameter in two modules)."""
     return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
@@ -329,8 +379,14 @@ class ProcessRunner:
         options: dict[str, Any] | None = None,
         profile: bool = False,
         figures: str | None = None,
+        reload: Callable[[], LoadedModel] | None = None,
     ):
+        """``reload``: loads the same model again; given, the pool's row-major copy of what
+        the engine process packs is given back once it is ready, and written back from a
+        reload before a new engine process starts (:func:`release_packed`)."""
         self.loaded = loaded
+        self._reload = reload
+        self._released: list[str] = []  # the weights given back, until refilled
         self.profile, self.figures = profile, figures  # the engine process's step profile (EngineRunner)
         self.options = options or {}  # the engine's keyword arguments
         self.name = loaded.spec.name
@@ -382,11 +438,35 @@ class ProcessRunner:
             self._stats = message.stats
             match message:
                 case EngineReady():
+                    self._release()
                     self.ready.set()
                 case EngineOutputs(outputs) if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, message)
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
+
+    def _release(self) -> None:
+        if self._reload is None or self._released:
+            return
+        try:
+            self._released = release_packed(self.loaded)
+        except OSError as exc:  # kept, then: memory, not correctness
+            log.warning("%s: cannot give back the packed layers' row-major weights: %s", self.name, exc)
+            return
+        if self._released:
+            log.info("%s: gave back the row-major weights of %d packed layers", self.name, len(self._released))
+
+    def _refill(self) -> None:
+        """Before a new engine process starts: write back what :meth:`_release` gave."""
+        if self._released and self._reload is not None:
+            t0 = time.perf_counter()
+            refill(self.loaded, self._reload(), self._released)
+            log.info(
+                "%s: row-major weights written back for a new engine process in %.2fs",
+                self.name,
+                time.perf_counter() - t0,
+            )
+            self._released = []
 
     def _deliver(self, message: EngineOutputs) -> None:
         with self._lock:
@@ -429,6 +509,7 @@ class ProcessRunner:
 
         def start() -> None:
             try:
+                self._refill()
                 self._start()
             except Exception as exc:  # noqa: BLE001 - what waited is given back; a request restarts it later
                 log.error("cannot start the engine process of %s: %r", self.name, exc)

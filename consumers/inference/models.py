@@ -339,13 +339,6 @@ def machine() -> list:
     return [caps.get("cpu_name"), os.cpu_count(), sorted(k for k, v in caps.items() if v is True), torch.__version__]
 
 
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16). Elsewhere
-    torch emulates it, at about half float32's speed."""
-    caps = torch.cpu.get_capabilities()
-    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
-
-
 def auto_dtype(model: torch.nn.Module, device: str) -> torch.dtype | None:
     """The dtype ``dtype: auto`` settles on for a model loaded in its checkpoint's dtype,
     or None to keep that dtype (on a GPU).
@@ -357,7 +350,7 @@ def auto_dtype(model: torch.nn.Module, device: str) -> torch.dtype | None:
     if device != "cpu":
         return None
     params = sum(p.numel() for p in model.parameters())
-    return torch.bfloat16 if params >= BF16_MIN_PARAMS and cpu_bf16_native() else torch.float32
+    return torch.bfloat16 if params >= BF16_MIN_PARAMS and prepack.cpu_bf16_native() else torch.float32
 
 
 def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DEFAULT_CACHE) -> LoadedModel:

@@ -84,6 +84,12 @@ class ModelPool:
         self._hits = self._misses = self._evictions = self._loads = 0
         self._load_seconds = 0.0
 
+    @property
+    def loader(self) -> Loader:
+        """How the pool loads a model (``loader(spec, version)``): an engine process's
+        runner loads one again with it to write back weights it gave back."""
+        return self._loader
+
     # ---- borrowing -----------------------------------------------------------------
 
     @asynccontextmanager

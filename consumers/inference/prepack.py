@@ -16,12 +16,14 @@ Xeon), with the same held-out perplexity (27.18 against 27.21).
 A packed weight is an opaque oneDNN tensor (no storage torch can share), so the engine
 that steps a model packs it, in its own process (`BatchEngine`): an engine process packs
 its copy of the pool's shared weights (a packed copy of the linear layers beside them:
-+269 MB for SmolLM2, counted in the model's `nbytes`); an engine on the worker's thread
-packs the pool's model in place (the row-major weights go, but a tied lm_head's, which
-the embedding keeps). Only bfloat16 on a CPU whose oneDNN computes it natively; float32
++269 MB for SmolLM2, counted in the model's `nbytes`), after which the worker gives the
+pool's row-major copy of the packed layers back (`engine_process.release_packed`); an
+engine on the worker's thread packs the pool's model in place (the row-major weights go,
+but a tied lm_head's, which the embedding keeps). Only bfloat16 on a CPU whose oneDNN computes it natively; float32
 steps are not faster packed (the hint is for the few rows of a decode step).
 
-On a CPU without native bfloat16 (AVX2 only: `dtype: auto` is float32 there, and a step of
+On a CPU without native bfloat16 (AVX2 only, or AVX-512 without BF16, where oneDNN emulates
+it: `dtype: auto` is float32 there, and a step of
 a few rows reads 538 MB of SmolLM2's weights at ~10 GB/s on one core), the linear layers
 keep float16 weights packed for FBGEMM (:class:`HalfLinear`,
 `quantized::linear_dynamic_fp16`): half the bytes read, the products in float32. On an
@@ -80,17 +82,26 @@ def supported(model: nn.Module, device: str) -> bool:
     return device == "cpu" and next(model.parameters()).dtype == torch.bfloat16 and _onednn_bf16()
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16). Elsewhere
+    torch emulates it, at about half float32's speed. (oneDNN says it has bfloat16 on
+    any AVX-512 CPU, emulating it where the CPU lacks it: `_onednn_bf16` is no guide to
+    `dtype: auto`.)"""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+
+
 def half_supported(model: nn.Module, device: str) -> bool:
     """Whether `model`'s linear layers can keep float16 weights for float32 products: a
-    float32 model on a CPU with FBGEMM (AVX2) whose oneDNN has no native bfloat16 (where
-    it has, `dtype: auto` is bfloat16, packed above)."""
+    float32 model on a CPU with FBGEMM (AVX2) that does not multiply bfloat16 natively
+    (where it does, `dtype: auto` is bfloat16, packed above)."""
     dtype = next(model.parameters()).dtype
     return (
         device == "cpu"
         and dtype == torch.float32
         and "fbgemm" in torch.backends.quantized.supported_engines
         and hasattr(torch.ops.quantized, "linear_prepack_fp16")
-        and not _onednn_bf16()
+        and not cpu_bf16_native()
     )
 
 
@@ -108,11 +119,19 @@ def wanted(spec: Any, model: nn.Module) -> Packing | None:
     return None
 
 
+#: FBGEMM packs a float16 weight in blocks of this many inputs, the last one padded: a
+#: 576-input layer (SmolLM2's hidden size) takes 1,024 inputs' room, 1.78x its float16
+#: bytes (measured: its lm_head 96 MB packed for 54 MB of float16, 30 of its 1536 x 576
+#: projections 90 MB for 51).
+FBGEMM_FP16_BLOCK = 512
+
+
 def packed_nbytes(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """The bytes a packed copy of `model`'s linear layers takes (the packing engine's)."""
     layers = [m for m in model.modules() if type(m) is nn.Linear]
     if packing == "float16":
-        return sum(2 * m.weight.numel() for m in layers)
+        block = FBGEMM_FP16_BLOCK
+        return sum(2 * m.out_features * -(-m.in_features // block) * block for m in layers)
     return sum(m.weight.nbytes for m in layers)
 
 
@@ -155,22 +174,29 @@ class HalfLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, float16"
 
 
+def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, bool]]:
+    """The layers :func:`prepack_model` replaces: each plain `nn.Linear` as (parent, name,
+    layer, tied), tied where another module keeps its weight (an lm_head tied to the
+    embedding), so the row-major weight stays in use after packing."""
+    kept = {id(p) for module in model.modules() if type(module) is not nn.Linear for p in module.parameters(False)}
+    return [
+        (module, name, child, id(child.weight) in kept)
+        for module in model.modules()
+        for name, child in module.named_children()
+        if type(child) is nn.Linear
+    ]
+
+
 def prepack_model(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear` (bfloat16) or
     a :class:`HalfLinear` (float16); how many."""
-    linears = [
-        (module, name, child)
-        for module in model.modules()
-        for name, child in module.named_children()
-        if isinstance(child, nn.Linear) and type(child) is nn.Linear
-    ]
-    kept = {id(p) for module in model.modules() if type(module) is not nn.Linear for p in module.parameters(False)}
+    linears = packed_linears(model)
     layer = HalfLinear if packing == "float16" else PackedLinear
     # The packing ops release the GIL: in threads, a start waits for it on every core
     # (SmolLM2 in float16: ~3 s on one core of an AVX2 EPYC, FBGEMM's packing ~30 ns a weight).
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        packed = list(pool.map(lambda item: layer(item[2], tied=id(item[2].weight) in kept), linears))
-    for (module, name, _), new in zip(linears, packed, strict=True):
+        packed = list(pool.map(lambda item: layer(item[2], tied=item[3]), linears))
+    for (module, name, _, _), new in zip(linears, packed, strict=True):
         setattr(module, name, new)
     return len(linears)
 

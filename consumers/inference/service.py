@@ -396,6 +396,7 @@ class InferenceService:
                     self.engine_options,
                     s.step_profile,
                     figures,
+                    reload=functools.partial(self.pool.loader, loaded.spec, loaded.version),
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)

@@ -78,26 +78,34 @@ async def test_the_engine_process_gives_the_threads_tokens(nats_server):
     assert texts[True] == texts[False]  # greedy and seeded sampling alike
 
 
+def random_llama(path, text_only: bool = False, **shape):
+    """A random Llama of ``shape`` with stories260K's tokenizer, saved at ``path``;
+    ``text_only``: no byte-fallback token (ids < 259) wins a greedy step, so answers are text."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, max_position_embeddings=256, **shape)
+    model = LlamaForCausalLM(config)
+    if text_only:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[:259] = 0
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, path / name)
+    return path
+
+
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory):
-    """A random 32-layer Llama with stories260K's tokenizer: 291 tensors, past the ~250
-    file descriptors multiprocessing hands a child at once (SmolLM2-135M has 272)."""
-    path = tmp_path_factory.mktemp("deep")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
+    """A random 32-layer Llama: 291 tensors, past the ~250 file descriptors
+    multiprocessing hands a child at once (SmolLM2-135M has 272)."""
+    return random_llama(
+        tmp_path_factory.mktemp("deep"),
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=32,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(STORIES / name, path / name)
-    return path
 
 
 def shared_weights_maps(pid: int) -> list:
@@ -159,6 +167,66 @@ async def test_a_packed_bfloat16_model_serves_the_same_tokens_from_an_engine_pro
         assert all(e.type == "chat.completed" for e in done.values()), done
         texts[mode] = [done[f"{mode}-{i}"].text for i in range(len(PROMPTS))]
     assert texts[True] == texts[False]
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A random Llama of 26M weights, past prepack.MIN_PARAMS: `dtype: auto` packs its
+    linear layers (bfloat16 or float16, by the CPU)."""
+    return random_llama(
+        tmp_path_factory.mktemp("wide"),
+        text_only=True,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    )
+
+
+def resident_shared_bytes(pid: int) -> int:
+    """What of torch's shared-memory files (the pool's weights) is in memory, as ``pid`` maps them."""
+    return sum(m.rss for m in shared_weights_maps(pid))
+
+
+async def test_the_pools_copy_of_what_an_engine_process_packed_is_given_back_and_written_back_for_the_next(
+    nats_server, wide_model
+):
+    """Packed by the engine process (prepack.py), the pool's row-major linear weights are
+    read by no one: the worker gives their pages back once the engine is ready, and a
+    killed engine's successor starts from weights written back from a reload, answering
+    the same tokens."""
+    worker, nc = await start(nats_server, engine_process=True)
+    try:
+        await worker.service.pool.add(ModelSpec(name="wide", path=str(wide_model)))
+        await worker.service.warm(["wide"])
+        runner = runner_of(worker)
+        model = runner.loaded.model
+        assert prepack.wanted(runner.loaded.spec, model) is not None  # dtype auto packs it here
+        linears = [m for _, _, m, tied in prepack.packed_linears(model) if not tied]
+        row_major = sum(m.weight.nbytes for m in linears)
+        assert len(runner._released) == len(linears) == 2 * 7
+        assert resident_shared_bytes(os.getpid()) < runner.loaded.nbytes - 0.95 * row_major
+        texts: list[list[str]] = []
+        for round_ in range(2):
+            texts.append([])
+            for i, p in enumerate(PROMPTS):  # one at a time: a bfloat16 step rounds with its row count
+                await request(worker.js, f"{round_}-{i}", p, healthy_params(0), model="wide")  # greedy
+                done = (await serve(worker, 1))[f"{round_}-{i}"]
+                assert done.type == "chat.completed" and done.text, done
+                texts[-1].append(done.text)
+            if round_ == 0:
+                first = runner.pid
+                os.kill(first, signal.SIGKILL)
+                end = time.monotonic() + 60
+                while (runner.pid == first or not runner.ready.is_set()) and time.monotonic() < end:
+                    await asyncio.sleep(0.05)
+                assert runner.pid != first and runner.ready.is_set()
+                assert len(runner._released) == len(linears)  # given back again by the new one's start
+        assert texts[1] == texts[0]
+    finally:
+        await stop_worker(worker, nc)
 
 
 @pytest.mark.parametrize("killed", ["engine", "fork server"])

@@ -106,7 +106,7 @@ def test_auto_keeps_a_small_model_in_float32(loaded):
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "emulating-cpu"])
 def test_auto_serves_a_big_enough_model_in_bf16_where_the_cpu_has_it(monkeypatch, loaded, native):
     monkeypatch.setattr(models, "BF16_MIN_PARAMS", 100_000)  # stories260K counts as big here
-    monkeypatch.setattr(models, "cpu_bf16_native", lambda: native)
+    monkeypatch.setattr(prepack, "cpu_bf16_native", lambda: native)
     auto = load_model(ModelSpec(name="s", path=str(STORIES)))
     assert auto.model.dtype == (torch.bfloat16 if native else torch.float32)
     # The pool budgets what is resident: half, and the packed copy its engine makes (prepack.py).
@@ -118,7 +118,7 @@ def test_auto_serves_a_big_enough_model_in_bf16_where_the_cpu_has_it(monkeypatch
 
 def test_the_cpu_check_reads_torchs_capabilities():
     caps = torch.cpu.get_capabilities()
-    assert models.cpu_bf16_native() == bool(caps["amx_bf16"] or caps["avx512_bf16"])
+    assert prepack.cpu_bf16_native() == bool(caps["amx_bf16"] or caps["avx512_bf16"])
 
 
 def test_load_missing_model_is_permanent(tmp_path):

@@ -127,7 +127,9 @@ def test_dtype_auto_on_a_cpu_without_bfloat16_packs_float16_weights_and_an_expli
         want = fp32.model(input_ids=ids).logits
     for loaded in (auto, fp32, off):
         BatchEngine(loaded, "continuous")
-    if NATIVE:  # auto is bfloat16 here, packed in oneDNN's layout (no float16 copy); float32 stays float32
+    if (
+        prepack.cpu_bf16_native()
+    ):  # auto is bfloat16 here, packed in oneDNN's layout (no float16 copy); float32 stays float32
         assert auto.model.dtype == torch.bfloat16 and fp32.model.dtype == torch.float32
         assert any(isinstance(m, prepack.PackedLinear) for m in auto.model.modules())
         assert not any(isinstance(m, prepack.HalfLinear) for m in auto.model.modules())
