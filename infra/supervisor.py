@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import json
 import os
@@ -55,11 +54,10 @@ from infra.servers import (
 )
 from infra.settings import OperatorSettings
 from infra.takeover import Takeover
-from runtime import jetstream
+from runtime import children, jetstream
 from runtime.net import free_port
 from runtime.settings import REPO, CommonSettings
 
-PR_SET_PDEATHSIG = 1
 #: What `arena up` serves without --models-config or --model: a real chat model and stories-260k.
 DEFAULT_MODELS_CONFIG = REPO / "configs" / "arena-models.yaml"
 #: With DEFAULT_MODELS_CONFIG: the model a request that names none gets, and what is loaded
@@ -78,8 +76,7 @@ STANDBY_NICE, STANDBY_AFTER_PROMOTION_S = 10, 30.0
 
 def _die_with_parent() -> None:
     """Children get SIGTERM if `arena up` itself dies (even by kill -9)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    children.die_with_parent(signal.SIGTERM)
 
 
 def _standby_preexec() -> None:
@@ -478,6 +475,11 @@ def convert_sources(models_config: str, env: dict, print_fn=print) -> None:
         assert child.stdout is not None
         for line in child.stdout:
             print_fn(line.rstrip("\n"))
+    if child.returncode:  # killed, or failed before it could say why: the workers convert what is left
+        print_fn(
+            f"converting the model sources failed (exit code {child.returncode}, its error above); "
+            "each worker converts what it needs as it loads, and a model that cannot be converted fails naming why"
+        )
 
 
 def _takeover(url: str, operator: OperatorSettings) -> Takeover | None:

@@ -68,7 +68,7 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.runner import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
-from runtime import heap, logs
+from runtime import children, heap, logs
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,7 @@ class _Immediate:
 
 
 #: The engine process's name in ps, top and /proc (``comm``, 15 bytes at most).
-PROCESS_NAME = b"arena-engine"
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    libc.prctl(PR_SET_NAME, PROCESS_NAME)
+PROCESS_NAME = "arena-engine"
 
 
 def _child(
@@ -119,8 +112,7 @@ def _child(
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes; its logs go
     to ``log_file`` when given (else where the fork server's go: the worker's)."""
-    with suppress(OSError):
-        _die_with_parent()
+    children.die_with_parent(signal.SIGKILL, PROCESS_NAME)
     if log_file:
         with suppress(OSError):
             logs.output_to(log_file)
@@ -207,6 +199,12 @@ class EngineChild:
 
     proc: Any
     conn: Any
+
+
+def shared_nbytes(model: torch.nn.Module) -> int:
+    """The bytes :func:`share` moves to /dev/shm: the model's CPU weights, not the packed
+    copy an engine process makes of some (private to it)."""
+    return sum(t.nbytes for t in _tensors(model) if t.device.type == "cpu")
 
 
 def shm_room(nbytes: int) -> bool:

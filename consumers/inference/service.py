@@ -37,7 +37,7 @@ from opentelemetry.trace import Span
 
 from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
-from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
+from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shared_nbytes, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
@@ -427,13 +427,13 @@ class InferenceService:
     def _shareable(loaded) -> bool:
         """An engine process reads the pool's weights from shared memory; where /dev/shm
         is too small for them, the model's engine runs on a thread instead (and says so)."""
-        if loaded.spec.device != "cpu" or shm_room(loaded.nbytes):
+        if loaded.spec.device != "cpu" or shm_room(shared := shared_nbytes(loaded.model)):
             return True
         log.warning(
             "/dev/shm has no room for %s's %.0f MB of weights: its engine runs on a thread, not in a process "
             "(give the container more shared memory, e.g. docker run --shm-size, to have it in one)",
             loaded.spec.name,
-            loaded.nbytes / 1e6,
+            shared / 1e6,
         )
         return False
 

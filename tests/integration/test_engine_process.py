@@ -206,6 +206,9 @@ async def test_the_pools_copy_of_what_an_engine_process_packed_is_given_back_and
         assert prepack.wanted(runner.loaded.spec, model) is not None  # dtype auto packs it here
         linears = [m for _, _, m, tied in prepack.packed_linears(model) if not tied]
         row_major = sum(m.weight.nbytes for m in linears)
+        # /dev/shm holds the shared weights, not the packed copy the pool's budget counts beside them.
+        assert sum(m.size for m in shared_weights_maps(os.getpid())) >= engine_process.shared_nbytes(model)
+        assert engine_process.shared_nbytes(model) < runner.loaded.nbytes
         assert len(runner._released) == len(linears) == 2 * 7
         assert resident_shared_bytes(os.getpid()) < runner.loaded.nbytes - 0.95 * row_major
         texts: list[list[str]] = []

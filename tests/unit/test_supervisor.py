@@ -17,3 +17,30 @@ def test_the_waiting_line_says_which_models_load_and_which_are_resident():
         "models: smollm2-135m loading, stories-260k resident, smollm2-135m-brief loading"
     )
     assert waiting_line({"filter": 0, "delivery": 0, "inference": 0}).endswith("models: none listed yet")
+
+
+def test_a_conversion_child_that_fails_is_said_and_start_goes_on(monkeypatch, tmp_path):
+    """The model sources' converting child killed or failing before a word: the
+    supervisor says so (the workers convert what they need and name what fails)."""
+    import sys
+
+    from infra import supervisor
+
+    script = tmp_path / "convert.py"
+    script.write_text("import sys\nprint('model m: converting', flush=True)\nsys.exit(3)\n")
+    command: list[str] = []
+    real_popen = supervisor.subprocess.Popen
+    monkeypatch.setattr(
+        supervisor.subprocess,
+        "Popen",
+        lambda cmd, **kw: command.extend(cmd) or real_popen([sys.executable, str(script)], **kw),
+    )
+    lines: list[str] = []
+    supervisor.convert_sources("models.yaml", {}, lines.append)
+    assert command[1:] == ["-m", "infra.convert_sources", "models.yaml"]
+    assert lines[0] == "model m: converting"
+    assert "exit code 3" in lines[1] and "each worker converts" in lines[1]
+    lines.clear()
+    script.write_text("print('model m: ready')\n")
+    supervisor.convert_sources("models.yaml", {}, lines.append)
+    assert lines == ["model m: ready"]  # a clean exit says nothing more

@@ -5,9 +5,7 @@ worker (PDEATHSIG: a worker killed with -9 leaves no server behind)."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import signal
 import subprocess
 import threading
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
+from runtime import children
 from runtime.children import end
 from runtime.net import free_port
 
@@ -23,13 +22,6 @@ log = logging.getLogger(__name__)
 
 #: The last lines of a server's output kept for the error that says why it stopped.
 TAIL_LINES = 40
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the worker's loop thread (which started it) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, context: int, threads: int) -> list[str]:
@@ -75,7 +67,7 @@ class LlamaServer:
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG
+            preexec_fn=children.die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG (SIGKILL when the worker's loop thread that started it ends)
         )
         threading.Thread(target=self._read, args=(self.proc,), name=f"llama-server-{self.name}", daemon=True).start()
         log.info("llama-server of %s started (pid %d, port %d)", self.name, self.proc.pid, self.port)
