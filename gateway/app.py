@@ -48,13 +48,17 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     # The operator's port: scraped without an API key, and answering while the API port
     # sheds load (its connection limit, the early gate) or Redis is down (key checks).
     endpoint = ProcessEndpoint(
-        "gateway", lambda: pipeline.ready(settings.default_model)[0], settings.http_host, settings.metrics_port
+        "gateway",
+        lambda: pipeline.ready(settings.default_model)[0],
+        settings.http_host,
+        settings.metrics_port,
+        settings.metrics_fd,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tracing.setup(settings, "gateway")
-        if settings.metrics_port:
+        if settings.metrics_port or settings.metrics_fd is not None:
             await endpoint.start()
         await pipeline.start()
         await admission.start()

@@ -74,6 +74,11 @@ BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 STANDBY_NICE, STANDBY_AFTER_PROMOTION_S = 10, 30.0
 
 
+def _inherited(env: dict) -> tuple[int, ...]:
+    """The listening sockets a child's environment names, which it inherits (pass_fds)."""
+    return tuple(int(env[k]) for k in ("ARENA_LISTEN_FD", "ARENA_METRICS_FD") if env.get(k))
+
+
 def _die_with_parent() -> None:
     """Children get SIGTERM if `arena up` itself dies (even by kill -9)."""
     children.die_with_parent(signal.SIGTERM)
@@ -129,6 +134,9 @@ class Stack:
     standbys: dict[str, Standby] = field(default_factory=dict)  # by role; started by supervise()
     #: The gateway's listening socket (infra.start_checks.listen_on), handed to each gateway process.
     listener: socket.socket | None = None
+    #: Each child's /metrics socket by name, bound before it starts (Prometheus's target) and
+    #: handed to it, its restarts and its role's warm spare (ARENA_METRICS_FD).
+    metrics: dict[str, socket.socket] = field(default_factory=dict)
     _roster: dict = field(default_factory=dict)  # as processes.json says it
 
     @property
@@ -146,8 +154,14 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only sets PDEATHSIG; no threads run yet
-                pass_fds=(listener.fileno(),) if listener is not None else (),
+                pass_fds=_inherited(env),
             )
+
+    def metrics_socket(self, name: str, host: str) -> dict:
+        """A /metrics socket for the child ``name``, bound and listening now (a free port on
+        ``host``): the environment that hands it over, its port included."""
+        sock = self.metrics[name] = start_checks.listen_on(host, 0)
+        return {"ARENA_METRICS_FD": str(sock.fileno()), "ARENA_METRICS_PORT": str(sock.getsockname()[1])}
 
     def spawn(self, role: str, name: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
         name = name or role
@@ -221,6 +235,9 @@ class Stack:
         if standby.proc is not None or now < standby.due:
             return
         env = next((c.env for c in self.children.values() if c.role == standby.role), self.env)
+        # It may replace any of the role's processes: it holds each one's /metrics socket, and
+        # serves the one its promotion's environment names.
+        sockets = {fd for c in self.children.values() if c.role == standby.role for fd in _inherited(c.env)}
         with open(self.state / "logs" / f"{standby.role}-standby.log", "ab") as log:
             standby.proc = subprocess.Popen(
                 [sys.executable, "-m", "infra.cli", "run", standby.role, "--standby"],
@@ -229,6 +246,7 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_standby_preexec,  # noqa: PLW1509 - PDEATHSIG and a nice value; no threads run yet
+                pass_fds=tuple(sorted(sockets)),
             )
 
     def _local_servers(self) -> list[tuple[str, LocalServer]]:
@@ -280,6 +298,8 @@ class Stack:
         if self.takeover is not None:
             with contextlib.suppress(Exception):
                 self.takeover.close()
+        for sock in self.metrics.values():
+            sock.close()
         for server in reversed(self.servers):
             server.stop()
         if self.lock is not None:
@@ -446,11 +466,13 @@ def _spawn_roles(
             extra["REDIS_URL"] = redis_users[role.name]
         for i in range(replicas):
             name = f"{role.name}-{i}" if role.replicated else role.name
-            # A port of its own, known before it starts (and kept across restarts): Prometheus finds it.
-            # The gateway's too (on ARENA_HTTP_HOST, 127.0.0.1 by default, whatever --host says):
-            # its API port wants a key when ARENA_API_KEYS is set, its metrics port none.
-            targets.append(scrape.Target(name, role.name, free_port()))
-            stack.spawn(role.name, name, extra | {"ARENA_METRICS_PORT": str(targets[-1].port)})
+            # A port of its own, bound here before it starts and held across its restarts:
+            # Prometheus finds it, and no other server takes it meanwhile. The gateway's too (on
+            # ARENA_HTTP_HOST, 127.0.0.1 by default, whatever --host says): its API port wants
+            # a key when ARENA_API_KEYS is set, its metrics port none.
+            metrics = stack.metrics_socket(name, stack.env.get("ARENA_HTTP_HOST") or "127.0.0.1")
+            targets.append(scrape.Target(name, role.name, int(metrics["ARENA_METRICS_PORT"])))
+            stack.spawn(role.name, name, extra | metrics)
     return targets
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -23,13 +24,19 @@ def _response(status: int, body: bytes, content_type: str) -> bytes:
 
 
 class ProcessEndpoint:
-    def __init__(self, role: str, ready: Callable[[], bool], host: str = "127.0.0.1", port: int = 0):
-        self.role, self.ready, self.host, self.port = role, ready, host, port
+    def __init__(
+        self, role: str, ready: Callable[[], bool], host: str = "127.0.0.1", port: int = 0, fd: int | None = None
+    ):
+        """``fd``: a listening socket to serve (inherited from `arena up`), instead of binding host:port."""
+        self.role, self.ready, self.host, self.port, self.fd = role, ready, host, port, fd
         self.server: asyncio.Server | None = None
 
     async def start(self) -> int:
         """Listen; returns the port (a free one when asked for 0)."""
-        self.server = await asyncio.start_server(self._serve, self.host, self.port)
+        if self.fd is not None:
+            self.server = await asyncio.start_server(self._serve, sock=socket.socket(fileno=self.fd))
+        else:
+            self.server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
 

@@ -70,6 +70,7 @@ class ProcessRuntime:
             lambda: self.ready and self.nc is not None and self.nc.is_connected,
             settings.http_host,
             settings.metrics_port,
+            settings.metrics_fd,
         )
 
     async def start(self) -> None:

@@ -91,6 +91,13 @@ class CommonSettings(NatsClient):
         0, ge=0, le=65535, description="Consumer processes: /healthz, /readyz and /metrics; 0 picks a free port."
     )
     http_host: str = Field("127.0.0.1", description="Address of that endpoint (0.0.0.0 in a container).")
+    metrics_fd: int | None = Field(
+        None,
+        ge=0,
+        description="A listening socket inherited from `arena up` (its file descriptor) for that endpoint, served "
+        "instead of binding metrics_port: the supervisor holds the port Prometheus scrapes for the stack's life, "
+        "across the process's restarts and a warm spare's promotion.",
+    )
     otlp_endpoint: str | None = Field(
         None,
         description="OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): each request's trace is "

@@ -195,6 +195,12 @@ def test_the_port_is_the_stacks_from_its_check_on_and_across_a_gateway_restart(t
         port = json.loads(endpoints.read_text())["gateway_url"].rsplit(":", 1)[1]
         with pytest.raises(OSError, match="in use"), other_server(int(port)):
             pass
+        # So is each process's /metrics port, the one Prometheus is told to scrape.
+        targets = json.loads((tmp_path / "state" / "prometheus" / "targets.json").read_text())
+        scraped = {t["labels"]["process"]: int(t["targets"][0].rsplit(":", 1)[1]) for t in targets}
+        for name in ("gateway", "filter", "delivery"):
+            with pytest.raises(OSError, match="in use"), other_server(scraped[name]):
+                pass
         while "ready at" not in lines[-1]:
             lines.append(proc.stdout.readline())
             assert lines[-1], "".join(lines)
@@ -205,6 +211,14 @@ def test_the_port_is_the_stacks_from_its_check_on_and_across_a_gateway_restart(t
         body = ask(url, "Once upon a time", max_tokens=8)
         assert body["choices"][0]["message"]["content"] and _own_gateway_answered(tmp_path / "state", gateway)
         print(f"\n[gateway kill -9] a chat request sent at once answered after {time.monotonic() - started:.1f} s")
+        # The new gateway and a restarted delivery serve /metrics on their ports of before.
+        delivery = json.loads((tmp_path / "state" / "processes.json").read_text())["children"]["delivery"]
+        os.kill(delivery, signal.SIGKILL)
+        for name in ("gateway", "delivery"):
+            metrics = httpx.get(f"http://127.0.0.1:{scraped[name]}/metrics", timeout=30)
+            assert metrics.status_code == 200 and "arena_" in metrics.text
+        roster = json.loads((tmp_path / "state" / "processes.json").read_text())["children"]
+        assert roster["delivery"] != delivery
     finally:
         proc.send_signal(signal.SIGTERM)
         finished(proc, timeout=60)

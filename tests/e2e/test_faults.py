@@ -143,6 +143,11 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
             [done] = [e for e in stored_events(up.nats_url, s.request_id) if e.type == "chat.completed"]
             assert done.usage.completion_tokens == 48 and done.text == s.text, (done.usage, s.text)
         assert up.inference_pids() == [spare], (up.roster(), spare)
+        # Prometheus's target for the worker is the spare now: the port it was told, held by `arena up`.
+        targets = json.loads((up.state / "prometheus" / "targets.json").read_text())
+        [port] = [t["targets"][0].rsplit(":", 1)[1] for t in targets if t["labels"]["process"] == "inference-0"]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "arena_" in metrics.text
         up.stop()
         assert any('"standby_promoted"' in line for line in up.lines), up.lines
         # All 4 messages handed on at the exit, though the kill came within a second of their
