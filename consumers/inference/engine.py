@@ -136,6 +136,12 @@ class BatchEngine:
     many bytes, :mod:`~consumers.inference.prefix`), and a new request whose prompt
     starts with one's tokens prefills only the rest, in a pass of its own. A request
     resumed from another worker's chunks prefills cold, as before.
+
+    ``pack_in_background``: the linear layers (prepack.py) are packed on a thread while
+    the engine steps its row-major weights, and put in place between two steps
+    (``packing_done``; ``on_packed`` is called then): an engine process that replaces a
+    dead one serves at once instead of after seconds of packing (SmolLM2's float16 copy:
+    ~3 s on a 2-core Xeon).
     """
 
     def __init__(
@@ -147,6 +153,8 @@ class BatchEngine:
         pack: bool | None = None,
         kv_budget_bytes: int | None = None,
         prefix_cache_bytes: int = 0,
+        pack_in_background: bool = False,
+        on_packed: Callable[[], None] | None = None,
     ) -> None:
         if mode not in ("static", "continuous"):
             raise ValueError(f"mode must be 'static' or 'continuous', got {mode!r}")
@@ -158,11 +166,20 @@ class BatchEngine:
         self._clock = clock
         self._model = loaded.model
         self._device = next(self._model.parameters()).device
-        if packing := prepack.wanted(loaded.spec, self._model):  # this process's copy (prepack.py)
+        self._step_lock = threading.Lock()  # a step, or the packed layers going in place
+        self._packed = threading.Event()
+        self._on_packed = on_packed
+        packing = prepack.wanted(loaded.spec, self._model)  # this process's copy (prepack.py)
+        if packing and pack_in_background:
+            threading.Thread(target=self._pack, args=(packing,), name="engine-pack", daemon=True).start()
+        elif packing:
             count = prepack.prepack_model(self._model, packing)
             log.info("%s: %d linear layers packed, %s weights", loaded.spec.name, count, packing)
-        elif loaded.spec.prepack and (found := prepack.weight_first_head(self._model, self._device.type)):
-            log.info("%s: %s", loaded.spec.name, found)
+            self._packed.set()
+        else:
+            self._packed.set()
+            if loaded.spec.prepack and (found := prepack.weight_first_head(self._model, self._device.type)):
+                log.info("%s: %s", loaded.spec.name, found)
         self._eos = set(loaded.eos_ids)
         pad = loaded.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (loaded.eos_ids[0] if loaded.eos_ids else 0)
@@ -184,6 +201,36 @@ class BatchEngine:
         self._token_bytes = bytes_per_token(self._model) if kv_budget_bytes is not None else 0
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._hits: dict[str, Hit] = {}  # admitted requests' prefix hits, until their prefill
+
+    def _pack(self, packing: prepack.Packing) -> None:
+        """On a thread: pack the linear layers while the engine steps, then put them in
+        place between two steps."""
+        t0 = time.perf_counter()
+        try:
+            layers = prepack.pack_layers(self._model, packing)
+        except Exception as exc:  # noqa: BLE001 - it steps row-major weights, as unpacked
+            log.error("%s: packing failed, the row-major weights stay: %r", self.loaded.spec.name, exc)
+            return
+        with self._step_lock:
+            count = prepack.install(layers)
+            self._packed.set()
+        log.info(
+            "%s: %d linear layers packed, %s weights, in %.1fs while serving",
+            self.loaded.spec.name,
+            count,
+            packing,
+            time.perf_counter() - t0,
+        )
+        if self._on_packed is not None:
+            self._on_packed()
+
+    @property
+    def packing_done(self) -> bool:
+        """Whether its layers are as it steps them (its packing, if any, done and in place)."""
+        return self._packed.is_set()
+
+    def wait_packed(self, timeout: float | None = None) -> bool:
+        return self._packed.wait(timeout)
 
     # ---- thread-safe producer side -------------------------------------------------
 
@@ -222,7 +269,8 @@ class BatchEngine:
 
     def stats(self) -> EngineStats:
         running, waiting = self.budgets()
-        return EngineStats(tuple(running), tuple(waiting), self.prefix.stats if self.prefix is not None else None)
+        prefix = self.prefix.stats if self.prefix is not None else None
+        return EngineStats(tuple(running), tuple(waiting), prefix, self.packing_done)
 
     def has_work(self) -> bool:
         return bool(self._seqs) or bool(self._waiting)
@@ -230,7 +278,7 @@ class BatchEngine:
     def step(self) -> list[StepOutput]:
         """Run one decode step for running requests and one prefill of admitted ones."""
         outputs: list[StepOutput] = []
-        with torch.inference_mode():
+        with self._step_lock, torch.inference_mode():
             now = self._clock()
             outputs += self._reap_waiting(now)
             outputs += self._reap_running(now)

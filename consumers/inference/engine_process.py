@@ -122,8 +122,10 @@ def _child(
         torch.set_num_threads(threads)
     heap.mmap_threshold()  # forked from the fork server, which did not set it
     logs.setup(log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
-    engine = BatchEngine(loaded, mode, max_batch, **options)  # type: ignore[arg-type]
     end = _EngineEnd(conn)
+    # Packed on a thread while it serves (a replacement for a dead engine answers at once);
+    # the worker gives its row-major copy back once they are in place (release_packed).
+    engine = BatchEngine(loaded, mode, max_batch, pack_in_background=True, on_packed=end.packed, **options)  # type: ignore[arg-type]
     end.runner = EngineRunner(
         engine,
         _Immediate(),  # type: ignore[arg-type]
@@ -152,6 +154,7 @@ class _EngineEnd:
         self.lock = threading.Lock()  # the engine thread sends, and so does the main thread (a refused add)
         self.steps: list[StepRecord] = []  # since the last message: for the worker's metrics
         self.unjoined: dict[str, GenRequest] = {}  # added, and not yet reported as joined to a batch
+        self.ready_sent = False
 
     def send(self, outputs: list[StepOutput]) -> None:
         stats = self.runner.stats()
@@ -160,6 +163,13 @@ class _EngineEnd:
             joined = {o.request_id: self.unjoined.pop(o.request_id) for o in outputs if o.request_id in self.unjoined}
             at = {rid: req.admitted_at for rid, req in joined.items() if req.admitted_at is not None}
             self.conn.send(EngineOutputs(outputs, stats, done, at))
+
+    def packed(self) -> None:
+        """The engine's packed layers are in place (its packing thread): say so, with its
+        state, if the ready message went without it."""
+        with self.lock:
+            if self.ready_sent:
+                self.conn.send(EngineReady(self.runner.stats()))
 
     def on_step(self, step: StepRecord, _stats: EngineStats) -> None:
         with self.lock:
@@ -173,6 +183,7 @@ class _EngineEnd:
         heap.freeze()
         with self.lock:
             self.conn.send(EngineReady(self.runner.stats()))
+            self.ready_sent = True
         while True:
             command: EngineCommand = self.conn.recv()
             match command:
@@ -435,8 +446,9 @@ class ProcessRunner:
                 break
             self._stats = message.stats
             match message:
-                case EngineReady():
-                    self._release()
+                case EngineReady(stats):
+                    if stats.engine.packing_done:  # its packed layers in place: the row-major ones unread
+                        self._release()
                     self.ready.set()
                 case EngineOutputs(outputs) if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, message)

@@ -187,18 +187,30 @@ def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, bo
     ]
 
 
-def prepack_model(model: nn.Module, packing: Packing = "bfloat16") -> int:
-    """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear` (bfloat16) or
-    a :class:`HalfLinear` (float16); how many."""
+def pack_layers(model: nn.Module, packing: Packing = "bfloat16") -> list[tuple[nn.Module, str, nn.Module]]:
+    """A :class:`PackedLinear` (bfloat16) or :class:`HalfLinear` (float16) for every plain
+    `nn.Linear` of `model`, as (parent, name, new layer), not put in place yet (:func:`install`):
+    the model steps on meanwhile, its weights only read."""
     linears = packed_linears(model)
     layer = HalfLinear if packing == "float16" else PackedLinear
     # The packing ops release the GIL: in threads, a start waits for it on every core
     # (SmolLM2 in float16: ~3 s on one core of an AVX2 EPYC, FBGEMM's packing ~30 ns a weight).
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         packed = list(pool.map(lambda item: layer(item[2], tied=item[3]), linears))
-    for (module, name, _, _), new in zip(linears, packed, strict=True):
+    return [(module, name, new) for (module, name, _, _), new in zip(linears, packed, strict=True)]
+
+
+def install(layers: list[tuple[nn.Module, str, nn.Module]]) -> int:
+    """Put :func:`pack_layers`'s layers in place (between two steps); how many."""
+    for module, name, new in layers:
         setattr(module, name, new)
-    return len(linears)
+    return len(layers)
+
+
+def prepack_model(model: nn.Module, packing: Packing = "bfloat16") -> int:
+    """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear` (bfloat16) or
+    a :class:`HalfLinear` (float16); how many."""
+    return install(pack_layers(model, packing))
 
 
 class WeightFirstLinear(nn.Module):

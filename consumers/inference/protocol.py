@@ -99,6 +99,8 @@ class EngineStats:
     running: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
     prefix: PrefixStats | None = None  # the prefix cache's totals; None without one
+    #: Its layers are as it steps them (BatchEngine's packing, if any, done and in place).
+    packing_done: bool = True
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
