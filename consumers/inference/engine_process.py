@@ -10,8 +10,9 @@ The child steps an :class:`EngineRunner` (the same stepping, static hold and ste
 measurement as the in-process runner) over the pool's own copy of the weights: they are
 moved to shared memory, one flat buffer per dtype, and handed over (a file descriptor per
 buffer, torch's multiprocessing), so a model is in memory once, whichever process steps it
-(and where the child packs its linear layers, prepack.py, the pool's row-major copy of
-them is given back once it is ready and written back before another starts:
+(and where the child packs its linear layers, prepack.py, on a thread while it serves,
+the pool's row-major copy of them is given back once the packed ones are in place, and
+written back before another child starts:
 :func:`release_packed`). The child is
 forked from a fork server that has torch imported already (``forks.py``): it is ready in
 a fraction of a second, not the seconds a fresh interpreter takes to import torch.
@@ -280,7 +281,8 @@ def _punch(tensor: torch.Tensor) -> int:
 def release_packed(loaded: LoadedModel) -> list[str]:
     """Give back the shared row-major weights that ``loaded``'s engine process packed a copy
     of and no longer reads (prepack.py: every linear layer's but a tied lm_head's, which the
-    embedding keeps); call it once that process is ready. Neither process reads them after:
+    embedding keeps); call it once that process's packed layers are in place (its stats'
+    ``packing_done``). Neither process reads them after:
     the worker does not step its model, and a new engine process needs them written back (:func:`refill`)
     first. The names of the weights given back (none where nothing is packed)."""
     model = loaded.model
