@@ -157,11 +157,10 @@ class Stack:
                 pass_fds=_inherited(env),
             )
 
-    def metrics_socket(self, name: str, host: str) -> dict:
-        """A /metrics socket for the child ``name``, bound and listening now (a free port on
-        ``host``): the environment that hands it over, its port included."""
+    def metrics_socket(self, name: str, host: str) -> socket.socket:
+        """A /metrics socket for the child ``name``, bound and listening now (a free port on ``host``)."""
         sock = self.metrics[name] = start_checks.listen_on(host, 0)
-        return {"ARENA_METRICS_FD": str(sock.fileno()), "ARENA_METRICS_PORT": str(sock.getsockname()[1])}
+        return sock
 
     def spawn(self, role: str, name: str | None = None, extra_env: dict | None = None) -> subprocess.Popen:
         name = name or role
@@ -471,8 +470,11 @@ def _spawn_roles(
             # ARENA_HTTP_HOST, 127.0.0.1 by default, whatever --host says): its API port wants
             # a key when ARENA_API_KEYS is set, its metrics port none.
             metrics = stack.metrics_socket(name, stack.env.get("ARENA_HTTP_HOST") or "127.0.0.1")
-            targets.append(scrape.Target(name, role.name, int(metrics["ARENA_METRICS_PORT"])))
-            stack.spawn(role.name, name, extra | metrics)
+            port = metrics.getsockname()[1]
+            targets.append(scrape.Target(name, role.name, port))
+            stack.spawn(
+                role.name, name, extra | {"ARENA_METRICS_FD": str(metrics.fileno()), "ARENA_METRICS_PORT": str(port)}
+            )
     return targets
 
 

@@ -172,14 +172,13 @@ class BatchEngine:
         packing = prepack.wanted(loaded.spec, self._model)  # this process's copy (prepack.py)
         if packing and pack_in_background:
             threading.Thread(target=self._pack, args=(packing,), name="engine-pack", daemon=True).start()
-        elif packing:
-            count = prepack.prepack_model(self._model, packing)
-            log.info("%s: %d linear layers packed, %s weights", loaded.spec.name, count, packing)
-            self._packed.set()
         else:
-            self._packed.set()
-            if loaded.spec.prepack and (found := prepack.weight_first_head(self._model, self._device.type)):
+            if packing:
+                count = prepack.prepack_model(self._model, packing)
+                log.info("%s: %d linear layers packed, %s weights", loaded.spec.name, count, packing)
+            elif loaded.spec.prepack and (found := prepack.weight_first_head(self._model, self._device.type)):
                 log.info("%s: %s", loaded.spec.name, found)
+            self._packed.set()
         self._eos = set(loaded.eos_ids)
         pad = loaded.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (loaded.eos_ids[0] if loaded.eos_ids else 0)

@@ -213,12 +213,6 @@ class EngineChild:
     conn: Any
 
 
-def shared_nbytes(model: torch.nn.Module) -> int:
-    """The bytes :func:`share` moves to /dev/shm: the model's CPU weights, not the packed
-    copy an engine process makes of some (private to it)."""
-    return sum(t.nbytes for t in _tensors(model) if t.device.type == "cpu")
-
-
 def shm_room(nbytes: int) -> bool:
     """Whether /dev/shm has room for ``nbytes`` of weights (a container's is 64 MB unless
     given more: ``docker run --shm-size``, or a memory-backed emptyDir in Kubernetes)."""

@@ -278,7 +278,9 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def _weights_nbytes(model: torch.nn.Module) -> int:
+def weights_nbytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers (each once): what an engine process
+    shares through /dev/shm, not the packed copy it makes of some."""
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -386,7 +388,7 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
         tokenizer=tokenizer,
         spec=spec,
         version=version,
-        nbytes=_weights_nbytes(model)
+        nbytes=weights_nbytes(model)
         + (prepack.packed_nbytes(model, packing) if (packing := prepack.wanted(spec, model)) else 0),
         context_len=_context_len(model, tokenizer),
         eos_ids=_eos_ids(model, tokenizer),

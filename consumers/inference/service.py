@@ -37,13 +37,13 @@ from opentelemetry.trace import Span
 
 from consumers.inference import spans
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
-from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shared_nbytes, shm_room
+from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import encode_prompt, encode_text, machine, vocab_size
+from consumers.inference.models import encode_prompt, encode_text, machine, vocab_size, weights_nbytes
 from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
@@ -427,7 +427,7 @@ class InferenceService:
     def _shareable(loaded) -> bool:
         """An engine process reads the pool's weights from shared memory; where /dev/shm
         is too small for them, the model's engine runs on a thread instead (and says so)."""
-        if loaded.spec.device != "cpu" or shm_room(shared := shared_nbytes(loaded.model)):
+        if loaded.spec.device != "cpu" or shm_room(shared := weights_nbytes(loaded.model)):
             return True
         log.warning(
             "/dev/shm has no room for %s's %.0f MB of weights: its engine runs on a thread, not in a process "

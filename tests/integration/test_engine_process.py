@@ -28,7 +28,7 @@ from consumers.inference import service as service_module
 from consumers.inference.engine import GenRequest
 from consumers.inference.errors import RetryableError
 from consumers.inference.metrics import LoadCollector
-from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.models import ModelSpec, load_model, weights_nbytes
 from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
 from consumers.inference.sampling import SamplingParams
 from events import decode
@@ -215,8 +215,8 @@ async def test_the_pools_copy_of_what_an_engine_process_packed_is_given_back_and
         row_major = sum(m.weight.nbytes for m in linears)
         await until_released(runner, len(linears))  # packed on a thread while it serves: then given back
         # /dev/shm holds the shared weights, not the packed copy the pool's budget counts beside them.
-        assert sum(m.size for m in shared_weights_maps(os.getpid())) >= engine_process.shared_nbytes(model)
-        assert engine_process.shared_nbytes(model) < runner.loaded.nbytes
+        assert sum(m.size for m in shared_weights_maps(os.getpid())) >= weights_nbytes(model)
+        assert weights_nbytes(model) < runner.loaded.nbytes
         assert len(linears) == 2 * 7
         assert resident_shared_bytes(os.getpid()) < runner.loaded.nbytes - 0.95 * row_major
         texts: list[list[str]] = []
@@ -359,7 +359,7 @@ CONSUMER = textwrap.dedent(
     """
     import asyncio, sys
     from consumers.inference.engine_process import ProcessRunner
-    from consumers.inference.models import ModelSpec, load_model
+    from consumers.inference.models import ModelSpec, load_model, weights_nbytes
 
     async def main():
         loaded = load_model(ModelSpec(name="m", path=sys.argv[1]))
