@@ -163,14 +163,22 @@ class _EngineEnd:
             done, self.steps = self.steps, []
             joined = {o.request_id: self.unjoined.pop(o.request_id) for o in outputs if o.request_id in self.unjoined}
             at = {rid: req.admitted_at for rid, req in joined.items() if req.admitted_at is not None}
-            self.conn.send(EngineOutputs(outputs, stats, done, at))
+            self._send(EngineOutputs(outputs, stats, done, at))
+
+    def _send(self, message: EngineMessage) -> None:
+        """Up the pipe; a worker killed mid-step closed it: this process ends quietly (the
+        engine thread would print a BrokenPipeError in the worker's log otherwise)."""
+        try:
+            self.conn.send(message)
+        except OSError:
+            os._exit(0)
 
     def packed(self) -> None:
         """The engine's packed layers are in place (its packing thread): say so, with its
         state, if the ready message went without it."""
         with self.lock:
             if self.ready_sent:
-                self.conn.send(EngineReady(self.runner.stats()))
+                self._send(EngineReady(self.runner.stats()))
 
     def on_step(self, step: StepRecord, _stats: EngineStats) -> None:
         with self.lock:
@@ -183,7 +191,7 @@ class _EngineEnd:
         heap.enable()  # what the fork, the model and the profile left alive: out of the collector's walks
         heap.freeze()
         with self.lock:
-            self.conn.send(EngineReady(self.runner.stats()))
+            self._send(EngineReady(self.runner.stats()))
             self.ready_sent = True
         while True:
             command: EngineCommand = self.conn.recv()

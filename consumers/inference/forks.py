@@ -8,14 +8,23 @@ process is forked from it in a fraction of a second. It is a process of its own,
 the worker: a fork of the worker would copy its threads' locks and, on a GPU host, its
 CUDA context. It ends when the worker does.
 
-Nothing here imports torch: :func:`start` runs before the worker's imports.
+Nothing here imports torch: :func:`start` runs before the worker's imports. A warm spare,
+whose start nobody waits for, starts its fork server after its imports instead, as a fork
+of itself (:func:`start_forked`): the two then share the pages of everything imported,
+rather than each holding its own copy.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
-from multiprocessing import forkserver, resource_tracker
+import os
+import socket
+import threading
+from contextlib import suppress
+from multiprocessing import connection, forkserver, resource_tracker, util
 from multiprocessing.context import BaseContext
+from typing import Any
 
 #: What the fork server imports before it forks anything.
 PRELOAD = ["consumers.inference.fork_guard", "consumers.inference.engine_process", "consumers.inference.fork_freeze"]
@@ -35,6 +44,58 @@ def start() -> None:
     background, so the caller goes on with its own imports meanwhile."""
     context().set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+
+
+def start_forked() -> None:
+    """Start the fork server as a fork of this process, which has imported what the
+    engines need already (a warm spare): it shares this process's pages of torch and
+    transformers (copy-on-write) instead of importing a copy of its own, ~290 MB of PSS
+    for SmolLM2's spare. What ``forkserver.ensure_running`` does, with a fork in place of
+    a new interpreter. Only while a single Python thread runs (a fork copies the calling
+    thread alone; OpenBLAS's idle pools stop themselves around a fork)."""
+    if threading.active_count() != 1:
+        raise RuntimeError(f"a fork server is forked from a process running one thread, not {threading.enumerate()}")
+    context().set_forkserver_preload(PRELOAD)
+    server: Any = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the server ends once every holder of alive_w has closed it
+            # Out of the collector's walks first: the server's first collection would write
+            # to every object, and copy each page it wrote to (fork_freeze).
+            gc.freeze()
+            pid = os.fork()
+            if pid == 0:
+                _forked_server(listener.fileno(), alive_r)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+
+
+def _forked_server(listener_fd: int, alive_r: int) -> None:
+    """The forked fork server: no descriptor of its parent's but its output and what the
+    server reads (its parent's stdin, sockets it inherited and the other end of the alive
+    pipe would outlive the parent in it), then multiprocessing's own server loop."""
+    try:
+        keep = {0, 1, 2, listener_fd, alive_r}
+        for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with suppress(OSError):
+                    os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)  # sys.stdin's close() leaves descriptor 0 open
+        os.dup2(null, 0)
+        os.close(null)
+        forkserver.main(listener_fd, alive_r, PRELOAD)
+    finally:
+        os._exit(0)
 
 
 def wait_ready() -> None:

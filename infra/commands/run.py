@@ -49,11 +49,13 @@ def run_role(role: str, standby: bool = False) -> int:
     heap.enable()  # startup's objects are frozen out of the collector once the process is up
     if role == topology.INFERENCE.name:
         heap.mmap_threshold()  # freed activations go back to the system (an engine process sets its own)
-    if role == topology.INFERENCE.name and InferenceSettings().engine_process:
+    engines = role == topology.INFERENCE.name and InferenceSettings().engine_process
+    if engines and not standby:
         forks.start()  # the engine processes' fork server imports torch beside this process's imports
     main = getattr(importlib.import_module(module), func)
     if standby:
-        if role == topology.INFERENCE.name and InferenceSettings().engine_process:
+        if engines:  # nobody waits for a spare's start: its fork server shares its imports' pages
+            forks.start_forked()
             forks.wait_ready()
         logging.getLogger(__name__).info("standby for %s: imported, waiting to be promoted", role)
         if not promoted(sys.stdin.buffer.readline()):

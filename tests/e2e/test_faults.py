@@ -110,6 +110,15 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
     try:
         [victim] = up.inference_pids()
         spare = up.roster()["standbys"]["inference"]
+        # The spare's engine fork server is a fork of it, once its imports are done (it
+        # shares their pages).
+        end = time.monotonic() + 120
+        while not (
+            servers := [c for c in psutil.Process(spare).children() if c.cmdline() == psutil.Process(spare).cmdline()]
+        ):
+            assert time.monotonic() < end, "the spare forked no fork server"
+            time.sleep(0.2)
+        [server] = servers
         body = {"model": "smollm2-135m", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
         async def run() -> tuple[list[Stream], float]:
@@ -143,6 +152,7 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
             [done] = [e for e in stored_events(up.nats_url, s.request_id) if e.type == "chat.completed"]
             assert done.usage.completion_tokens == 48 and done.text == s.text, (done.usage, s.text)
         assert up.inference_pids() == [spare], (up.roster(), spare)
+        assert "arena-engine" in [c.name() for c in server.children()]  # the promoted spare's engines come from it
         # Prometheus's target for the worker is the spare now: the port it was told, held by `arena up`.
         targets = json.loads((up.state / "prometheus" / "targets.json").read_text())
         [port] = [t["targets"][0].rsplit(":", 1)[1] for t in targets if t["labels"]["process"] == "inference-0"]
@@ -156,7 +166,9 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
         assert exited["messages_handed_on"] == 4, exited
         # The spare writes to the worker's log from then on, its engine processes too; their
         # engine took the step figures the dead worker's kept instead of profiling again.
-        log = (up.state / "logs" / "inference-0.log").read_text().split("standby promoted", 1)[1]
+        whole = (up.state / "logs" / "inference-0.log").read_text()
+        assert "Traceback" not in whole, whole[-3000:]  # the dead worker's engines ended quietly
+        log = whole.split("standby promoted", 1)[1]
         assert "step profile skipped" in log and "step profile: batch" not in log, log[-3000:]
     finally:
         up.stop()
