@@ -2,16 +2,17 @@
 
 An engine process started as a fresh interpreter spends seconds importing torch and
 transformers (5-7 s on a busy 2-core VM) before it can step, and a worker restarted after
-a ``kill -9`` waited for that on top of its own imports. The fork server imports them
-once, beside the worker (it is started before the worker's own imports), and each engine
-process is forked from it in a fraction of a second. It is a process of its own, never
-the worker: a fork of the worker would copy its threads' locks and, on a GPU host, its
-CUDA context. It ends when the worker does.
+a ``kill -9`` waited for that on top of its own imports. The fork server is forked from
+the worker (or its warm spare) once that has imported them and before it starts anything
+else (:func:`start_forked`: no thread, no event loop, no model, no CUDA context yet), and
+each engine process is forked from the server in a fraction of a second. The worker, its
+server and its engines share the pages of everything imported (copy-on-write) instead of
+each holding a copy: SmolLM2's worker 432 -> 232 MB PSS, its fork server 152 -> 102.
+It is a process of its own, never the running worker: a fork of that would copy its
+threads' locks and, on a GPU host, its CUDA context. It ends when the worker does.
 
-Nothing here imports torch: :func:`start` runs before the worker's imports. A warm spare,
-whose start nobody waits for, starts its fork server after its imports instead, as a fork
-of itself (:func:`start_forked`): the two then share the pages of everything imported,
-rather than each holding its own copy.
+:func:`start` starts one as a new interpreter instead (multiprocessing's own way), for a
+process that runs threads already (the tests' workers).
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ def context() -> BaseContext:
 
 
 def start() -> None:
-    """Start the fork server if it is not running; it imports :data:`PRELOAD` in the
-    background, so the caller goes on with its own imports meanwhile."""
+    """Start the fork server as a new interpreter if none is running (one started by
+    :func:`start_forked` and killed is replaced so); it imports :data:`PRELOAD` in the
+    background."""
     context().set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
 
 
 def start_forked() -> None:
     """Start the fork server as a fork of this process, which has imported what the
-    engines need already (a warm spare): it shares this process's pages of torch and
-    transformers (copy-on-write) instead of importing a copy of its own, ~290 MB of PSS
-    for SmolLM2's spare. What ``forkserver.ensure_running`` does, with a fork in place of
+    engines need already (a worker or its warm spare, before it starts anything): it
+    shares this process's pages of torch and transformers (copy-on-write) instead of
+    importing a copy of its own. What ``forkserver.ensure_running`` does, with a fork in place of
     a new interpreter. Only while a single Python thread runs (a fork copies the calling
     thread alone; OpenBLAS's idle pools stop themselves around a fork)."""
     if threading.active_count() != 1:

@@ -1,9 +1,12 @@
 """`arena run ROLE`: one process of the topology (settings from ARENA_* variables).
 
+An inference worker forks its engine fork server from itself once it has imported torch
+and transformers, before it starts anything (consumers.inference.forks.start_forked): the
+worker, the server and the engine processes share those pages.
+
 `arena run inference --standby` is `arena up`'s warm spare: it does everything a worker
-does before it reads its settings (imports torch and transformers, starts its engine
-fork server and waits for that one's imports too: ~11 s of CPU on a slow 2-core VM), then
-waits. When a worker dies, the supervisor promotes it instead of starting a cold
+does before it reads its settings (imports torch and transformers, forks its engine
+fork server: ~6 s of CPU on a slow 2-core VM), then waits. When a worker dies, the supervisor promotes it instead of starting a cold
 process: one JSON line on its stdin gives it the dead worker's environment, log file and
 priority, and it runs as that worker from there (see infra.supervisor.Stack.promote).
 """
@@ -50,12 +53,11 @@ def run_role(role: str, standby: bool = False) -> int:
     if role == topology.INFERENCE.name:
         heap.mmap_threshold()  # freed activations go back to the system (an engine process sets its own)
     engines = role == topology.INFERENCE.name and InferenceSettings().engine_process
-    if engines and not standby:
-        forks.start()  # the engine processes' fork server imports torch beside this process's imports
     main = getattr(importlib.import_module(module), func)
+    if engines:  # a fork of this process, imported: it shares the pages of what it imported
+        forks.start_forked()
     if standby:
-        if engines:  # nobody waits for a spare's start: its fork server shares its imports' pages
-            forks.start_forked()
+        if engines:
             forks.wait_ready()
         logging.getLogger(__name__).info("standby for %s: imported, waiting to be promoted", role)
         if not promoted(sys.stdin.buffer.readline()):

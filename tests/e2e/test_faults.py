@@ -110,15 +110,10 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
     try:
         [victim] = up.inference_pids()
         spare = up.roster()["standbys"]["inference"]
-        # The spare's engine fork server is a fork of it, once its imports are done (it
-        # shares their pages).
-        end = time.monotonic() + 120
-        while not (
-            servers := [c for c in psutil.Process(spare).children() if c.cmdline() == psutil.Process(spare).cmdline()]
-        ):
-            assert time.monotonic() < end, "the spare forked no fork server"
-            time.sleep(0.2)
-        [server] = servers
+        # The worker's engine fork server, and the spare's, is a fork of it, once its
+        # imports are done (it shares their pages).
+        assert "arena-engine" in [c.name() for c in forks_of(victim)[0].children()]
+        [server] = forks_of(spare)
         body = {"model": "smollm2-135m", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
         async def run() -> tuple[list[Stream], float]:
@@ -172,6 +167,15 @@ def test_kill_9_of_the_only_worker_of_the_default_stack_answers_within_the_deadl
         assert "step profile skipped" in log and "step profile: batch" not in log, log[-3000:]
     finally:
         up.stop()
+
+
+def forks_of(pid: int, within: float = 120) -> list[psutil.Process]:
+    """The children of ``pid`` that are forks of it (its engine fork server), once there."""
+    end = time.monotonic() + within
+    while not (found := [c for c in psutil.Process(pid).children() if c.cmdline() == psutil.Process(pid).cmdline()]):
+        assert time.monotonic() < end, f"{pid} forked no fork server"
+        time.sleep(0.2)
+    return found
 
 
 # ---- kill -9 of the servers `arena up` started ----------------------------------------
