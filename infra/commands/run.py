@@ -7,8 +7,9 @@ worker, the server and the engine processes share those pages.
 `arena run inference --standby` is `arena up`'s warm spare: it does everything a worker
 does before it reads its settings (imports torch and transformers, forks its engine
 fork server: ~6 s of CPU on a slow 2-core VM), then waits. When a worker dies, the
-supervisor promotes it instead of starting a cold process: one JSON line on its stdin gives it the dead worker's environment, log file and
-priority, and it runs as that worker from there (see infra.supervisor.Stack.promote).
+supervisor promotes it instead of starting a cold process: one JSON line on its stdin
+gives it the dead worker's environment, log file and priority, and it runs as that
+worker from there (see infra.supervisor.Stack.promote).
 """
 
 from __future__ import annotations
