@@ -290,11 +290,13 @@ def release_packed(loaded: LoadedModel) -> list[str]:
     model = loaded.model
     if prepack.wanted(loaded.spec, model) is None:
         return []
-    prefixes = {id(m): n for n, m in model.named_modules()}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     released = []
-    for parent, name, linear, tied in prepack.packed_linears(model):
-        if not tied and linear.weight.is_shared() and _punch(linear.weight):
-            released.append(".".join(filter(None, (prefixes[id(parent)], name, "weight"))))
+    for _, _, linear, tied in prepack.packed_linears(model):
+        weight = linear.weight
+        assert isinstance(weight, torch.Tensor)
+        if not tied and weight.is_shared() and _punch(weight):
+            released.append(names[id(weight)])
     return released
 
 

@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from consumers.inference.quantize import QuantLinear
+
 #: The rows oneDNN's reorder is told to expect (a decode step's few; any count runs).
 BATCH_HINT = 1
 #: How an engine packs a model's linear layers (module docstring).
@@ -107,13 +109,16 @@ def half_supported(model: nn.Module, device: str) -> bool:
 
 def wanted(spec: Any, model: nn.Module) -> Packing | None:
     """How the engine stepping `spec`'s `model` packs its linear layers, or None: asked
-    (`prepack`, the default), not quantized (its own kernels), and `supported` (bfloat16)
-    or, for `dtype: auto` settled on float32 with enough weights to be the cost,
+    (`prepack`, the default), and `supported` (bfloat16; a quantized model's layers keep
+    their kernels for a few rows and pack the float weights of their larger steps) or, for
+    an unquantized `dtype: auto` settled on float32 with enough weights to be the cost,
     `half_supported` (float16 weights; an explicit float32 stays float32)."""
-    if not spec.prepack or spec.quantize:
+    if not spec.prepack:
         return None
     if supported(model, spec.device):
-        return "bfloat16"
+        return "bfloat16"  # a quantized model's float path too (its larger steps)
+    if spec.quantize:
+        return None
     if spec.dtype == "auto" and parameter_count(model) >= MIN_PARAMS and half_supported(model, spec.device):
         return "float16"
     return None
@@ -128,7 +133,7 @@ FBGEMM_FP16_BLOCK = 512
 
 def packed_nbytes(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """The bytes a packed copy of `model`'s linear layers takes (the packing engine's)."""
-    layers = [m for m in model.modules() if type(m) is nn.Linear]
+    layers = [m for m in model.modules() if type(m) is nn.Linear or isinstance(m, QuantLinear)]
     if packing == "float16":
         block = FBGEMM_FP16_BLOCK
         return sum(2 * m.out_features * -(-m.in_features // block) * block for m in layers)
@@ -174,17 +179,22 @@ class HalfLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, float16"
 
 
-def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, bool]]:
-    """The layers :func:`prepack_model` replaces: each plain `nn.Linear` as (parent, name,
-    layer, tied), tied where another module keeps its weight (an lm_head tied to the
-    embedding), so the row-major weight stays in use after packing."""
-    kept = {id(p) for module in model.modules() if type(module) is not nn.Linear for p in module.parameters(False)}
-    return [
-        (module, name, child, id(child.weight) in kept)
-        for module in model.modules()
-        for name, child in module.named_children()
-        if type(child) is nn.Linear
-    ]
+def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, bool]]:
+    """The layers :func:`prepack_model` packs, as (parent, name, layer, tied): each plain
+    `nn.Linear`, replaced by its packed copy (``parent.name``), and each `QuantLinear`,
+    whose packed copy becomes its float path (``layer.float_path``: parent is the layer);
+    tied where another module keeps its weight (an lm_head tied to the embedding), so the
+    row-major weight stays in use after packing."""
+    layers = (nn.Linear, QuantLinear)
+    kept = {id(p) for module in model.modules() if type(module) not in layers for p in module.parameters(False)}
+    found: list[tuple[nn.Module, str, nn.Module, bool]] = []
+    for module in model.modules():
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                found.append((module, name, child, id(child.weight) in kept))
+            elif isinstance(child, QuantLinear):
+                found.append((child, "float_path", child, id(child.weight) in kept))
+    return found
 
 
 def pack_layers(model: nn.Module, packing: Packing = "bfloat16") -> list[tuple[nn.Module, str, nn.Module]]:

@@ -16,7 +16,9 @@ are quantized once at load, to
 The kernels only pay for few rows: they multiply row by row, where a float GEMM reuses
 each weight it reads for every row (bfloat16 at 32 rows is 3-5x faster than them). So
 each layer keeps both: the packed weights for a step of up to ``max_rows`` rows, and
-the float weights *dequantized from them* for larger steps. Both paths compute with
+the float weights *dequantized from them* for larger steps (in bfloat16 on a CPU that
+computes it natively, packed for oneDNN by the engine as an unquantized model's are:
+prepack.py). Both paths compute with
 the same weights, so a request's tokens do not depend on how many others share its
 step (to rounding). The cost is the packed copy beside the float one (+50% for int8,
 +25% for int4), which :func:`~consumers.inference.models.load_model` counts.
@@ -58,10 +60,15 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales.to(_KERNEL_DTYPE))
         self.weight = nn.Parameter(dequantized.to(linear.weight.dtype), requires_grad=False)
         self.bias = linear.bias
+        #: What steps of more rows run instead of ``weight`` row-major, once the engine
+        #: has packed a copy of it (prepack.py: a PackedLinear over the same weights).
+        self.float_path: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.device.type != "cpu":
+            if self.float_path is not None:
+                return self.float_path(x)
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE).contiguous()
         if flat.data_ptr() % 64:  # the int8 kernel crashes on a view that starts unaligned (torch 2.13)

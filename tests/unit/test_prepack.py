@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consumers.inference import models, prepack
+from consumers.inference import engine_process, models, prepack
 from consumers.inference.engine import BatchEngine
 from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.quantize import MAX_ROWS, QuantLinear
 from tests.conftest import STORIES
 
 NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -145,3 +146,32 @@ def test_dtype_auto_on_a_cpu_without_bfloat16_packs_float16_weights_and_an_expli
         got = auto.model(input_ids=ids).logits
     assert (got.argmax(-1) == want.argmax(-1)).all()
     torch.testing.assert_close(got, want, atol=0.02, rtol=0.02)
+
+
+def test_a_quantized_bfloat16_model_keeps_its_kernels_and_packs_the_float_path_of_larger_steps():
+    """int4 layers run their kernel for a few rows; the float weights dequantized from the
+    same integers serve larger steps, packed like an unquantized model's (the engine packs
+    its copy; the load counts it), and what the worker can give back once they are in
+    place is named as the layers' own weights (engine_process.release_packed)."""
+    spec = ModelSpec(name="s", path=str(STORIES), dtype="bfloat16", quantize="int4")
+    loaded = load_model(spec)
+    quants = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert quants and all(m.float_path is None for m in quants)
+    assert (prepack.wanted(spec, loaded.model) == "bfloat16") == NATIVE
+    plain = load_model(spec.model_copy(update={"prepack": False}))
+    assert loaded.nbytes == plain.nbytes + (prepack.packed_nbytes(plain.model) if NATIVE else 0)
+    engine_process.share(loaded)  # as a worker does, before an engine packs
+    x = torch.randn(MAX_ROWS + 3, quants[0].in_features).bfloat16()
+    with torch.inference_mode():
+        before = [m(x).float() for m in quants]
+    BatchEngine(loaded, "continuous")
+    assert all(isinstance(m.float_path, prepack.PackedLinear) == NATIVE for m in quants)
+    layers = prepack.packed_linears(loaded.model)
+    assert len(layers) == len(quants) and all(parent is layer for parent, _, layer, _ in layers)
+    released = engine_process.release_packed(loaded)  # whole pages only: not every small layer
+    quant_weights = {f"{n}.weight" for n, m in loaded.model.named_modules() if isinstance(m, QuantLinear)}
+    assert set(released) <= quant_weights and (len(released) > 0) == NATIVE
+    with torch.inference_mode():  # the row-major float weights given back: not read any more
+        for m, want in zip(quants, before, strict=True):
+            torch.testing.assert_close(m(x).float(), want, atol=0.02, rtol=0.02)  # blocked sums
+            assert m(x[:1]).shape == (1, m.out_features)  # a few rows: the kernel
