@@ -10,7 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from consumers.inference.sampling import (
+    NUCLEUS_CANDIDATES,
     SamplingParams,
+    _sample_top_p,
     TextTracker,
     adjusted,
     make_generator,
@@ -101,6 +103,48 @@ def test_sampling_follows_the_distribution():
     # Low temperature sharpens towards the most likely token.
     cold = _draw(logits, SamplingParams(temperature=0.1, seed=3), steps=500)
     assert cold.count(0) / len(cold) > 0.99
+
+
+def _sorted_nucleus(logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The nucleus sampler as it was: the whole vocabulary sorted for every row."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p[:, None]
+    keep[:, 0] = True
+    cdf = (sorted_probs * keep).cumsum(dim=-1)
+    pos = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    pos = torch.minimum(pos, keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    return order.gather(-1, pos).squeeze(-1)
+
+
+def test_the_nucleus_found_among_the_top_candidates_or_by_a_full_sort_is_the_sorted_one():
+    """A peaked row's nucleus lies among its NUCLEUS_CANDIDATES most likely tokens, a flat
+    row's reaches past them (sorted whole): either way the token drawn for a uniform is
+    the one a sort of the whole vocabulary gives, rows of both kinds in one batch."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    ranks = torch.stack([torch.randperm(vocab, generator=g) for _ in range(6)]).float() + 1
+    logits = -2.0 * ranks.log()  # Zipf-like, peaked
+    logits[3:] = torch.randn(3, vocab, generator=g) * 0.1  # nearly flat: the nucleus is wide
+    top_p = torch.tensor([0.9, 0.5, 1e-9, 0.99, 0.9, 0.95])
+    probs = torch.softmax(logits, dim=-1)
+    mass = probs.topk(NUCLEUS_CANDIDATES, dim=-1).values.sum(dim=-1)
+    assert (mass[:3] >= top_p[:3]).all() and (mass[3:] < top_p[3:]).all()  # both paths taken
+    for _ in range(50):
+        u = torch.rand(6, generator=g)
+        picked, fine = _sample_top_p(logits, top_p, u)
+        assert torch.equal(picked, _sorted_nucleus(logits, top_p, u)) and fine.all()
+
+
+def test_top_p_one_draws_from_the_whole_distribution_and_never_a_token_of_probability_zero():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    logits = probs.log()[None].repeat(20000, 1)  # log(0) = -inf
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(1))
+    u[:5] = torch.tensor([0.0, 1 - 1e-7, 0.5, 0.7, 0.9999999])
+    picked, fine = _sample_top_p(logits, torch.ones(20000), u)
+    counts = torch.bincount(picked, minlength=5).float() / 20000
+    assert counts[1] == 0 and counts[4] == 0 and fine.all()
+    torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
 
 
 def _split(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
