@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 from consumers.inference.sampling import (
     NUCLEUS_CANDIDATES,
     SamplingParams,
-    _sample_top_p,
     TextTracker,
+    _sample_top_p,
     adjusted,
     make_generator,
     pick_tokens,
