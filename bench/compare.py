@@ -156,7 +156,8 @@ async def sweep_lengths(base_url: str, workload: Workload, loads: list[float], l
 
 def workload_of(target: targets.Target, workload: Workload) -> Workload:
     """The workload as ``target`` is sent it: its model name, ignore_eos where it takes it, its extra fields."""
-    return replace(workload, model=target.served_name, ignore_eos=target.send_ignore_eos, body_extra=target.body_extra)
+    extra = workload.body_extra + target.body_extra
+    return replace(workload, model=target.served_name, ignore_eos=target.send_ignore_eos, body_extra=extra)
 
 
 async def warmed(target: targets.Target, workload: Workload) -> dict | None:
@@ -261,7 +262,8 @@ def _meta(args, ceiling: dict, workload: Workload, loads: list[float]) -> dict:
         + (f", {ceiling['params'] / 1e6:.1f}M params" if ceiling.get("params") else ""),
         "workload": (
             f"{workload.mode} loop, loads {','.join(f'{x:g}' for x in loads)}, lengths "
-            f"{args.sweep_lengths or workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level"
+            f"{args.sweep_lengths or workload.lengths}, {workload.turns} turn(s), {workload.duration_s:g}s per level, "
+            f"temperature {args.temperature:g}"
         ),
         "command": "python -m bench.compare " + " ".join(args.argv),
     }

@@ -141,6 +141,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, default=200, help="per load level")
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default 0: greedy, as the peer comparisons ask; 1 is the API's default)",
+    )
 
 
 def workload_from_args(args: argparse.Namespace, model: str) -> tuple[Workload, list[float]]:
@@ -153,6 +159,7 @@ def workload_from_args(args: argparse.Namespace, model: str) -> tuple[Workload, 
         turns=args.turns,
         seed=args.seed,
         timeout_s=args.timeout,
+        body_extra=(("temperature", args.temperature),) if args.temperature else (),
     )
     return workload, [float(x) for x in args.loads.split(",")]
 

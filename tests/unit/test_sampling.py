@@ -10,9 +10,12 @@ import torch
 from transformers import AutoTokenizer
 
 from consumers.inference.sampling import (
+    CDF_BLOCK,
     NUCLEUS_CANDIDATES,
     SamplingParams,
     TextTracker,
+    _inverse_cdf,
+    _inverse_cdf_whole,
     _sample_top_p,
     adjusted,
     make_generator,
@@ -145,6 +148,29 @@ def test_top_p_one_draws_from_the_whole_distribution_and_never_a_token_of_probab
     counts = torch.bincount(picked, minlength=5).float() / 20000
     assert counts[1] == 0 and counts[4] == 0 and fine.all()
     torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
+
+
+def test_the_blocked_draw_is_the_draw_over_one_cumulative_sum_of_the_vocabulary():
+    """Blocks of CDF_BLOCK tokens (the last one padded), the block then the token within
+    it: for the same uniform, the token one cumulative sum over the vocabulary gives, but
+    where the two sums round apart at a boundary (then a neighbour)."""
+    g = torch.Generator().manual_seed(2)
+    vocab = 3 * CDF_BLOCK - 72
+    probs = torch.softmax(torch.randn(8, vocab, generator=g) * 2, dim=-1)
+    u = torch.rand(400, 8, generator=g)
+    blocked = torch.stack([_inverse_cdf(probs, row) for row in u])
+    whole = torch.stack([_inverse_cdf_whole(probs, row) for row in u])
+    apart = blocked != whole
+    assert apart.float().mean() < 0.005 and all(abs(d) <= 1 for d in (blocked - whole)[apart].tolist())
+
+
+def test_greedy_rows_and_a_broken_row_beside_sampled_ones():
+    """The greedy token is the argmax (the first of equal maxima); a row with a NaN, or
+    with every logit -inf, gets no token, greedy or sampled."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, math.nan, 0.0, 2.0], [-math.inf] * 4, [0.0, 5.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)]
+    params.append(SamplingParams(temperature=0.5, seed=2))
+    assert select_tokens(logits, params, [make_generator(p) for p in params]) == [1, None, None, 1]
 
 
 def _split(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
