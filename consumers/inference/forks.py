@@ -18,6 +18,7 @@ process that runs threads already (the tests' workers).
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -52,11 +53,16 @@ def start_forked() -> None:
     """Start the fork server as a fork of this process, which has imported what the
     engines need already (a worker or its warm spare, before it starts anything): it
     shares this process's pages of torch and transformers (copy-on-write) instead of
-    importing a copy of its own. What ``forkserver.ensure_running`` does, with a fork in place of
-    a new interpreter. Only while a single Python thread runs (a fork copies the calling
-    thread alone; OpenBLAS's idle pools stop themselves around a fork)."""
-    if threading.active_count() != 1:
-        raise RuntimeError(f"a fork server is forked from a process running one thread, not {threading.enumerate()}")
+    importing a copy of its own. What ``forkserver.ensure_running`` does, with a fork in
+    place of a new interpreter. Only while a single Python thread runs (a fork copies the
+    calling thread alone; OpenBLAS's idle pools stop themselves around a fork): else, as
+    :func:`start` does."""
+    if threading.active_count() != 1:  # a fork copies only the calling thread: start a new interpreter
+        logging.getLogger(__name__).warning(
+            "engine fork server started as a new interpreter: threads run here (%s)", threading.enumerate()
+        )
+        start()
+        return
     context().set_forkserver_preload(PRELOAD)
     server: Any = forkserver._forkserver
     with server._lock:

@@ -2,7 +2,8 @@
 (`forks.start_forked`), in a real process that imported the engine's modules as the spare
 does: it shares the spare's pages (no import of its own), holds none of the spare's
 descriptors but its output, forks engine processes, stops with `forks.stop()`, and ends
-when the spare is killed with -9."""
+when the spare is killed with -9. A process that runs threads gets one started as a new
+interpreter instead (a fork copies one thread)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,28 @@ def test_a_forked_fork_server_and_its_engines_end_when_the_spare_is_killed():
         assert all(gone(pid, 10) for pid in engine), "an engine outlived the spare"
     finally:
         proc.kill()
+
+
+def test_a_process_running_threads_starts_its_fork_server_as_a_new_interpreter():
+    script = textwrap.dedent(
+        """
+        import threading, time, psutil
+        from consumers.inference import forks
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        forks.start_forked()
+        forks.wait_ready()
+        [server] = forks.server_pids()
+        print(" ".join(psutil.Process(server).cmdline()), flush=True)
+        forks.stop()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "multiprocessing.forkserver" in done.stdout  # not a fork of this process
+    assert "started as a new interpreter: threads run here" in done.stderr
