@@ -127,6 +127,7 @@ def test_a_process_running_threads_starts_its_fork_server_as_a_new_interpreter()
         text=True,
         timeout=90,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert "multiprocessing.forkserver" in done.stdout  # not a fork of this process
