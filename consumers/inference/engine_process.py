@@ -503,7 +503,12 @@ class ProcessRunner:
         once; one that died starting is left for a request to restart later."""
         self._proc.join(timeout=1)
         code, served = self._proc.exitcode, self.ready.is_set()
-        log.error("engine process of %s ended (exit code %s); failing %d requests", self.name, code, len(self._active))
+        log.error(
+            "engine process of %s ended (exit code %s); %d requests given back, to go on from their stored chunks",
+            self.name,
+            code,
+            len(self._active),
+        )
         self._stats = None
         self.ready.clear()
         if served:
