@@ -98,6 +98,7 @@ class Level:
     max_retry_wait_s: float
     retries: int = 2
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy; 1: the API's default sampling
 
 
 async def conversation_user(client, target: targets.Target, level: Level, user: int, stop_at: float, out: list):
@@ -113,7 +114,8 @@ async def conversation_user(client, target: targets.Target, level: Level, user: 
             for retry in range(level.retries + 1):
                 if time.perf_counter() >= stop_at:
                     return
-                body = chat_body(target.served_name, messages, max_tokens, target.send_ignore_eos)
+                extra = {"temperature": level.temperature} if level.temperature else None
+                body = chat_body(target.served_name, messages, max_tokens, target.send_ignore_eos, extra)
                 attempt = await send(
                     client, target.base_url, body, Attempt(user, turn, max_tokens, 0.0), level.deadline_s
                 )
@@ -137,9 +139,12 @@ async def run_level(target: targets.Target, level: Level) -> list[Attempt]:
     return out
 
 
-async def run_burst(target: targets.Target, n: int, max_tokens: int, deadline_s: float) -> tuple[list[Attempt], float]:
+async def run_burst(
+    target: targets.Target, n: int, max_tokens: int, deadline_s: float, temperature: float = 0.0
+) -> tuple[list[Attempt], float]:
     """`n` single-turn requests at once; (their attempts, the wall time until the last ended)."""
     rng = random.Random(0)
+    extra = {"temperature": temperature} if temperature else None
     async with session(deadline_s * 8, connections=n) as client:
         t0 = time.perf_counter()
         attempts = await asyncio.gather(
@@ -147,7 +152,12 @@ async def run_burst(target: targets.Target, n: int, max_tokens: int, deadline_s:
                 send(
                     client,
                     target.base_url,
-                    chat_body(target.served_name, [{"role": "user", "content": rng.choice(PROMPTS)}], max_tokens),
+                    chat_body(
+                        target.served_name,
+                        [{"role": "user", "content": rng.choice(PROMPTS)}],
+                        max_tokens,
+                        extra=extra,
+                    ),
                     Attempt(i, 0, max_tokens, 0.0),
                     deadline_s,
                 )
@@ -246,6 +256,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-retry-wait", type=float, default=5.0, help="longest Retry-After a client honours")
     p.add_argument("--retries", type=int, default=2, help="times a refused turn is sent again (the OpenAI SDK's 2)")
     p.add_argument("--burst", type=int, default=400, help="requests sent at once after the levels (0: none)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; 1: the API's default sampling")
     p.add_argument("--ctx-per-slot", type=int, default=2048, help="llama-server's context per slot")
     p.add_argument("--torch-threads", type=int, help="threads every server may use (default: the supervisor's)")
     p.add_argument("--interleave", action="store_true", help="start every target at once, run each level on each")
@@ -274,7 +285,15 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
     lengths = LengthMix.parse(args.lengths)
     for users in [int(x) for x in args.loads.split(",") if x]:
         level = Level(
-            users, args.turns, lengths, args.think, args.duration, args.deadline, args.max_retry_wait, args.retries
+            users,
+            args.turns,
+            lengths,
+            args.think,
+            args.duration,
+            args.deadline,
+            args.max_retry_wait,
+            args.retries,
+            temperature=args.temperature,
         )
         for name, target in live.items():
             t0 = time.perf_counter()
@@ -287,7 +306,7 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
     if args.burst:
         for name, target in live.items():
             time.sleep(args.think * 2)  # the levels' last turns drain
-            attempts, wall = asyncio.run(run_burst(target, args.burst, 64, args.deadline))
+            attempts, wall = asyncio.run(run_burst(target, args.burst, 64, args.deadline, args.temperature))
             burst_row = {"target": name, "load": f"burst {args.burst}", "wall_s": wall, "summary": summary(attempts)}
             burst_row["margin"] = learned_margin(target)
             rows.append(burst_row | {"attempts": [a.as_json() for a in attempts]})
