@@ -293,10 +293,8 @@ def release_packed(loaded: LoadedModel) -> list[str]:
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     released = []
     for _, _, linear, tied in prepack.packed_linears(model):
-        weight = linear.weight
-        assert isinstance(weight, torch.Tensor)
-        if not tied and weight.is_shared() and _punch(weight):
-            released.append(names[id(weight)])
+        if not tied and linear.weight.is_shared() and _punch(linear.weight):
+            released.append(names[id(linear.weight)])
     return released
 
 

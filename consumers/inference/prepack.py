@@ -133,7 +133,7 @@ FBGEMM_FP16_BLOCK = 512
 
 def packed_nbytes(model: nn.Module, packing: Packing = "bfloat16") -> int:
     """The bytes a packed copy of `model`'s linear layers takes (the packing engine's)."""
-    layers = [m for m in model.modules() if type(m) is nn.Linear or isinstance(m, QuantLinear)]
+    layers = [layer for _, _, layer, _ in packed_linears(model)]
     if packing == "float16":
         block = FBGEMM_FP16_BLOCK
         return sum(2 * m.out_features * -(-m.in_features // block) * block for m in layers)
@@ -179,7 +179,7 @@ class HalfLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, float16"
 
 
-def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, bool]]:
+def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear | QuantLinear, bool]]:
     """The layers :func:`prepack_model` packs, as (parent, name, layer, tied): each plain
     `nn.Linear`, replaced by its packed copy (``parent.name``), and each `QuantLinear`,
     whose packed copy becomes its float path (``layer.float_path``: parent is the layer);
@@ -187,7 +187,7 @@ def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, bo
     row-major weight stays in use after packing."""
     layers = (nn.Linear, QuantLinear)
     kept = {id(p) for module in model.modules() if type(module) not in layers for p in module.parameters(False)}
-    found: list[tuple[nn.Module, str, nn.Module, bool]] = []
+    found: list[tuple[nn.Module, str, nn.Linear | QuantLinear, bool]] = []
     for module in model.modules():
         for name, child in module.named_children():
             if type(child) is nn.Linear:
@@ -198,9 +198,9 @@ def packed_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, bo
 
 
 def pack_layers(model: nn.Module, packing: Packing = "bfloat16") -> list[tuple[nn.Module, str, nn.Module]]:
-    """A :class:`PackedLinear` (bfloat16) or :class:`HalfLinear` (float16) for every plain
-    `nn.Linear` of `model`, as (parent, name, new layer), not put in place yet (:func:`install`):
-    the model steps on meanwhile, its weights only read."""
+    """A :class:`PackedLinear` (bfloat16) or :class:`HalfLinear` (float16) for every layer
+    :func:`packed_linears` names, as (parent, name, new layer), not put in place yet
+    (:func:`install`): the model steps on meanwhile, its weights only read."""
     linears = packed_linears(model)
     layer = HalfLinear if packing == "float16" else PackedLinear
     # The packing ops release the GIL: in threads, a start waits for it on every core
@@ -218,8 +218,8 @@ def install(layers: list[tuple[nn.Module, str, nn.Module]]) -> int:
 
 
 def prepack_model(model: nn.Module, packing: Packing = "bfloat16") -> int:
-    """Replace every plain `nn.Linear` of `model` by a :class:`PackedLinear` (bfloat16) or
-    a :class:`HalfLinear` (float16); how many."""
+    """Pack every layer :func:`packed_linears` names, in place (a plain `nn.Linear`
+    replaced, a `QuantLinear`'s float path set); how many."""
     return install(pack_layers(model, packing))
 
 

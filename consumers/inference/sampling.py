@@ -226,20 +226,16 @@ def _sample_top_p(
         picked[rows] = _inverse_cdf(probs.index_select(0, rows), uniforms.index_select(0, rows))
     rest = (~whole).nonzero().squeeze(-1)
     if rest.numel():
-        candidates = probs.index_select(0, rest)
-        k = min(NUCLEUS_CANDIDATES, candidates.shape[-1])
-        top, order = candidates.topk(k, dim=-1)  # the most likely first
-        wide = top.sum(dim=-1) < top_p.index_select(0, rest)  # the nucleus reaches past them
-        if k < candidates.shape[-1] and bool(wide.any()):
-            many = wide.nonzero().squeeze(-1)
-            sorted_probs, sorted_order = candidates.index_select(0, many).sort(dim=-1, descending=True)
-            full = _in_nucleus(sorted_probs, sorted_order, top_p[rest][many], uniforms[rest][many])
-            few = (~wide).nonzero().squeeze(-1)
-            if few.numel():
-                picked[rest[few]] = _in_nucleus(top[few], order[few], top_p[rest][few], uniforms[rest][few])
-            picked[rest[many]] = full
-        else:
-            picked[rest] = _in_nucleus(top, order, top_p.index_select(0, rest), uniforms.index_select(0, rest))
+        candidates, p, u = probs.index_select(0, rest), top_p.index_select(0, rest), uniforms.index_select(0, rest)
+        top, order = candidates.topk(min(NUCLEUS_CANDIDATES, candidates.shape[-1]), dim=-1)  # most likely first
+        wide = top.sum(dim=-1) < p  # the nucleus reaches past them: those rows are sorted whole
+        chosen = torch.zeros_like(rest)
+        if (few := (~wide).nonzero().squeeze(-1)).numel():
+            chosen[few] = _in_nucleus(top[few], order[few], p[few], u[few])
+        if (many := wide.nonzero().squeeze(-1)).numel():
+            sorted_probs, sorted_order = candidates[many].sort(dim=-1, descending=True)
+            chosen[many] = _in_nucleus(sorted_probs, sorted_order, p[many], u[many])
+        picked[rest] = chosen
     return picked, fine
 
 
