@@ -99,6 +99,11 @@ def torch_threads(env: dict, replicas: int) -> dict:
     out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
     if not env.get("ARENA_TORCH_THREADS") and replicas >= 1:
         out["ARENA_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // replicas))
+    if not env.get("ARENA_LLAMA_CPP_THREADS") and replicas >= 1:
+        # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
+        # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2
+        # 62-67 tok/s to one user and 68-74 to eight, two threads 69-86 and 108-124.
+        out["ARENA_LLAMA_CPP_THREADS"] = str(max(1, (os.cpu_count() or 1) // replicas))
     return out
 
 

@@ -382,7 +382,7 @@ class InferenceService:
             figures = self.figures_path(loaded)
             if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
                 binary = locate(s.llama_cpp_dir)  # the error names the build command
-                llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.torch_threads)
+                llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.llama_cpp_threads)
                 runner = EngineRunner(llama, self.loop, self.on_outputs, profile=s.step_profile, figures=figures)
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(

@@ -58,6 +58,12 @@ class InferenceSettings(CommonSettings):
     )
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    llama_cpp_threads: int = Field(
+        0,
+        ge=0,
+        description="`--threads` of a `backend: llamacpp` model's llama-server when its config names none; 0: every "
+        "core this worker may use. `arena up` gives each inference replica its share of the cores.",
+    )
     prefix_cache_mb: float = Field(
         256.0,
         ge=0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -134,5 +135,26 @@ def test_a_deadline_ends_the_request_in_the_server(loaded, binary):
         runner.add(request(loaded, "next"))  # the slot is free again
         [after] = await outputs.wait("next")
         assert after.finish_reason == "length"
+
+    asyncio.run(_with_runner(loaded, binary, body))
+
+
+def test_the_server_waits_as_openmp_does_by_default_not_as_the_stack(loaded, binary, monkeypatch):
+    """`arena up` gives its processes OMP_WAIT_POLICY=PASSIVE (for torch); llama.cpp's
+    OpenMP threads would then sleep at every barrier of a step. Its server gets the
+    worker's environment without it."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("ARENA_TEST_MARK", "kept")
+
+    async def body(runner: EngineRunner, outputs: Outputs) -> None:
+        pid = runner.engine.server.pid
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+        )
+        assert "OMP_WAIT_POLICY" not in environ
+        assert environ["ARENA_TEST_MARK"] == "kept"
+        runner.add(request(loaded, "r"))
+        [end] = await outputs.wait("r")
+        assert end.finish_reason == "length"
 
     asyncio.run(_with_runner(loaded, binary, body))

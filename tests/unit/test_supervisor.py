@@ -1,4 +1,4 @@
-"""What `arena up` prints while the stack starts (infra.supervisor.waiting_line)."""
+"""What `arena up` prints while the stack starts (`waiting_line`), and the cores it gives each replica."""
 
 from __future__ import annotations
 
@@ -44,3 +44,19 @@ def test_a_conversion_child_that_fails_is_said_and_start_goes_on(monkeypatch, tm
     script.write_text("print('model m: ready')\n")
     supervisor.convert_sources("models.yaml", {}, lines.append)
     assert lines == ["model m: ready"]  # a clean exit says nothing more
+
+
+def test_replicas_share_the_cores_torch_leaving_one_to_the_stack_and_llama_cpp_not(monkeypatch):
+    from infra.supervisor import torch_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert torch_threads({}, 1) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "ARENA_TORCH_THREADS": "1",
+        "ARENA_LLAMA_CPP_THREADS": "2",
+    }
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert torch_threads({}, 2)["ARENA_TORCH_THREADS"] == "7"
+    assert torch_threads({}, 2)["ARENA_LLAMA_CPP_THREADS"] == "8"
+    given = {"OMP_WAIT_POLICY": "ACTIVE", "ARENA_TORCH_THREADS": "3", "ARENA_LLAMA_CPP_THREADS": "5"}
+    assert torch_threads(given, 2) == {}  # what the operator set is kept

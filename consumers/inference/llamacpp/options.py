@@ -28,6 +28,6 @@ class LlamaCppOptions(BaseModel):
         f"the server starts. Unset: the model's context, at most {DEFAULT_SLOT_CONTEXT}.",
     )
     threads: int | None = Field(
-        None, ge=1, description="`--threads`: unset, ARENA_TORCH_THREADS, else every core this worker may use."
+        None, ge=1, description="`--threads`: unset, ARENA_LLAMA_CPP_THREADS, else every core this worker may use."
     )
     args: tuple[str, ...] = Field((), description="More llama-server flags, as on its command line.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -38,6 +39,15 @@ def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, cont
     ]
 
 
+def server_env(environ: dict[str, str]) -> dict[str, str]:
+    """The worker's environment without the stack's ``OMP_WAIT_POLICY``. llama.cpp's CPU
+    backend is built with OpenMP, and a step crosses a ``#pragma omp barrier`` after each
+    of its ~500 graph nodes: with the PASSIVE policy `arena up` gives torch's threads,
+    each barrier puts the threads to sleep and wakes them again. OpenMP's default spins a
+    moment first, then sleeps, so an idle server burns nothing either."""
+    return {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
+
+
 class LlamaServer:
     """A `llama-server` process; ``start`` again after it died starts a new one (a new port)."""
 
@@ -63,6 +73,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [*self.argv, "--port", str(self.port)],
             stdin=subprocess.DEVNULL,
+            env=server_env(dict(os.environ)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
