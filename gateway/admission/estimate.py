@@ -41,6 +41,7 @@ class ModelQueue:
     small_batch: int | None = None  # the batch step_s was measured at (None: 1)
     prefill_share: float = 0.0  # of recent step time, newcomers' prefills' (the busiest worker's)
     heard_at: float = 0.0  # the newest of the heartbeats it sums
+    recent_running: int = 0  # the busiest batch of the last PEAK_WINDOW_S (the workers' sum)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,9 @@ def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0,
         return probe
     if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
         return probe
-    batch = min(q.slots, q.requests + 1)
+    # The batch its tokens will share: the one it joins, or the busiest of the last
+    # seconds where that was more (conversations idle between turns; `PEAK_WINDOW_S`).
+    batch = min(q.slots, max(q.requests + 1, q.recent_running))
     # Alone, a request steps as fast as requests alone do (the median step at batch 1),
     # the figure `never` judges it by: an idle fleet refuses with 429 only what a retry
     # could get, never a request that a 400 would have told to change.

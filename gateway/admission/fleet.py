@@ -34,6 +34,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         total.small_batch,
         total.prefill_share,
         heard_at,
+        total.recent_running,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import fakeredis
 import pytest
@@ -292,3 +293,13 @@ def test_the_step_line_starts_at_the_batch_the_small_steps_ran_at():
     assert step_time(0.074, 0.413, 64, 64, 64, small_batch=8) == pytest.approx(0.413)
     assert step_time(0.074, 0.413, 32, 64, 64, small_batch=8) == pytest.approx(0.413 * 2)  # beyond: in proportion
     assert step_time(0.074, 0.413, 64, 64, 9) == pytest.approx(0.074 + 0.339 * 8 / 63)  # batch unknown: from 1
+
+
+def test_a_turn_is_judged_at_the_busiest_batch_of_the_last_window():
+    """8 users in conversation, 3 of them decoding when a 256-token turn arrives: its steps
+    are counted at the batch of 8 the workers ran lately, not at the 4 of the moment."""
+    now = ModelQueue(64, 3, 3 * 64, 0.03, 0.413, time.time(), full_batch=64, small_batch=2)
+    assert estimate(now, 256, 0.5).step_s == pytest.approx(0.03 + 0.383 * 2 / 62)  # at 4
+    busy = replace(now, recent_running=8)
+    assert estimate(busy, 256, 0.5).step_s == pytest.approx(0.03 + 0.383 * 6 / 62)  # at 8
+    assert estimate(replace(busy, requests=30), 256, 0.5).step_s == pytest.approx(0.03 + 0.383 * 29 / 62)  # now's

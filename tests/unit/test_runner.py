@@ -410,3 +410,40 @@ def test_the_step_alone_is_the_profiles_only_until_real_ones_are_measured(runner
     assert runner.load().alone_step_s == pytest.approx(0.05)
     runner._measure(1, 0.06)
     assert runner.load().alone_step_s == pytest.approx(0.06)
+
+
+class Stepping(QueueOnly):
+    """A stand-in engine that steps: each step serves the batch its queue says, and a
+    request ends after `steps` of them."""
+
+    def __init__(self, batches: list[int]) -> None:
+        self.batches = batches  # the batch of each step to come
+
+    def stats(self) -> EngineStats:
+        return EngineStats((1,) * self.batches[0] if self.batches else ())
+
+    def step(self) -> list[StepOutput]:
+        self.batches.pop(0)
+        return []
+
+
+def test_the_busiest_batch_of_the_last_window_is_reported_beside_the_batch_of_now(monkeypatch):
+    """Conversations idle between turns: a turn arriving while 3 of 8 users are reading is
+    going to share its steps with 8. The runner reports the most requests its served steps
+    ran at once in the last PEAK_WINDOW_S, and forgets them after it."""
+    from consumers.inference import runner as runner_module
+    from runtime.steps import PEAK_WINDOW_S
+
+    engine = Stepping([8] * 5 + [3] * 5)
+    runner = EngineRunner(engine, asyncio.new_event_loop(), lambda outputs: None)  # type: ignore[arg-type]
+    runner._wake.set()
+    end = time.monotonic() + 5
+    while engine.batches and time.monotonic() < end:
+        time.sleep(0.01)
+    runner.stop()
+    assert not engine.batches
+    load = runner.load()
+    assert (load.running, load.recent_running) == (0, 8)
+    later = time.monotonic() + PEAK_WINDOW_S + 1
+    monkeypatch.setattr(runner_module.time, "monotonic", lambda: later)
+    assert runner.load().recent_running == 0
