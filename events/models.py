@@ -87,7 +87,7 @@ MAX_TOP_LOGPROBS = 20
 class SamplingParams(Additive):
     """Per-request sampling parameters; they hold inside any batch."""
 
-    ADDITIVE = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+    ADDITIVE = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "ignore_eos")
 
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0, description="0 means greedy decoding.")
     top_p: float = Field(DEFAULT_TOP_P, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -110,6 +110,9 @@ class SamplingParams(Additive):
         ge=0,
         le=MAX_TOP_LOGPROBS,
         description="None: no log probabilities; n: each token's, with its n most likely alternatives.",
+    )
+    ignore_eos: bool = Field(
+        False, description="Generation goes on past the end-of-sequence token, to max_tokens or a stop string."
     )
 
 

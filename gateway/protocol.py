@@ -183,6 +183,11 @@ class Sampling(BaseModel):
         None, description="-2 to 2: subtracted from a token's logit once per time it was generated so far."
     )
     logit_bias: LogitBias = None
+    ignore_eos: Annotated[bool, Strict()] = Field(
+        False,
+        description="Not OpenAI's (vLLM's and llama.cpp's extension): go on past the model's end-of-sequence "
+        "token, to max_tokens or a stop string, as benchmarks ask for answers of a fixed length.",
+    )
     n: Annotated[int, Strict(), Field(ge=1, le=1), _integral] = Field(1, description="Only one choice is served.")
     stream: Annotated[bool, Strict()] = False
     stream_options: StreamOptions | None = None

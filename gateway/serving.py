@@ -276,6 +276,7 @@ class ChatService:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=req.logit_bias or {},
                 logprobs=req.logprob_count(),
+                ignore_eos=req.ignore_eos,
             ),
             deadline_at=ticket.deadline_at,
             stream=req.stream,

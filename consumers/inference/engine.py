@@ -414,7 +414,7 @@ class BatchEngine:
         between its last chunk and its terminal event)."""
         if not seq.tokens:
             return None
-        if seq.tokens[-1] in self._eos or seq.tracker.stopped:
+        if self._ends(seq, seq.tokens[-1]):
             return "stop"
         return "length" if len(seq.tokens) >= seq.max_tokens else None
 
@@ -473,12 +473,17 @@ class BatchEngine:
             log.exception("request %s: detokenizing failed; ending it with an error", seq.req.request_id)
             return seq.output([], "", "error")
         reason: FinishReason | None = None
-        if tok in self._eos or seq.tracker.stopped:
+        if self._ends(seq, tok):
             reason = "stop"
         elif len(seq.tokens) >= seq.max_tokens:
             reason = "length"
         # The end-of-sequence token is no part of the answer's text: no entry for it.
         return seq.output([tok], text, reason, [logprob] if logprob is not None and tok not in self._eos else [])
+
+    def _ends(self, seq: _Seq, tok: int) -> bool:
+        """The request stops at ``tok``: the end of sequence (unless it asked to go on past
+        it) or a stop string its text now holds."""
+        return (tok in self._eos and not seq.req.params.ignore_eos) or seq.tracker.stopped
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
         kwargs = {self._cache_kw: cache, "use_cache": True}

@@ -132,6 +132,12 @@ class EngineBackend(Protocol):
         arrivals. None: every `step()` is one step, and the runner times it."""
         ...
 
+    def wait_packed(self, timeout: float | None = None) -> bool:
+        """Wait until its layers are as it will step them (a built-in engine packs them on
+        a thread while it serves): the runner's step profile times those. True when they
+        are (at once for a backend that packs nothing)."""
+        ...
+
     def close(self) -> None: ...
 
 

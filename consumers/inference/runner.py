@@ -227,8 +227,7 @@ class EngineRunner:
 
     def _run(self) -> None:
         if not self.profiled.is_set():
-            if (wait_packed := getattr(self.engine, "wait_packed", None)) is not None:
-                wait_packed(PROFILE_TIMEOUT_S)  # the profile times the steps it will serve with
+            self.engine.wait_packed(PROFILE_TIMEOUT_S)  # the profile times the steps it will serve with
             self._profile()
         while not self._stop:
             if self._figures is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:

@@ -53,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
     logprobs: int | None = None  # None: none; n: the chosen token's and its n most likely alternatives
+    ignore_eos: bool = False  # the end-of-sequence token does not end it (max_tokens and stop strings do)
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):

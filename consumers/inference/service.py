@@ -706,6 +706,7 @@ def engine_params(event: PromptAccepted) -> EngineParams:
         frequency_penalty=p.frequency_penalty,
         logit_bias=tuple(p.logit_bias.items()),
         logprobs=p.logprobs,
+        ignore_eos=p.ignore_eos,
     )
 
 

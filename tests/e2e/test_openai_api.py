@@ -144,3 +144,22 @@ def test_logit_bias_forces_a_token_and_one_outside_the_vocabulary_is_400(client)
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, max_tokens=4, messages=USER, logit_bias={"100000": 5})
     assert refused.value.body["param"] == "logit_bias" and "vocabulary" in refused.value.body["message"]
+
+
+def test_ignore_eos_reaches_the_engine_as_asked_and_a_wrong_type_is_400(api):
+    """vLLM's and llama.cpp's `ignore_eos` (benchmarks send it for answers of a fixed
+    length): carried on the request's event to the engine (the engine's part is
+    tests/unit/test_engine.py's); a request without it is stored as before."""
+
+    def requested(body: dict):
+        r = httpx.post(api.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 8 and r["choices"][0]["finish_reason"] == "length"
+        events = stored_events(api.nats.url, r["x_arena"]["request_id"])
+        [event] = [e for e in events if e.type == "chat.requested"]
+        return event
+
+    body = {"model": MODEL, "messages": USER, "max_tokens": 8, "temperature": 0}
+    assert requested({**body, "ignore_eos": True}).params.ignore_eos is True
+    assert requested(body).params.ignore_eos is False
+    refused = httpx.post(api.url + "/v1/chat/completions", json={**body, "ignore_eos": "yes"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "ignore_eos"

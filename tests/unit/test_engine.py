@@ -262,6 +262,22 @@ def test_eos_finishes_with_stop(loaded):
     assert outs[-1].completion_tokens == len(tokens(outs)) < 400
 
 
+def test_ignore_eos_goes_on_past_the_end_of_sequence_to_max_tokens(loaded):
+    """vLLM's and llama.cpp's `ignore_eos`: the end-of-sequence token is generated and
+    decoding goes on; max_tokens (or a stop string) ends the answer. The same request
+    without it ends at the first end of sequence, and the two agree until there."""
+    dot = loaded.tokenizer.convert_tokens_to_ids(".")
+    engine = BatchEngine(dataclasses.replace(loaded, eos_ids=[dot]), "continuous")
+    prompt = ids(loaded, "Once upon a time")
+    stops = GenRequest("stops", prompt, SamplingParams(temperature=0, max_tokens=48))
+    goes_on = GenRequest("goes-on", prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    outs = run(engine, {0: [stops, goes_on]})
+    ended, full = tokens(outs["stops"]), tokens(outs["goes-on"])
+    assert outs["stops"][-1].finish_reason == "stop" and len(ended) < 48
+    assert outs["goes-on"][-1].finish_reason == "length" and len(full) == 48
+    assert full[: len(ended)] == ended and full.count(dot) > 1
+
+
 def test_forward_error_fails_requests_not_engine(loaded, monkeypatch):
     engine = BatchEngine(loaded, "continuous")
     engine.add(GenRequest("ok", ids(loaded, PROMPTS[0]), GREEDY))

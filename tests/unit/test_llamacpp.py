@@ -112,6 +112,8 @@ def test_completion_body_samples_as_the_builtin_engine():
     assert (body["top_k"], body["min_p"], body["repeat_penalty"]) == (0, 0.0, 1.0)
     assert body["samplers"] == ["penalties", "temperature", "top_p"]
     assert "logit_bias" not in body and "n_probs" not in body
+    assert body["ignore_eos"] is False
+    assert completion_body(_request(ignore_eos=True), 100)["ignore_eos"] is True
 
 
 def test_completion_body_fits_the_slot_and_carries_bias_and_logprobs():

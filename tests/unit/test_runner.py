@@ -50,6 +50,9 @@ class QueueOnly:
     def timed_steps(self) -> None:
         return None
 
+    def wait_packed(self, timeout: float | None = None) -> bool:
+        return True
+
     def stats(self) -> EngineStats:
         return self.queue
 

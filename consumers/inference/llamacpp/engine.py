@@ -93,6 +93,7 @@ def completion_body(req: GenRequest, context: int) -> dict[str, Any]:
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
         "stop": list(p.stop),
+        "ignore_eos": p.ignore_eos,
         "seed": p.seed if p.seed is not None else secrets.randbits(31),
     }
     if p.logit_bias:
@@ -210,6 +211,10 @@ class LlamaCppEngine:
         while self._steps:
             steps.append(self._steps.popleft())
         return steps
+
+    def wait_packed(self, timeout: float | None = None) -> bool:
+        """llama.cpp lays out its own weights when the server loads them: nothing to wait for."""
+        return True
 
     def fail_all(self) -> list[StepOutput]:
         """Never needed by a step that only reads a queue; ends what it holds all the same."""
