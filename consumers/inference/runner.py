@@ -175,8 +175,9 @@ class EngineRunner:
         self._alone_idle: list[float] = []
         #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
-        #: Served steps' batches as (monotonic start, requests running): the busiest lately.
-        self._batches: deque[tuple[float, int]] = deque(maxlen=4096)
+        #: The busiest batch of the served steps of each recent second, as (monotonic
+        #: second, requests running): a second's entry, whatever the steps' pace.
+        self._busiest: deque[tuple[int, int]] = deque(maxlen=int(PEAK_WINDOW_S) + 2)
         self.measured_at = 0.0
         #: Set once the profile has ended (at once without one); until then real requests
         #: and cancels wait in `_held`, in their order. The profile's requests in the engine.
@@ -267,7 +268,7 @@ class EngineRunner:
         if self._profiling:
             outputs = self._profile_outputs(outputs)
         if not own:
-            self._batches.append((time.monotonic(), batch))
+            self._count_batch(batch)
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
         if outputs:
             self._post(outputs)
@@ -473,10 +474,19 @@ class EngineRunner:
         busy = sum(took for took, _ in recent)
         return min(1.0, sum(p for _, p in recent) / busy) if busy > 0 else 0.0
 
+    def _count_batch(self, batch: int) -> None:
+        """A served step's batch, into its second's entry (the runner's thread)."""
+        second = int(time.monotonic())
+        if self._busiest and self._busiest[-1][0] == second:
+            self._busiest[-1] = (second, max(batch, self._busiest[-1][1]))
+        else:
+            self._busiest.append((second, batch))
+
     def _recent_running(self) -> int:
-        """The most requests a served step (not the profile's) ran in the last PEAK_WINDOW_S."""
+        """The most requests a served step (not the profile's) ran in the last PEAK_WINDOW_S
+        (to the second)."""
         since = time.monotonic() - PEAK_WINDOW_S
-        return max((batch for at, batch in list(self._batches) if at >= since), default=0)
+        return max((batch for second, batch in list(self._busiest) if second + 1 > since), default=0)
 
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (:func:`estimate_finish`)."""
