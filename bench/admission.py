@@ -114,8 +114,9 @@ async def conversation_user(client, target: targets.Target, level: Level, user: 
             for retry in range(level.retries + 1):
                 if time.perf_counter() >= stop_at:
                     return
-                extra = {"temperature": level.temperature} if level.temperature else None
-                body = chat_body(target.served_name, messages, max_tokens, target.send_ignore_eos, extra)
+                body = chat_body(
+                    target.served_name, messages, max_tokens, target.send_ignore_eos, temperature=level.temperature
+                )
                 attempt = await send(
                     client, target.base_url, body, Attempt(user, turn, max_tokens, 0.0), level.deadline_s
                 )
@@ -144,7 +145,6 @@ async def run_burst(
 ) -> tuple[list[Attempt], float]:
     """`n` single-turn requests at once; (their attempts, the wall time until the last ended)."""
     rng = random.Random(0)
-    extra = {"temperature": temperature} if temperature else None
     async with session(deadline_s * 8, connections=n) as client:
         t0 = time.perf_counter()
         attempts = await asyncio.gather(
@@ -156,7 +156,7 @@ async def run_burst(
                         target.served_name,
                         [{"role": "user", "content": rng.choice(PROMPTS)}],
                         max_tokens,
-                        extra=extra,
+                        temperature=temperature,
                     ),
                     Attempt(i, 0, max_tokens, 0.0),
                     deadline_s,

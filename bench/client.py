@@ -64,13 +64,18 @@ def check_local(base_url: str) -> str:
 
 
 def chat_body(
-    model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = True, extra: dict | None = None
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    ignore_eos: bool = True,
+    extra: dict | None = None,
+    temperature: float = 0.0,
 ) -> dict:
     body = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
