@@ -36,7 +36,7 @@ from bench import overhead, peers, procs, targets
 from bench.loadgen import add_workload_args, sweep, warm_up, workload_from_args
 from bench.report import write_report
 from bench.workload import LengthMix, Workload, fixed_requests
-from infra.supervisor import DEFAULT_MODEL, torch_threads
+from infra.supervisor import DEFAULT_MODEL, thread_shares
 
 ALL_TARGETS = (
     "naive",
@@ -125,7 +125,7 @@ def run_engine(args, out: Path, loads: list[float]) -> dict:
     """The engine alone (`bench.engine_speed --closed-loop`) at each load, with the torch
     threads `arena up` gives its inference worker: what serving could reach at most."""
     path = out / "engine.json"
-    threads = args.torch_threads or int(torch_threads({}, 1)["ARENA_TORCH_THREADS"])
+    threads = args.torch_threads or int(thread_shares({}, 1)["ARENA_TORCH_THREADS"])
     cmd = [sys.executable, "-m", "bench.engine_speed", "--closed-loop", "--model", str(args.model)]
     cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", args.lengths, "--seed", str(args.seed)]
     cmd += ["--duration", str(args.duration), "--threads", str(threads), "--dtype", args.dtype, "--json", str(path)]

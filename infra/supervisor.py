@@ -89,13 +89,15 @@ def _standby_preexec() -> None:
     os.nice(STANDBY_NICE)
 
 
-def torch_threads(env: dict, replicas: int) -> dict:
+def thread_shares(env: dict, replicas: int) -> dict:
     """Each inference replica gets its share of the cores, one left to the gateway, filter,
     delivery and NATS (torch's default takes them all, and then every process fights for
     them), unless ARENA_TORCH_THREADS says otherwise; and torch's OpenMP threads wait
     passively. Both matter most under load: on the 2-core VM with other processes busy,
     stories260K at batch 20 decoded 1,124 tokens/s on one thread, 118 on two spinning
-    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`)."""
+    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`).
+    A `backend: llamacpp` model's server gets the replica's share of every core
+    (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
     out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
     if not env.get("ARENA_TORCH_THREADS") and replicas >= 1:
         out["ARENA_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // replicas))
@@ -459,7 +461,7 @@ def _spawn_roles(
     targets: list[scrape.Target] = []
     for role in topology.ROLES:
         replicas = inference_replicas if role.replicated else 1
-        extra = torch_threads(stack.env, replicas) if role.replicated else {}
+        extra = thread_shares(stack.env, replicas) if role.replicated else {}
         if credentials:
             extra |= {
                 "ARENA_NATS_USER": role.name,

@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from events.topology import role_names  # noqa: E402
-from infra.supervisor import Stack, torch_threads  # noqa: E402
+from infra.supervisor import Stack, thread_shares  # noqa: E402
 from runtime import jetstream  # noqa: E402
 from runtime.net import free_port  # noqa: E402
 from tests.servers import nats_for_tests, redis_for_tests  # noqa: E402
@@ -135,7 +135,7 @@ class RunningStack:
         # A fixed metrics port is the inference process's alone (each process has its own).
         self.inference_env = {k: str(extra.pop(k)) for k in ("ARENA_METRICS_PORT",) if k in extra}
         self.stack = Stack(tmp, stack_env(nats.url, redis.url, self.port, **extra))
-        self.inference_env |= torch_threads(self.stack.env, 1)  # arena up's share of the cores
+        self.inference_env |= thread_shares(self.stack.env, 1)  # arena up's share of the cores
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, roles=ROLES, timeout: float = 90.0) -> RunningStack:

@@ -47,16 +47,16 @@ def test_a_conversion_child_that_fails_is_said_and_start_goes_on(monkeypatch, tm
 
 
 def test_replicas_share_the_cores_torch_leaving_one_to_the_stack_and_llama_cpp_not(monkeypatch):
-    from infra.supervisor import torch_threads
+    from infra.supervisor import thread_shares
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert torch_threads({}, 1) == {
+    assert thread_shares({}, 1) == {
         "OMP_WAIT_POLICY": "PASSIVE",
         "ARENA_TORCH_THREADS": "1",
         "ARENA_LLAMA_CPP_THREADS": "2",
     }
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert torch_threads({}, 2)["ARENA_TORCH_THREADS"] == "7"
-    assert torch_threads({}, 2)["ARENA_LLAMA_CPP_THREADS"] == "8"
+    assert thread_shares({}, 2)["ARENA_TORCH_THREADS"] == "7"
+    assert thread_shares({}, 2)["ARENA_LLAMA_CPP_THREADS"] == "8"
     given = {"OMP_WAIT_POLICY": "ACTIVE", "ARENA_TORCH_THREADS": "3", "ARENA_LLAMA_CPP_THREADS": "5"}
-    assert torch_threads(given, 2) == {}  # what the operator set is kept
+    assert thread_shares(given, 2) == {}  # what the operator set is kept

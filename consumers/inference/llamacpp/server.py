@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -39,11 +40,11 @@ def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, cont
     ]
 
 
-def server_env(environ: dict[str, str]) -> dict[str, str]:
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The worker's environment without the stack's ``OMP_WAIT_POLICY``. llama.cpp's CPU
     backend is built with OpenMP, and a step crosses a ``#pragma omp barrier`` after each
-    of its ~500 graph nodes: with the PASSIVE policy `arena up` gives torch's threads,
-    each barrier puts the threads to sleep and wakes them again. OpenMP's default spins a
+    node of its graph: with the PASSIVE policy `arena up` gives torch's threads, each
+    barrier puts the threads to sleep and wakes them again. OpenMP's default spins a
     moment first, then sleeps, so an idle server burns nothing either."""
     return {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
 
@@ -73,7 +74,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [*self.argv, "--port", str(self.port)],
             stdin=subprocess.DEVNULL,
-            env=server_env(dict(os.environ)),
+            env=server_env(os.environ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
