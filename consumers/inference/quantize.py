@@ -70,15 +70,24 @@ class QuantLinear(nn.Module):
             if self.float_path is not None:
                 return self.float_path(x)
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features).to(_KERNEL_DTYPE).contiguous()
+        # A step calls this ~200 times: no call for a cast or a copy that is not needed.
+        flat = x.reshape(rows, self.in_features)
+        if flat.dtype != _KERNEL_DTYPE:
+            flat = flat.to(_KERNEL_DTYPE)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
         if flat.data_ptr() % 64:  # the int8 kernel crashes on a view that starts unaligned (torch 2.13)
             flat = flat.clone()
-        scales = self.scales.to(_KERNEL_DTYPE)  # a float32 model's .to() widened them (exactly)
+        scales = self.scales
+        if scales.dtype != _KERNEL_DTYPE:  # a float32 model's .to() widened them (exactly)
+            scales = scales.to(_KERNEL_DTYPE)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.packed, scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
