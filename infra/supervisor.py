@@ -95,7 +95,10 @@ def thread_shares(env: dict, replicas: int) -> dict:
     them), unless ARENA_TORCH_THREADS says otherwise; and torch's OpenMP threads wait
     passively. Both matter most under load: on the 2-core VM with other processes busy,
     stories260K at batch 20 decoded 1,124 tokens/s on one thread, 118 on two spinning
-    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`).
+    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`). Two
+    threads with libgomp's bounded spinning served SmolLM2 alone 10-22% more, and starved
+    both models when an arena battle ran them at once (SmolLM2 176 -> 0-36 tok/s,
+    stories-260k 1,279 -> 301-372: docs/benchmarks.md), so one thread stays the default.
     A `backend: llamacpp` model's server gets the replica's share of every core
     (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
     out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
