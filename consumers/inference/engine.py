@@ -135,8 +135,9 @@ class BatchEngine:
 
     ``prefix_cache_bytes`` > 0: finished sequences' keys and values are kept (up to that
     many bytes, :mod:`~consumers.inference.prefix`), and a new request whose prompt
-    starts with one's tokens prefills only the rest, in a pass of its own. A request
-    resumed from another worker's chunks prefills cold, as before.
+    starts with one's tokens prefills only the rest: in the running batch's packed pass
+    where there is one (its new tokens attend over the cached keys and values there), else
+    in a pass of its own. A request resumed from another worker's chunks prefills cold.
 
     ``pack_in_background``: the linear layers (prepack.py) are packed on a thread while
     the engine steps its row-major weights, and put in place between two steps
@@ -568,15 +569,17 @@ class BatchEngine:
         """The running rows' decode step and the newcomers' prefill in one packed pass
         (packed.py); apart, as two passes that isolate a failing row, if it fails."""
         seqs, outputs = self._newcomers(reqs)
-        hits = [seq for seq in seqs if seq.prefix is not None]  # prefilled after, in passes of their own
-        seqs = [seq for seq in seqs if seq.prefix is None]
         if not seqs:
-            return outputs + self._decode() + self._prefill_hits(hits)
+            return outputs + self._decode()
         try:
             logits, layout = self._packed_forward(seqs)
         except Exception:
             log.exception("packed step failed (%d + %d rows); decoding and prefilling apart", self.running, len(seqs))
-            return outputs + self._decode() + self._prefill([seq.req for seq in seqs]) + self._prefill_hits(hits)
+            hits = [seq for seq in seqs if seq.prefix is not None]
+            cold = [seq for seq in seqs if seq.prefix is None]
+            return outputs + self._decode() + self._prefill([seq.req for seq in cold]) + self._prefill_hits(hits)
+        for seq in seqs:
+            seq.prefix = None  # a hit's entry's tensors are not this request's to hold
         running = self._seqs
         n = len(running)
         self._kv.commit()
@@ -591,22 +594,28 @@ class BatchEngine:
         outputs += more
         if alive:
             self._join(seqs, layout, alive)
-        return outputs + self._prefill_hits(hits)
+        return outputs
 
     def _packed_forward(self, seqs: list[_Seq]) -> tuple[torch.Tensor, packed.Layout]:
         running, dev = self._seqs, self._device
         _, mask = self._kv.step_inputs()
         tokens = [s.tokens[-1] for s in running]
         pos = [s.next_pos for s in running]
-        lengths = []
+        lengths: list[int] = []
+        prefixes: list[list[KV] | None] = []
         for seq in seqs:
-            ids = seq.req.input_ids
-            tokens += ids
-            pos += range(len(ids))
-            lengths.append(len(ids))
+            ids, hit = seq.req.input_ids, seq.prefix
+            # A prefix cache hit rides along too: its tokens after the cached ones, which
+            # attend over the cached keys and values (packed.arena_attention).
+            cached = hit.tokens if hit is not None else 0
+            tokens += ids[cached:]
+            pos += range(cached, len(ids))
+            lengths.append(len(ids) - cached)
+            prefixes.append([(k[:, :, :cached], v[:, :, :cached]) for k, v in hit.value] if hit is not None else None)
         ends = torch.tensor(lengths, device=dev).cumsum(0) + len(running) - 1
         keep = torch.cat([torch.arange(len(running), device=dev), ends])
-        layout = packed.Layout(self._kv, mask.bool()[:, None, None, :], lengths)
+        hits = prefixes if any(p is not None for p in prefixes) else []
+        layout = packed.Layout(self._kv, mask.bool()[:, None, None, :], lengths, hits)
         out = self._model(
             input_ids=torch.tensor([tokens], device=dev),
             position_ids=torch.tensor([pos], device=dev),
@@ -619,14 +628,15 @@ class BatchEngine:
     def _join(self, seqs: list[_Seq], layout: packed.Layout, alive: list[int]) -> None:
         """Newcomers of a packed step (``alive`` of ``seqs``) join the running batch with
         their prompts' keys and values, left-padded to the longest, as a prefill's are."""
-        mask = _left_padded(layout.lengths).to(self._device)
+        whole = [layout.cached(i) + length for i, length in enumerate(layout.lengths)]
+        mask = _left_padded(whole).to(self._device)
         width = mask.shape[1]
         layers = []
         for kept in layout.prompts:
             k0, v0 = kept[0]
             keys = k0.new_zeros((len(seqs), k0.shape[1], width, k0.shape[3]))
             values = v0.new_zeros((len(seqs), v0.shape[1], width, v0.shape[3]))
-            for row, ((k, v), length) in enumerate(zip(kept, layout.lengths, strict=True)):
+            for row, ((k, v), length) in enumerate(zip(kept, whole, strict=True)):
                 keys[row, :, width - length :] = k[0]
                 values[row, :, width - length :] = v[0]
             layers.append((keys, values))

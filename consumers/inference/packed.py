@@ -42,8 +42,18 @@ class Layout:
     slab: KVSlab  # the running rows: one token each, first in the sequence, in row order
     mask: torch.Tensor  # what they attend to: the slab's window and the new column, [n, 1, 1, width + 1], bool
     lengths: list[int]  # then each newcomer's token count, in order
-    #: Filled by the pass: each layer's keys and values of each newcomer, [1, heads, length, dim].
+    #: Each newcomer's cached prefix (a prefix cache hit: each layer's keys and values of
+    #: its first tokens, [1, heads, cached, dim]; its ``lengths`` entry counts the rest),
+    #: or None; empty: none has one.
+    prefixes: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=list)
+    #: Filled by the pass: each layer's keys and values of each newcomer, [1, heads, length, dim]
+    #: (its cached prefix's first, where it has one).
     prompts: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+    def cached(self, newcomer: int) -> int:
+        """How many of a newcomer's tokens its cached prefix holds (0: none)."""
+        prefix = self.prefixes[newcomer] if self.prefixes else None
+        return 0 if prefix is None else prefix[0][0].shape[2]
 
 
 def one_query_attention(query, keys, values, mask, scale):
@@ -84,11 +94,20 @@ def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # back to [1, heads, n, dim]
     kept = []
     offset = n
-    for length in layout.lengths:
+    for newcomer, length in enumerate(layout.lengths):
         span = slice(offset, offset + length)
         k, v = key[:, :, span], value[:, :, span]
+        cached = layout.cached(newcomer)
+        if cached:  # its new tokens attend over its cached prefix, then causally over themselves
+            prefix_k, prefix_v = layout.prefixes[newcomer][module.layer_idx]  # type: ignore[index]
+            k, v = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
+            causal = torch.ones(length, cached + length, dtype=torch.bool, device=k.device).tril(cached)
+            out = F.scaled_dot_product_attention(
+                query[:, :, span], k, v, attn_mask=causal, scale=scaling, enable_gqa=gqa
+            )
+        else:
+            out = F.scaled_dot_product_attention(query[:, :, span], k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         kept.append((k, v))
-        out = F.scaled_dot_product_attention(query[:, :, span], k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         parts.append(out)
         offset += length
     layout.prompts.append(kept)

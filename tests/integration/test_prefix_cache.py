@@ -133,3 +133,44 @@ def test_a_request_kept_out_of_the_cache_neither_counts_nor_stores(loaded):
     assert stats is not None and (stats.hits, stats.misses, stats.entries) == (0, 0, 0)
     kept = tokens(run(engine, {0: [GenRequest("kept", prompt, GREEDY)]})["kept"])
     assert outs[0] == outs[1] == kept and engine.stats().prefix.misses == 1 and engine.stats().prefix.entries == 1
+
+
+def _counting_extends(monkeypatch) -> list[str]:
+    """The requests whose prefix hits were prefilled in passes of their own."""
+    extends: list[str] = []
+    extend = BatchEngine._extend
+
+    def counted(self, seq):
+        extends.append(seq.req.request_id)
+        return extend(self, seq)
+
+    monkeypatch.setattr(BatchEngine, "_extend", counted)
+    return extends
+
+
+def test_a_hit_rides_in_the_running_batchs_packed_pass(loaded, monkeypatch):
+    """With requests running when a turn arrives, its prefix hit's new tokens go through
+    the running batch's packed pass (attending over the cached keys and values), not a
+    pass of their own, and its answer is a cold prefill's."""
+    cold, _ = converse(loaded, lambda turn: BatchEngine(loaded, "continuous", pack=True), GREEDY, 3)
+    extends = _counting_extends(monkeypatch)
+    cached = BatchEngine(loaded, "continuous", pack=True, prefix_cache_bytes=BUDGET)
+    warm, _ = converse(loaded, lambda turn: cached, GREEDY, 3)
+    assert warm == cold
+    assert cached.prefix.stats.hits >= len(TURNS) - 2 and extends == []
+
+
+def test_a_failed_packed_pass_prefills_its_hits_apart(loaded, monkeypatch):
+    """The packed pass raising: the running rows decode, the cold newcomers prefill and
+    each hit prefills over its cached prefix, apart; the answers are still cold prefills'."""
+    cold, _ = converse(loaded, lambda turn: BatchEngine(loaded, "continuous", pack=True), SEEDED, 3)
+    extends = _counting_extends(monkeypatch)
+
+    def broken(self, seqs):
+        raise RuntimeError("simulated failure of the packed pass")
+
+    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    cached = BatchEngine(loaded, "continuous", pack=True, prefix_cache_bytes=BUDGET)
+    warm, _ = converse(loaded, lambda turn: cached, SEEDED, 3)
+    assert warm == cold
+    assert len(extends) >= len(TURNS) - 2
