@@ -2,7 +2,8 @@
 
 An inference worker forks its engine fork server from itself once it has imported torch
 and transformers, before it starts anything (consumers.inference.forks.start_forked): the
-worker, the server and the engine processes share those pages.
+worker, the server and the engine processes share those pages. A worker whose models all
+run on llama.cpp (`backend: llamacpp`) has no engine process, and no fork server.
 
 `arena run inference --standby` is `arena up`'s warm spare: it does everything a worker
 does before it reads its settings (imports torch and transformers, forks its engine
@@ -53,7 +54,7 @@ def run_role(role: str, standby: bool = False) -> int:
     heap.enable()  # startup's objects are frozen out of the collector once the process is up
     if role == topology.INFERENCE.name:
         heap.mmap_threshold()  # freed activations go back to the system (an engine process sets its own)
-    engines = role == topology.INFERENCE.name and InferenceSettings().engine_process
+    engines = role == topology.INFERENCE.name and engine_processes(InferenceSettings())
     main = getattr(importlib.import_module(module), func)
     if engines:  # a fork of this process, imported: it shares the pages of what it imported
         forks.start_forked()
@@ -65,6 +66,23 @@ def run_role(role: str, standby: bool = False) -> int:
             return 0
     main()
     return 0
+
+
+def engine_processes(settings: InferenceSettings) -> bool:
+    """Whether a worker with these settings will run engine processes: they are on and a
+    model of its config runs on the built-in engine (a ``backend: llamacpp`` model's engine
+    is its llama-server). An unreadable config says yes, as before it was read (the worker
+    reports the error). A model added later that needs one starts a fork server then
+    (``forks.start``: a new interpreter)."""
+    if not settings.engine_process:
+        return False
+    from consumers.inference.models import load_models_config  # noqa: PLC0415 - torch: the worker only, not the CLI
+
+    try:
+        specs = load_models_config(settings.models_config, settings.models_dir)
+    except Exception:  # noqa: BLE001 - the worker itself says what is wrong with it
+        return True
+    return any(spec.backend == "builtin" for spec in specs)
 
 
 def promoted(line: bytes) -> bool:

