@@ -15,8 +15,11 @@ the call carries a :class:`Layout`, writes the running rows' keys and values int
 KV slab's next column and attends each of them over its own row of the slab (as a
 decode step does), and attends each newcomer's tokens causally over its own prompt only
 (as its prefill does), keeping those keys and values for the newcomer to join the slab
-afterwards. Without a layout the function is transformers' own SDPA attention, and the
-model's masks are built as SDPA's, so every other call is unchanged.
+afterwards. A newcomer whose prompt starts with a prefix cache hit brings only the tokens
+after it; they attend over the hit's cached keys and values first (a causal mask offset
+by the cached length), and the newcomer joins the slab with both. Without a layout the
+function is transformers' own SDPA attention, and the model's masks are built as SDPA's,
+so every other call is unchanged.
 """
 
 from __future__ import annotations
