@@ -614,8 +614,7 @@ class BatchEngine:
             prefixes.append([(k[:, :, :cached], v[:, :, :cached]) for k, v in hit.value] if hit is not None else None)
         ends = torch.tensor(lengths, device=dev).cumsum(0) + len(running) - 1
         keep = torch.cat([torch.arange(len(running), device=dev), ends])
-        hits = prefixes if any(p is not None for p in prefixes) else []
-        layout = packed.Layout(self._kv, mask.bool()[:, None, None, :], lengths, hits)
+        layout = packed.Layout(self._kv, mask.bool()[:, None, None, :], lengths, prefixes)
         out = self._model(
             input_ids=torch.tensor([tokens], device=dev),
             position_ids=torch.tensor([pos], device=dev),

@@ -27,30 +27,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from transformers.models.llama import modeling_llama as llama
 
 from consumers.inference.kvcache import KVSlab
 from consumers.inference.packed import PACKABLE, one_query_attention
 
-#: What a decoder layer must hold for decode_step to compute it as transformers does.
-_LAYER_PARTS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "input_layernorm",
-    "post_attention_layernorm",
-)
-
 
 def supported(model: Any) -> bool:
     """Whether ``model`` is a Llama that :func:`decode_step` computes as transformers does:
-    its model type packable (the arena attention its decode steps run), RMSNorm layers of
-    transformers' own kind, no sliding window and nothing between the parts it calls."""
+    its model type packable (the arena attention its decode steps run), no sliding window,
+    and its layers, their attention, MLP and RMSNorms transformers' own Llama classes (what
+    their projections are is the model's: packed, float16 or quantized)."""
     config = model.config
     inner = getattr(model, "model", None)
     if config.model_type not in PACKABLE or inner is None or getattr(config, "sliding_window", None):
@@ -58,17 +45,9 @@ def supported(model: Any) -> bool:
     layers = getattr(inner, "layers", None)
     if not layers or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")):
         return False
-    if type(inner.norm).forward is not _LLAMA_NORM_FORWARD:
-        return False
-    for layer in layers:
-        if any(_part(layer, name) is None for name in _LAYER_PARTS):
-            return False
-        forwards = (type(layer), type(layer.self_attn), type(layer.mlp), type(layer.input_layernorm))
-        if tuple(t.forward for t in forwards) != _LLAMA_FORWARDS:
-            return False
-        if type(layer.post_attention_layernorm).forward is not _LLAMA_NORM_FORWARD:
-            return False
-    return True
+    return type(inner.norm).forward is llama.LlamaRMSNorm.forward and all(
+        _forwards(layer) == _LLAMA_FORWARDS for layer in layers
+    )
 
 
 def decode_step(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, slab: KVSlab) -> torch.Tensor:
@@ -117,18 +96,16 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _part(layer: nn.Module, dotted: str) -> nn.Module | None:
-    node: nn.Module | None = layer
-    for name in dotted.split("."):
-        node = getattr(node, name, None)
-    return node
+def _forwards(layer: Any) -> tuple:
+    parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+    return tuple(type(part).forward for part in parts)
 
 
-#: The forwards decode_step stands in for: a decoder layer, its attention, its MLP, RMSNorm.
+#: The forwards decode_step stands in for: a decoder layer, its attention, its MLP, its two RMSNorms.
 _LLAMA_FORWARDS = (
     llama.LlamaDecoderLayer.forward,
     llama.LlamaAttention.forward,
     llama.LlamaMLP.forward,
     llama.LlamaRMSNorm.forward,
+    llama.LlamaRMSNorm.forward,
 )
-_LLAMA_NORM_FORWARD = llama.LlamaRMSNorm.forward

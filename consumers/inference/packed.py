@@ -47,7 +47,7 @@ class Layout:
     lengths: list[int]  # then each newcomer's token count, in order
     #: Each newcomer's cached prefix (a prefix cache hit: each layer's keys and values of
     #: its first tokens, [1, heads, cached, dim]; its ``lengths`` entry counts the rest),
-    #: or None; empty: none has one.
+    #: or None; empty: none has one (a layout built without them).
     prefixes: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=list)
     #: Filled by the pass: each layer's keys and values of each newcomer, [1, heads, length, dim]
     #: (its cached prefix's first, where it has one).
