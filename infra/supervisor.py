@@ -92,18 +92,31 @@ def _standby_preexec() -> None:
 def thread_shares(env: dict, replicas: int) -> dict:
     """Each inference replica gets its share of the cores, one left to the gateway, filter,
     delivery and NATS (torch's default takes them all, and then every process fights for
-    them), unless ARENA_TORCH_THREADS says otherwise; and torch's OpenMP threads wait
-    passively. Both matter most under load: on the 2-core VM with other processes busy,
-    stories260K at batch 20 decoded 1,124 tokens/s on one thread, 118 on two spinning
-    threads and 706 on two passive ones (`python -m bench.engine_speed --threads N`). Two
-    threads with libgomp's bounded spinning served SmolLM2 alone 10-22% more, and starved
-    both models when an arena battle ran them at once (SmolLM2 176 -> 0-36 tok/s,
-    stories-260k 1,279 -> 301-372: docs/benchmarks.md), so one thread stays the default.
-    A `backend: llamacpp` model's server gets the replica's share of every core
-    (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
-    out = {} if env.get("OMP_WAIT_POLICY") else {"OMP_WAIT_POLICY": "PASSIVE"}
-    if not env.get("ARENA_TORCH_THREADS") and replicas >= 1:
-        out["ARENA_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // replicas))
+    them), unless ARENA_TORCH_THREADS says otherwise; and its share of every core for a
+    step while no other engine of the machine steps (ARENA_TORCH_THREADS_ALONE,
+    consumers/inference/cores.py: a model served alone). Where the share is one thread
+    (2 cores a replica) a shared step runs no parallel region, so the threads of a step
+    alone may spin between its products (libgomp's bounded spin: a second thread waking
+    ~200 times a step serves no faster); otherwise torch's OpenMP threads wait passively
+    (engines stepping together spin on cores the other needs): on the 2-core VM
+    with other processes busy, stories260K at batch 20 decoded 1,124 tokens/s on one
+    thread, 118 on two spinning threads and 706 on two passive ones (`python -m
+    bench.engine_speed --threads N`); two spinning threads in each of an arena battle's two
+    engines starved both (SmolLM2 176 -> 0-36 tok/s, stories-260k 1,279 -> 301-372:
+    docs/benchmarks.md), which the step notes prevent: engines stepping together run
+    one thread each. A `backend: llamacpp` model's server gets the replica's share of every
+    core (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
+    out: dict[str, str] = {}
+    cores = os.cpu_count() or 1
+    shared = env.get("ARENA_TORCH_THREADS") or (str(max(1, (cores - 1) // replicas)) if replicas >= 1 else "")
+    alone = env.get("ARENA_TORCH_THREADS_ALONE") or (str(max(1, cores // replicas)) if replicas >= 1 else "")
+    if not env.get("ARENA_TORCH_THREADS") and shared:
+        out["ARENA_TORCH_THREADS"] = shared
+    if not env.get("ARENA_TORCH_THREADS_ALONE") and alone:
+        out["ARENA_TORCH_THREADS_ALONE"] = alone
+    spin = shared == "1" and bool(alone) and int(alone) > 1
+    if not env.get("OMP_WAIT_POLICY") and not spin:
+        out["OMP_WAIT_POLICY"] = "PASSIVE"
     if not env.get("ARENA_LLAMA_CPP_THREADS") and replicas >= 1:
         # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
         # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2

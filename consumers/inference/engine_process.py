@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 import torch
 
-from consumers.inference import forks, prepack
+from consumers.inference import cores, forks, prepack
 from consumers.inference.engine import BatchEngine, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
@@ -110,9 +110,13 @@ def _child(
     log_level: str = "INFO",
     figures: str | None = None,
     log_file: str | None = None,
+    alone_threads: int = 0,
+    cores_dir: str | None = None,
 ) -> None:
     """The engine process: step whatever comes down the pipe until it closes; its logs go
-    to ``log_file`` when given (else where the fork server's go: the worker's)."""
+    to ``log_file`` when given (else where the fork server's go: the worker's). A step takes
+    ``threads``, or ``alone_threads`` while no other engine of the machine steps (noted in
+    ``cores_dir``: cores.py)."""
     children.die_with_parent(signal.SIGKILL, PROCESS_NAME)
     if log_file:
         with suppress(OSError):
@@ -127,6 +131,10 @@ def _child(
     # Packed on a thread while it serves (a replacement for a dead engine answers at once);
     # the worker gives its row-major copy back once they are in place (release_packed).
     engine = BatchEngine(loaded, mode, max_batch, pack_in_background=True, on_packed=end.packed, **options)  # type: ignore[arg-type]
+    share = None
+    if cores_dir:
+        alone = cores.alone_threads(threads, alone_threads, prepack.parameter_count(loaded.model), prepack.MIN_PARAMS)
+        share = cores.CoreShare(cores_dir, threads, alone, torch.set_num_threads if threads else None)
     end.runner = EngineRunner(
         engine,
         _Immediate(),  # type: ignore[arg-type]
@@ -135,6 +143,7 @@ def _child(
         on_step=end.on_step,
         profile=profile,
         figures=figures,
+        before_step=share.before_step if share is not None else None,
     )
     try:
         end.serve()
@@ -142,6 +151,8 @@ def _child(
         pass
     finally:
         end.runner.stop()
+        if share is not None:
+            share.close()
         os._exit(0)
 
 
@@ -343,6 +354,8 @@ def spawn(
     options: dict[str, Any] | None = None,
     profile: bool = False,
     figures: str | None = None,
+    alone_threads: int = 0,
+    cores_dir: str | None = None,
 ) -> EngineChild:
     """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`);
     ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets);
@@ -366,6 +379,8 @@ def spawn(
             logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             figures,
             forks.log_file,
+            alone_threads,
+            cores_dir,
         ),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
@@ -393,6 +408,8 @@ class ProcessRunner:
         profile: bool = False,
         figures: str | None = None,
         reload: Callable[[], LoadedModel] | None = None,
+        alone_threads: int = 0,
+        cores_dir: str | None = None,
     ):
         """``reload``: loads the same model again; given, the pool's row-major copy of what
         the engine process packs is given back once it is ready, and written back from a
@@ -407,6 +424,7 @@ class ProcessRunner:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.threads = threads
+        self.alone_threads, self.cores_dir = alone_threads, cores_dir  # cores.py: threads sized to the load
         self.prefix_counts = PrefixCounts(loaded.spec.name)
         self.loop = loop
         self.on_outputs = on_outputs
@@ -435,6 +453,8 @@ class ProcessRunner:
             self.options,
             self.profile,
             self.figures,
+            self.alone_threads,
+            self.cores_dir,
         )
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)

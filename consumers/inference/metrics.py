@@ -30,6 +30,11 @@ class InferenceMetrics:
         self.requests = Counter("arena_inference_requests_total", "Requests ended", ["model", "outcome"])
         self.running = Gauge("arena_requests_running", "Requests in the running batch", ["model"])
         self.waiting = Gauge("arena_requests_waiting", "Requests waiting to join a batch", ["model"])
+        self.step_threads = Gauge(
+            "arena_engine_step_threads",
+            "torch threads of the engine's last step: more while no other engine of the machine steps",
+            ["model"],
+        )
         self.deadline_misses = Counter("arena_deadline_misses_total", "Requests past their deadline", ["model"])
         self.redeliveries = Counter("arena_redeliveries_total", "Messages delivered more than once")
         self.resumed_tokens = Counter(

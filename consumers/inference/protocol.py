@@ -157,6 +157,7 @@ class StepRecord(NamedTuple):
     batch: int  # requests it stepped
     running: int  # after it
     waiting: int
+    threads: int = 0  # torch threads it took, where the engine sizes them to the load (cores.py); 0: not told
 
 
 # ---- down the pipe: the consumer's commands ------------------------------------------

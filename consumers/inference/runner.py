@@ -125,6 +125,8 @@ def record_step(model: str, step: StepRecord) -> None:
     METRICS.steps.labels(model).inc()
     METRICS.running.labels(model).set(step.running)
     METRICS.waiting.labels(model).set(step.waiting)
+    if step.threads:
+        METRICS.step_threads.labels(model).set(step.threads)
 
 
 class EngineRunner:
@@ -133,7 +135,9 @@ class EngineRunner:
 
     ``max_wait_s``: the static mode's hold, how long a micro-batch may wait to fill before
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
-    step (default: the worker's metrics, :func:`record_step`) but the profile's own.
+    step (default: the worker's metrics, :func:`record_step`) but the profile's own;
+    ``before_step()`` is called before each and returns the torch threads it takes, if it
+    sets them (cores.py).
     ``profile``: first time decode steps at one request and at every slot (:meth:`_profile`);
     requests added meanwhile wait for it (`profiled`). ``figures``: the file its measured
     steps are kept in (see FIGURES_EVERY_S); a fresh one there stands for the profile."""
@@ -147,8 +151,10 @@ class EngineRunner:
         on_step: Callable[[StepRecord, EngineStats], None] | None = None,
         profile: bool = False,
         figures: str | None = None,
+        before_step: Callable[[], int | None] | None = None,
     ):
         self.engine = engine
+        self.before_step = before_step
         self.max_wait_s = max_wait_s
         self._first_wait: float | None = None
         self.loop = loop
@@ -248,6 +254,7 @@ class EngineRunner:
 
     def _step(self, batch: int) -> None:
         """One engine step of `batch` running requests: timed, told, its outputs posted."""
+        threads = self.before_step() if self.before_step is not None else None
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -269,7 +276,7 @@ class EngineRunner:
             outputs = self._profile_outputs(outputs)
         if not own:
             self._count_batch(batch)
-            self.on_step(StepRecord(batch, len(after.running), len(after.waiting)), after)
+            self.on_step(StepRecord(batch, len(after.running), len(after.waiting), threads or 0), after)
         if outputs:
             self._post(outputs)
 

@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
+from consumers.inference.cores import CoreShare
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
@@ -138,6 +139,7 @@ class InferenceService:
         self.jobs: dict[str, Job] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
         self.runners: dict[int, Runner] = {}
+        self._core_notes: CoreShare | None = None  # _notes()
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._room = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -383,7 +385,14 @@ class InferenceService:
             if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
                 binary = locate(s.llama_cpp_dir)  # the error names the build command
                 llama = LlamaCppEngine(loaded, binary, s.max_batch_size, s.llama_cpp_threads)
-                runner = EngineRunner(llama, self.loop, self.on_outputs, profile=s.step_profile, figures=figures)
+                runner = EngineRunner(
+                    llama,
+                    self.loop,
+                    self.on_outputs,
+                    profile=s.step_profile,
+                    figures=figures,
+                    before_step=self._notes().before_step,
+                )
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -397,14 +406,29 @@ class InferenceService:
                     s.step_profile,
                     figures,
                     reload=functools.partial(self.pool.loader, loaded.spec, loaded.version),
+                    alone_threads=s.torch_threads_alone,
+                    cores_dir=s.cores_dir,
                 )
             else:
                 engine = BatchEngine(loaded, s.engine, s.max_batch_size, **self.engine_options)
                 runner = EngineRunner(
-                    engine, self.loop, self.on_outputs, hold_s, profile=s.step_profile, figures=figures
+                    engine,
+                    self.loop,
+                    self.on_outputs,
+                    hold_s,
+                    profile=s.step_profile,
+                    figures=figures,
+                    before_step=self._notes().before_step,
                 )
             self.runners[id(loaded)] = runner
         return runner
+
+    def _notes(self) -> CoreShare:
+        """This process's note of its engines' steps (a llama.cpp server's, an engine on a
+        thread), so the machine's engine processes size their threads to them (cores.py)."""
+        if self._core_notes is None:
+            self._core_notes = CoreShare(self.settings.cores_dir, 0, 0)
+        return self._core_notes
 
     def figures_path(self, loaded) -> str | None:
         """Where ``loaded``'s engine keeps its measured steps (:data:`runner.FIGURES_MAX_AGE_S`):
@@ -416,7 +440,14 @@ class InferenceService:
         key = {
             "spec": loaded.spec.model_dump(mode="json"),
             "version": loaded.version,
-            "engine": [s.engine, s.engine_process, s.max_batch_size, s.torch_threads, self.engine_options],
+            "engine": [
+                s.engine,
+                s.engine_process,
+                s.max_batch_size,
+                s.torch_threads,
+                s.torch_threads_alone,
+                self.engine_options,
+            ],
             "machine": machine(),
             "code": engine_code(),
         }

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from consumers.inference.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
 from runtime.settings import REPO, CommonSettings
 
 
@@ -58,6 +59,19 @@ class InferenceSettings(CommonSettings):
     )
     drain_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to finish held work.")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    torch_threads_alone: int = Field(
+        0,
+        ge=0,
+        description="An engine process's torch threads for a step while no other engine on this machine steps "
+        "(noted in cores_dir); ARENA_TORCH_THREADS while one does. 0, or no more than torch_threads: always "
+        "torch_threads. Models under 10M parameters keep torch_threads. `arena up` gives each inference replica "
+        "its share of every core.",
+    )
+    cores_dir: str = Field(
+        DEFAULT_CORES_DIR,
+        description="Where the machine's engine processes note their steps (a file each), so each sizes its "
+        "threads to the load (torch_threads_alone). Engines that share cores must share it.",
+    )
     llama_cpp_threads: int = Field(
         0,
         ge=0,

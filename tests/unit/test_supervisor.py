@@ -50,13 +50,29 @@ def test_replicas_share_the_cores_torch_leaving_one_to_the_stack_and_llama_cpp_n
     from infra.supervisor import thread_shares
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # One thread shared (no parallel region: nothing spins), both cores for a model alone,
+    # whose threads spin between its products (no OMP_WAIT_POLICY=PASSIVE).
     assert thread_shares({}, 1) == {
-        "OMP_WAIT_POLICY": "PASSIVE",
         "ARENA_TORCH_THREADS": "1",
+        "ARENA_TORCH_THREADS_ALONE": "2",
         "ARENA_LLAMA_CPP_THREADS": "2",
     }
+    assert thread_shares({}, 2) == {  # two replicas on two cores: a core each, always
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "ARENA_TORCH_THREADS": "1",
+        "ARENA_TORCH_THREADS_ALONE": "1",
+        "ARENA_LLAMA_CPP_THREADS": "1",
+    }
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert thread_shares({}, 2)["ARENA_TORCH_THREADS"] == "7"
-    assert thread_shares({}, 2)["ARENA_LLAMA_CPP_THREADS"] == "8"
-    given = {"OMP_WAIT_POLICY": "ACTIVE", "ARENA_TORCH_THREADS": "3", "ARENA_LLAMA_CPP_THREADS": "5"}
+    shares = thread_shares({}, 2)
+    assert (shares["ARENA_TORCH_THREADS"], shares["ARENA_TORCH_THREADS_ALONE"]) == ("7", "8")
+    assert shares["OMP_WAIT_POLICY"] == "PASSIVE"  # engines stepping together would spin on each other's cores
+    assert shares["ARENA_LLAMA_CPP_THREADS"] == "8"
+    given = {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "ARENA_TORCH_THREADS": "3",
+        "ARENA_TORCH_THREADS_ALONE": "4",
+        "ARENA_LLAMA_CPP_THREADS": "5",
+    }
     assert thread_shares(given, 2) == {}  # what the operator set is kept
+    assert thread_shares({"ARENA_TORCH_THREADS": "1"}, 1)["ARENA_TORCH_THREADS_ALONE"] == "16"
