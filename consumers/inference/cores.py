@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -121,6 +122,16 @@ class CoreShare:
     def close(self) -> None:
         with suppress(OSError):
             self.mine.unlink()
+
+
+def share_or_none(directory: str, shared: int, alone: int, **kwargs: Any) -> CoreShare | None:
+    """A :class:`CoreShare`, or None where its directory cannot be made (a read-only home
+    in a container): the engine then steps on its share, as without one (logged)."""
+    try:
+        return CoreShare(directory, shared, alone, **kwargs)
+    except OSError as exc:
+        log.warning("no step notes in %s (%s): engine threads stay at %d", directory, exc, shared)
+        return None
 
 
 def _sweep(directory: Path) -> None:

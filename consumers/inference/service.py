@@ -30,13 +30,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.cores import CoreShare
+from consumers.inference.cores import CoreShare, share_or_none
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
@@ -139,7 +139,7 @@ class InferenceService:
         self.jobs: dict[str, Job] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
         self.runners: dict[int, Runner] = {}
-        self._core_notes: CoreShare | None = None  # _notes()
+        self._core_notes: CoreShare | Literal[False] | None = None  # _notes(); False: none can be made
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._room = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -391,7 +391,7 @@ class InferenceService:
                     self.on_outputs,
                     profile=s.step_profile,
                     figures=figures,
-                    before_step=self._notes().before_step,
+                    before_step=self._notes(),
                 )
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
@@ -418,17 +418,21 @@ class InferenceService:
                     hold_s,
                     profile=s.step_profile,
                     figures=figures,
-                    before_step=self._notes().before_step,
+                    before_step=self._notes(),
                 )
             self.runners[id(loaded)] = runner
         return runner
 
-    def _notes(self) -> CoreShare:
+    def _notes(self) -> Callable[[], int | None] | None:
         """This process's note of its engines' steps (a llama.cpp server's, an engine on a
-        thread), so the machine's engine processes size their threads to them (cores.py)."""
+        thread), so the machine's engine processes size their threads to them (cores.py);
+        None where they do not (ARENA_TORCH_THREADS_ALONE unset) or the notes' directory
+        cannot be made."""
+        if self.settings.torch_threads_alone <= self.settings.torch_threads:
+            return None
         if self._core_notes is None:
-            self._core_notes = CoreShare(self.settings.cores_dir, 0, 0)
-        return self._core_notes
+            self._core_notes = share_or_none(self.settings.cores_dir, 0, 0) or False
+        return self._core_notes.before_step if self._core_notes else None
 
     def figures_path(self, loaded) -> str | None:
         """Where ``loaded``'s engine keeps its measured steps (:data:`runner.FIGURES_MAX_AGE_S`):

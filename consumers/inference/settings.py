@@ -70,7 +70,8 @@ class InferenceSettings(CommonSettings):
     cores_dir: str = Field(
         DEFAULT_CORES_DIR,
         description="Where the machine's engine processes note their steps (a file each), so each sizes its "
-        "threads to the load (torch_threads_alone). Engines that share cores must share it.",
+        "threads to the load (torch_threads_alone; unused without it). Engines that share cores must share it; one "
+        "that cannot be made (a read-only home) is logged and the engines keep torch_threads.",
     )
     llama_cpp_threads: int = Field(
         0,

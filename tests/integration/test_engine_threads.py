@@ -101,3 +101,17 @@ async def test_a_small_model_keeps_its_share_alone(tmp_path):
         assert (tmp_path / str(runner.pid)).exists()  # it notes its steps all the same
     finally:
         runner.stop()
+
+
+async def test_an_engine_whose_notes_cannot_be_written_serves_on_its_share(tmp_path):
+    """A read-only home (a container's) leaves no directory for the notes: the engine
+    process starts and answers all the same."""
+    (tmp_path / "a-file").write_text("")
+    loaded = load_model(ModelSpec(name="stories-no-notes", path=str(STORIES)))
+    done: dict = {}
+    runner = sized_runner(loaded, done, tmp_path / "a-file" / "cores")
+    try:
+        assert await asyncio.to_thread(runner.ready.wait, 120)
+        await answer(runner, done, "r", loaded.tokenizer.encode("Once upon a time"))
+    finally:
+        runner.stop()

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from consumers.inference.cores import CoreShare, alone_threads
+from consumers.inference.cores import CoreShare, alone_threads, share_or_none
 
 WINDOW = 0.3
 
@@ -83,3 +83,10 @@ def test_another_process_stepping_takes_the_second_thread_and_a_dead_ones_note_i
     assert not (tmp_path / str(other.pid)).exists()
     assert (tmp_path / str(os.getpid())).exists()
     assert calls == [2, 1, 2]
+
+
+def test_no_notes_where_the_directory_cannot_be_made(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert share_or_none(str(blocker / "cores"), 1, 2) is None  # a read-only home does the same
+    assert "engine threads stay at 1" in caplog.text
