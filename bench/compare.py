@@ -123,16 +123,22 @@ def run_measurement(name: str, cmd: list[str], args, out: Path) -> dict | None:
 
 def run_engine(args, out: Path, loads: list[float]) -> dict:
     """The engine alone (`bench.engine_speed --closed-loop`) at each load, with the torch
-    threads `arena up` gives its inference worker: what serving could reach at most."""
+    threads `arena up` gives an engine stepping alone (its share for a small model): what
+    serving could reach at most."""
     path = out / "engine.json"
-    threads = args.torch_threads or int(thread_shares({}, 1)["ARENA_TORCH_THREADS"])
+    shares = thread_shares({}, 1)
+    threads = args.torch_threads or int(shares["ARENA_TORCH_THREADS"])
+    alone = 0 if args.torch_threads else int(shares["ARENA_TORCH_THREADS_ALONE"])
     cmd = [sys.executable, "-m", "bench.engine_speed", "--closed-loop", "--model", str(args.model)]
-    cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", args.lengths, "--seed", str(args.seed)]
+    cmd += ["--threads-alone", str(alone)]
+    # One answer length swept: the engine alone at that length too (the served levels' own).
+    lengths = args.sweep_lengths if args.sweep_lengths and "," not in args.sweep_lengths else args.lengths
+    cmd += ["--loads", ",".join(str(int(x)) for x in loads), "--lengths", lengths, "--seed", str(args.seed)]
     cmd += ["--duration", str(args.duration), "--threads", str(threads), "--dtype", args.dtype, "--json", str(path)]
     if failed := run_measurement("engine", cmd, args, out):
         return failed
     row = json.loads(path.read_text())
-    row["threads"] = threads
+    row.setdefault("threads", threads)
     return row
 
 

@@ -28,7 +28,7 @@ import torch
 
 from bench.stats import summarize
 from bench.workload import LengthMix, Workload, draw_session
-from consumers.inference import packed
+from consumers.inference import cores, packed, prepack
 from consumers.inference.engine import BatchEngine, GenRequest
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
 from consumers.inference.sampling import SamplingParams
@@ -156,6 +156,9 @@ def closed_loop(
 def closed_loop_main(args: argparse.Namespace) -> None:
     spec = ModelSpec(name="engine", path=args.model[0], dtype=args.dtype, device=args.device)
     loaded = load_model(spec)
+    if args.threads and args.threads_alone:  # as the engine process sizes them, alone on the machine (cores.py)
+        params = prepack.parameter_count(loaded.model)
+        torch.set_num_threads(cores.alone_threads(args.threads, args.threads_alone, params, prepack.MIN_PARAMS))
     workload = Workload(model="engine", lengths=LengthMix.parse(args.lengths), seed=args.seed)
     closed_loop(loaded, 2, replace(workload, lengths=LengthMix(((4, 1.0),))), 0.0)  # warm-up
     pack = {"auto": None, "on": True, "off": False}[args.pack]
@@ -172,6 +175,7 @@ def closed_loop_main(args: argparse.Namespace) -> None:
         "status": "ok",
         "levels": levels,
         "params": sum(p.numel() for p in loaded.model.parameters()),
+        "threads": torch.get_num_threads(),
     }
     if args.json:
         Path(args.json).write_text(json.dumps(row))
@@ -194,6 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="torch CPU threads; tiny models run fastest with 1, "
         "and on a busy machine extra OpenMP threads mostly spin",
+    )
+    parser.add_argument(
+        "--threads-alone",
+        type=int,
+        default=0,
+        help="closed loop: the threads an engine stepping alone takes under `arena up` "
+        "(ARENA_TORCH_THREADS_ALONE); a model under 10M parameters keeps --threads, as served",
     )
     parser.add_argument(
         "--hf-cb", action="store_true", help="also transformers' continuous batching (generate_batch) at each batch"
