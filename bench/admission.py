@@ -318,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     procs.install_cleanup()
     args.out.mkdir(parents=True, exist_ok=True)
     source = str(args.model)
-    checkpoint = peers.checkpoint(source)
+    checkpoint, name = peers.served(source)
     loads = [int(x) for x in args.loads.split(",") if x]
     setup = targets.Setup(
         checkpoint,
-        "smollm2-135m" if source == peers.SMOLLM2 else checkpoint.name,
+        name,
         args.out,
         torch_threads=args.torch_threads,
         source=source,

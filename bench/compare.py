@@ -36,7 +36,7 @@ from bench import overhead, peers, procs, targets
 from bench.loadgen import add_workload_args, sweep, warm_up, workload_from_args
 from bench.report import write_report
 from bench.workload import LengthMix, Workload, fixed_requests
-from infra.supervisor import DEFAULT_MODEL, thread_shares
+from infra.supervisor import thread_shares
 
 ALL_TARGETS = (
     "naive",
@@ -337,8 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def setup_from_args(args, out: Path) -> tuple[targets.Setup, str]:
     """Every target's `Setup` (a GGUF or `pkg:` source resolved to its checkpoint) and the served name."""
     source = str(args.model)
-    checkpoint = peers.checkpoint(source) if source.startswith(peers.PKG) or source.endswith(".gguf") else Path(source)
-    name = args.name or (DEFAULT_MODEL if source == peers.SMOLLM2 else checkpoint.name)
+    checkpoint, name = peers.served(source, args.name)
     loads = [int(float(x)) for x in args.loads.split(",")]
     setup = targets.Setup(
         checkpoint,

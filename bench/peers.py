@@ -21,6 +21,7 @@ from pathlib import Path
 
 from consumers.inference.llamacpp import build as llamacpp
 from consumers.inference.settings import InferenceSettings
+from infra.supervisor import DEFAULT_MODEL
 
 #: Outside the checkout, so a clean checkout (CI on the same machine) reuses a finished
 #: build: the product's setting (`ARENA_LLAMA_CPP_DIR`), where its llama.cpp backend looks.
@@ -63,6 +64,14 @@ def checkpoint(source: str, say: Callable[[str], None] = print) -> Path:
     from consumers.inference.sources import checkpoint as convert_source
 
     return Path(convert_source(source, os.environ.get("ARENA_MODEL_CACHE") or DEFAULT_CACHE, say=say))
+
+
+def served(source: str, name: str | None = None) -> tuple[Path, str]:
+    """A benchmark's model: the checkpoint `arena up` serves ``source`` from (:func:`checkpoint`)
+    and the name it is served under: ``name``, else `arena up`'s default model's for SmolLM2's
+    package, else the checkpoint directory's."""
+    ckpt = checkpoint(source)
+    return ckpt, name or (DEFAULT_MODEL if source == SMOLLM2 else ckpt.name)
 
 
 def convert(source: str = SMOLLM2, outtype: str = "bf16", say: Callable[[str], None] = print) -> Path:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a checkpoint directory, a .gguf file or pkg:PACKAGE")
     parser.add_argument(
-        "--name", default="stories-260k", help="the served model's name (default: SmolLM2's for its pkg:)"
+        "--name", help="the served model's name (default: smollm2-135m for SmolLM2's pkg:, else the directory's)"
     )
     parser.add_argument(
         "--target",
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     source = str(args.model)
-    name = "smollm2-135m" if source == peers.SMOLLM2 and args.name == "stories-260k" else args.name
-    checkpoint = peers.checkpoint(source) if not Path(source).is_dir() else Path(source)
+    checkpoint, name = peers.served(source, args.name)
     setup = targets.Setup(checkpoint, name, out, max_batch_size=args.users, source=source, parallel=args.users)
     target = targets.prepare(args.target, setup)
     workload = Workload(
