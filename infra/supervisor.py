@@ -107,21 +107,22 @@ def thread_shares(env: dict, replicas: int) -> dict:
     one thread each. A `backend: llamacpp` model's server gets the replica's share of every
     core (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
     out: dict[str, str] = {}
-    cores = os.cpu_count() or 1
-    shared = env.get("ARENA_TORCH_THREADS") or (str(max(1, (cores - 1) // replicas)) if replicas >= 1 else "")
-    alone = env.get("ARENA_TORCH_THREADS_ALONE") or (str(max(1, cores // replicas)) if replicas >= 1 else "")
-    if not env.get("ARENA_TORCH_THREADS") and shared:
-        out["ARENA_TORCH_THREADS"] = shared
-    if not env.get("ARENA_TORCH_THREADS_ALONE") and alone:
-        out["ARENA_TORCH_THREADS_ALONE"] = alone
-    spin = shared == "1" and bool(alone) and int(alone) > 1
-    if not env.get("OMP_WAIT_POLICY") and not spin:
+    if replicas >= 1:
+        cores = os.cpu_count() or 1
+        every = str(max(1, cores // replicas))  # the replica's share of every core
+        defaults = {
+            "ARENA_TORCH_THREADS": str(max(1, (cores - 1) // replicas)),
+            "ARENA_TORCH_THREADS_ALONE": every,
+            # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
+            # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2
+            # 62-67 tok/s to one user and 68-74 to eight, two threads 69-86 and 108-124.
+            "ARENA_LLAMA_CPP_THREADS": every,
+        }
+        out |= {key: value for key, value in defaults.items() if not env.get(key)}
+    shared = int(env.get("ARENA_TORCH_THREADS") or out.get("ARENA_TORCH_THREADS") or 0)
+    alone = int(env.get("ARENA_TORCH_THREADS_ALONE") or out.get("ARENA_TORCH_THREADS_ALONE") or 0)
+    if not env.get("OMP_WAIT_POLICY") and not (shared == 1 and alone > 1):  # one shared thread: nothing spins beside
         out["OMP_WAIT_POLICY"] = "PASSIVE"
-    if not env.get("ARENA_LLAMA_CPP_THREADS") and replicas >= 1:
-        # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
-        # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2
-        # 62-67 tok/s to one user and 68-74 to eight, two threads 69-86 and 108-124.
-        out["ARENA_LLAMA_CPP_THREADS"] = str(max(1, (os.cpu_count() or 1) // replicas))
     return out
 
 
