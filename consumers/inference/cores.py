@@ -44,12 +44,18 @@ NOTE_EVERY_S = WINDOW_S / 5
 DEFAULT_DIR = str(Path.home() / ".cache" / "arenaflow" / "cores")
 
 
+def sizing(shared: int, alone: int) -> bool:
+    """Whether engines with these settings size their threads to the load (and so note
+    their steps): ``alone`` above ``shared``."""
+    return alone > shared
+
+
 def alone_threads(shared: int, alone: int, params: int, min_params: int) -> int:
     """The threads a model's engine takes alone: ``alone`` for a model of ``min_params``
     weights or more, else ``shared`` (a small model's step is Python's time, which a
     second thread slows down: stories260K at batch 20 made 1,124 tok/s on one thread, 118
     on two spinning ones)."""
-    return alone if alone > shared and params >= min_params else shared
+    return alone if sizing(shared, alone) and params >= min_params else shared
 
 
 class CoreShare:

@@ -132,7 +132,7 @@ def _child(
     # the worker gives its row-major copy back once they are in place (release_packed).
     engine = BatchEngine(loaded, mode, max_batch, pack_in_background=True, on_packed=end.packed, **options)  # type: ignore[arg-type]
     share = None
-    if cores_dir and alone_threads > threads:  # sizing on: every engine notes (a small one for the others)
+    if cores_dir and cores.sizing(threads, alone_threads):  # every engine notes (a small one for the others)
         alone = cores.alone_threads(threads, alone_threads, prepack.parameter_count(loaded.model), prepack.MIN_PARAMS)
         share = cores.share_or_none(cores_dir, threads, alone, set_threads=torch.set_num_threads if threads else None)
     end.runner = EngineRunner(

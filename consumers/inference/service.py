@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from consumers.inference import spans
-from consumers.inference.cores import CoreShare, share_or_none
+from consumers.inference.cores import CoreShare, share_or_none, sizing
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
 from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
@@ -428,7 +428,7 @@ class InferenceService:
         thread), so the machine's engine processes size their threads to them (cores.py);
         None where they do not (ARENA_TORCH_THREADS_ALONE unset) or the notes' directory
         cannot be made."""
-        if self.settings.torch_threads_alone <= self.settings.torch_threads:
+        if not sizing(self.settings.torch_threads, self.settings.torch_threads_alone):
             return None
         if self._core_notes is None:
             self._core_notes = share_or_none(self.settings.cores_dir, 0, 0) or False
