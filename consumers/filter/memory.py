@@ -13,9 +13,13 @@ vector store of known attacks does (Rebuff, Lakera), but exactly and in microsec
   among those no benign training prompt has: a uniform sample of what is its own (an
   e-mail with an injected instruction keeps the instruction, not the e-mail that benign
   prompts share); an attack left with fewer than ``MIN_SHINGLES`` is not stored, nor one
-  longer than ``MAX_SHINGLES`` (about 66 words): a long attack is mostly context (a
-  document, a template) that a benign prompt may share, even when no benign training
-  prompt did, while the requests that come back in new wrappers are short;
+  longer than ``MAX_SHINGLES`` (about 66 words), nor one of more than ``MAX_LINES``
+  non-empty lines: a long attack, or a short one laid out as a document (a table, an
+  e-mail, code), is mostly context that a benign prompt may share, even when no benign
+  training prompt did, while the requests that come back in new wrappers are short and
+  read as a few lines of prose. (Attack families held out, issue 33's protocol: storing
+  short documents let a benign table or e-mail that an injected training attack carried
+  score +5 to +8 and set the benign tail; without them 59.2% -> 62.6%, docs/filter.md);
 * a prompt's containment of attack A is (A's sketched shingles found in the prompt) /
   (A's sketch size + ``SMOOTH``), an estimate of the share of A inside the prompt, shrunk
   for short attacks; the memory's value is the largest over the stored attacks, and
@@ -35,19 +39,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MEMORY_VERSION", "Memory", "shingles"]
+__all__ = ["MEMORY_VERSION", "Memory", "lines", "shingles"]
 
 MEMORY_VERSION = "words3-bottom32"
 SHINGLE = 3  # words per shingle
 SKETCH = 32  # shingle hashes kept per stored attack (the smallest: a bottom-k sample)
 MIN_SHINGLES = 6  # shorter attacks are not stored
 MAX_SHINGLES = 64  # nor longer ones (with no cap, in-distribution 5-fold fell from 84% to 59%: docs/filter.md)
+MAX_LINES = 4  # nor one laid out as a document: more non-empty lines than this
 SMOOTH = 8.0  # containment = found / (kept + SMOOTH)
 WEIGHT = 8.0  # logit added at containment 1 (chosen on the dev split among 4 to 12; docs/filter.md)
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
 _EMPTY = np.zeros(0, dtype=np.uint32)
+
+
+def lines(text: str) -> int:
+    """Non-empty lines of ``text`` (an attack of more than ``MAX_LINES`` is not stored)."""
+    return sum(1 for line in text.splitlines() if line.strip())
 
 
 def shingles(tokens: list[bytes]) -> np.ndarray:
@@ -106,10 +116,13 @@ class Memory:
         benign_shingles: Sequence[np.ndarray] = (),
         weight: float = WEIGHT,
         smooth: float = SMOOTH,
+        attack_lines: Sequence[int] | None = None,
     ) -> Memory:
         """A memory of the attacks whose shingles are given (each sorted, distinct), less every
-        shingle of the benign prompts given."""
+        shingle of the benign prompts given; with ``attack_lines`` (each attack's :func:`lines`),
+        an attack of more than ``MAX_LINES`` is not stored."""
         own = list(attack_shingles)
+        laid_out = attack_lines if attack_lines is not None else [1] * len(own)
         if len(benign_shingles) and own:
             # one membership test over every attack shingle at once, then cut back per attack
             shared = np.isin(np.concatenate(own), np.concatenate(benign_shingles))
@@ -117,8 +130,8 @@ class Memory:
             own = [s[~m] for s, m in zip(own, np.split(shared, ends[:-1]), strict=True)]
         kept = [
             s[:SKETCH]
-            for s, a in zip(own, attack_shingles, strict=True)
-            if len(s) >= MIN_SHINGLES and len(a) <= MAX_SHINGLES
+            for s, a, n in zip(own, attack_shingles, laid_out, strict=True)
+            if len(s) >= MIN_SHINGLES and len(a) <= MAX_SHINGLES and n <= MAX_LINES
         ]
         sketches = np.zeros((len(kept), SKETCH), dtype=np.uint32)
         for i, s in enumerate(kept):
@@ -163,6 +176,7 @@ class Memory:
             "shingle": SHINGLE,
             "min_shingles": MIN_SHINGLES,
             "max_shingles": MAX_SHINGLES,
+            "max_lines": MAX_LINES,
         }
 
     @classmethod

@@ -59,7 +59,7 @@ import numpy as np
 from consumers.filter.cues import CUE_NAMES, CUES_VERSION, cue_tokens, cue_vector
 from consumers.filter.features import CHAR_ORDERS, FEATURES_VERSION, WORD_ORDERS, featurize, featurize_views
 from consumers.filter.memory import WEIGHT as MEMORY_WEIGHT
-from consumers.filter.memory import Memory, shingles
+from consumers.filter.memory import Memory, lines, shingles
 from consumers.filter.policy import inspect_prompt
 from lab.filter import heldout, protocols
 from lab.filter.corpus import Row
@@ -112,15 +112,16 @@ def views(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=W
 
 @dataclass(frozen=True)
 class Data:
-    """Training rows as the fits see them: the views (a CSR matrix) and each row's
-    word 3-gram shingles (for the memory). Indexed by rows like the matrix."""
+    """Training rows as the fits see them: the views (a CSR matrix), each row's word 3-gram
+    shingles and its non-empty lines (for the memory). Indexed by rows like the matrix."""
 
     views: Any
     shingles: tuple[np.ndarray, ...]
+    lines: np.ndarray
 
     def __getitem__(self, rows) -> Data:
         idx = np.flatnonzero(rows) if np.asarray(rows).dtype == bool else np.asarray(rows)
-        return Data(self.views[idx], tuple(self.shingles[i] for i in idx))
+        return Data(self.views[idx], tuple(self.shingles[i] for i in idx), self.lines[idx])
 
     def __len__(self) -> int:
         return len(self.shingles)
@@ -129,7 +130,7 @@ class Data:
     def stack(a: Data, b: Data) -> Data:
         import scipy.sparse as sp  # noqa: PLC0415
 
-        return Data(sp.vstack([a.views, b.views], format="csr"), a.shingles + b.shingles)
+        return Data(sp.vstack([a.views, b.views], format="csr"), a.shingles + b.shingles, np.r_[a.lines, b.lines])
 
 
 def data(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WORD_ORDERS, cues: bool = True) -> Data:
@@ -146,14 +147,17 @@ def data(rows: Sequence[Row], bits: int, char_orders=CHAR_ORDERS, word_orders=WO
             [cue_vector(c.text, r.text, t) for (c, _), r, t in zip(pairs, rows, tokens, strict=True)]
         ).reshape(len(rows), len(CUE_NAMES))
         blocks.append(sp.csr_matrix(dense))
-    return Data(sp.hstack(blocks, format="csr"), tuple(shingles(t) for t in tokens))
+    return Data(
+        sp.hstack(blocks, format="csr"), tuple(shingles(t) for t in tokens), np.array([lines(r.text) for r in rows])
+    )
 
 
 def build_memory(x: Data, y: np.ndarray, weight: float) -> Memory:
-    """The known-attack memory of the attack rows of ``x``, less what its benign rows share."""
+    """The known-attack memory of the attack rows of ``x`` (a request, not a document: see
+    memory.py), less what its benign rows share."""
     attacks = [s for s, a in zip(x.shingles, y, strict=True) if a]
     benign = [s for s, a in zip(x.shingles, y, strict=True) if not a]
-    return Memory.build(attacks, benign, weight=weight)
+    return Memory.build(attacks, benign, weight=weight, attack_lines=x.lines[y].tolist())
 
 
 def _memory_logits(memory: Memory | None, x: Data) -> np.ndarray:

@@ -1,0 +1,142 @@
+"""What a frozen sentence-embedding view adds to the character stage, attack families held out.
+
+Issue 33's outside comparison found that views which are not alike add up. This measures it on
+the protocol of its target (heldout.loso_attack_scores: each attack family scored by a model that
+never saw it, the threshold at 0.3% of a held-out benign fold), fitting inside every fold:
+
+* ``chars``: the character stage as shipped (train.py: n-grams, cues, memory);
+* ``embed``: all-MiniLM-L6-v2 as pretrained (not fine-tuned), each 128-token window mean-pooled
+  (frozen_baseline.embed, int8 ONNX Runtime, the windows averaged), standardized, then a logistic
+  regression (C=0.1) with the same family-balanced weights;
+* ``chars + a*embed``: the two logits summed, each centred and scaled by the median and spread of
+  its own scores on the fold's benign training rows (how train.fit_views sums its views).
+
+The embeddings of every row are cached (``--cache``, 8 min to make on the 2-core machines here).
+
+    python -m lab.filter.embed_view [--mix 0.25,0.5,0.75,1] [--cache PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lab.filter import heldout, train
+from lab.filter.corpus import load_rows
+from lab.filter.frozen_baseline import embed, embedder
+
+EMBED_C = 0.1  # among 0.1, 1 and 10 on this protocol (embed alone 43.7%, 42.1%, 40.9%): optimistic by the choice
+DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-embed-view.npy"
+
+
+@dataclass(frozen=True)
+class Joint:
+    """The character stage's rows and their embeddings, indexed together."""
+
+    chars: train.Data
+    embedding: np.ndarray
+
+    def __getitem__(self, rows) -> Joint:
+        return Joint(self.chars[rows], self.embedding[rows])
+
+    def __len__(self) -> int:
+        return len(self.embedding)
+
+
+def _scale(benign: np.ndarray) -> tuple[float, float]:
+    """Median and spread of a view's logits on the benign training rows (train.fit_views' scaling)."""
+    return float(np.median(benign)), float(benign.std()) or 1.0
+
+
+def fitters(mixes: list[float]):
+    """One fit per column: chars, embed, and chars + a * embed for each ``a``. A fold's two views
+    are trained once, for its first column (the folds are the same for every column, so the
+    fold is known by its labels and weights)."""
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+
+    chars_fit = train._fitter(train.C, 0, train.BITS, ["chars", "cues"], train.MEMORY_WEIGHT)
+    cache: dict[bytes, tuple] = {}
+
+    def both(x: Joint, y: np.ndarray, w: np.ndarray):
+        key = hashlib.sha256(y.tobytes() + w.tobytes()).digest()
+        if key not in cache:
+            chars = chars_fit(x.chars, y, w)
+            model = LogisticRegression(C=EMBED_C, max_iter=3000).fit(x.embedding, y, sample_weight=w)
+            cache[key] = (chars, model, _scale(chars(x.chars[~y])), _scale(model.decision_function(x.embedding[~y])))
+        return cache[key]
+
+    def column(mix: float | None):
+        def fit(x: Joint, y: np.ndarray, w: np.ndarray):
+            chars, model, (cm, cs), (em, es) = both(x, y, w)
+
+            def score(held: Joint) -> np.ndarray:
+                e = (model.decision_function(held.embedding) - em) / es
+                if mix is None:
+                    return e
+                return (chars(held.chars) - cm) / cs + mix * e
+
+            return score
+
+        return fit
+
+    def chars_only(x: Joint, y: np.ndarray, w: np.ndarray):
+        chars = both(x, y, w)[0]
+        return lambda held: chars(held.chars)
+
+    return {"chars": chars_only, "embed": column(None), **{f"chars+{m:g}*embed": column(m) for m in mixes}}
+
+
+def embeddings(rows, cache: Path) -> np.ndarray:
+    """Each row's frozen embedding (its windows' mean), standardized; cached by the rows' count."""
+    if cache.is_file():
+        e = np.load(cache)
+        if len(e) == len(rows):
+            print(f"embeddings from {cache}")
+            return e
+    print(f"embedding {len(rows)} rows (frozen all-MiniLM-L6-v2, int8 ONNX Runtime, one thread) ...", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        session, tokenizer = embedder(Path(tmp))
+        e = embed(session, tokenizer, [r.text for r in rows])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.save(cache, e)
+    return e
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    p.add_argument("--mix", default="0.25,0.5,0.75,1", help="weights a of the embedding view in the sums")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="the rows' embeddings (made when missing)")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    rows, dev = load_rows(train.TRAIN_FILE), load_rows(train.DEV_FILE)
+    fitted, y, fam, boost = train.training_set(rows, dev, True, train.DEV_WEIGHT)
+    e = embeddings(fitted, args.cache)
+    e = (e - e.mean(axis=0)) / (e.std(axis=0) + 1e-6)  # unsupervised: no label enters the scaling
+    x = Joint(train.data(fitted, train.BITS, word_orders=()), e)
+    columns = fitters([float(m) for m in args.mix.split(",")])
+    tables = {}
+    for name, fit in columns.items():
+        att, ben = heldout.loso_attack_scores(x, y, fam, fit, "family", seed=0, boost=boost)
+        t = heldout.threshold_at(ben, train.FP_CAP)
+        tables[name] = (heldout.table(att, y, fam, t, float), float((ben >= t).mean()))
+        print(f"  {name}: {100 * tables[name][0]['mean_catch']:.1f}% ({time.perf_counter() - start:.0f} s)", flush=True)
+    names = list(tables)
+    print(f"\n| attack family held out | n | {' | '.join(names)} |\n|---|---|{'---|' * len(names)}")
+    for f, v in tables["chars"][0]["families"].items():
+        if v["caught"] is not None:
+            cells = " | ".join(f"{100 * tables[k][0]['families'][f]['caught']:.1f}%" for k in names)
+            print(f"| {f} | {v['attacks']:,} | {cells} |")
+    means = " | ".join(f"**{100 * tables[k][0]['mean_catch']:.1f}%**" for k in names)
+    print(f"| **mean** | | {means} |")
+    print(f"| held-out benign flagged | | {' | '.join(f'{100 * tables[k][1]:.2f}%' for k in names)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
