@@ -132,10 +132,13 @@ def _event(prompt: str) -> ChatRequested:
     )
 
 
-def cascades(default, ensemble: Ensemble | None) -> list[tuple[str, FilterConfig, object]]:
-    """(name, config, classifier) of every configuration the cascade table compares."""
+def cascades(default, ensemble: Ensemble | None, summed=None) -> list[tuple[str, FilterConfig, object]]:
+    """(name, config, classifier) of every configuration the cascade table compares (``summed``: the
+    character stage summed with the frozen embedding view, consumers/filter/embedding.py)."""
     out: list[tuple[str, FilterConfig, object]] = [("rules only", FilterConfig(classifier_path=None), None)]
     out.append((f"served default ({default.version})", FilterConfig(), default))
+    if summed is not None:
+        out.append((f"chars + frozen embedding, summed ({summed.version})", FilterConfig(), summed))
     if ensemble is not None:
         names = ensemble.names
         out.append(
@@ -148,12 +151,12 @@ def cascades(default, ensemble: Ensemble | None) -> list[tuple[str, FilterConfig
 
 
 def cascade_table(
-    prompts: list[str], seconds: float, default, ensemble: Ensemble | None, long_count: int = 200
+    prompts: list[str], seconds: float, default, ensemble: Ensemble | None, long_count: int = 200, summed=None
 ) -> None:
     """CPU per prompt and added latency of each cascade, through the filter's own filter_request."""
     long = long_prompts(prompts, count=long_count)
     events = {p: _event(p) for p in [*prompts, *long]}
-    configs = cascades(default, ensemble)
+    configs = cascades(default, ensemble, summed)
     _, rules_config, _ = configs[0]
 
     def rules(p: str) -> object:
@@ -220,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         "--ensemble", type=Path, default=DEFAULT_ARTIFACT.with_name("ensemble.json"), help="an ensemble manifest"
     )
     parser.add_argument(
+        "--summed",
+        type=Path,
+        default=DEFAULT_ARTIFACT.with_name("prompt-embed-sum.npz"),
+        help="the character stage summed with the frozen embedding view (`arena filter-train --embed-view`)",
+    )
+    parser.add_argument(
         "--long", type=int, default=200, help="4,000-character prompts in the cascade table (fewer: a quicker run)"
     )
     parser.add_argument(
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             f" p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us"
         )
     ensemble = load_classifier(args.ensemble) if args.ensemble.exists() else None
-    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None, args.long)
+    summed = load_classifier(args.summed) if args.summed.exists() else None
+    cascade_table(prompts, args.seconds, clf, ensemble if isinstance(ensemble, Ensemble) else None, args.long, summed)
     if isinstance(ensemble, Ensemble):
         burst(prompts, ensemble, args.concurrency)
     return 0

@@ -105,7 +105,9 @@ class LinearClassifier:
             z += remembered
         return z, feats, cues, remembered
 
-    def score(self, text: str, explain: int = 0) -> ClassifierScore:
+    def score(self, text: str, explain: int = 0, towards_attack: bool | None = None) -> ClassifierScore:
+        """The prompt's score; with ``explain``, its top contributions towards the side that decided
+        (``towards_attack`` overrides the side: a stage summing this one decides elsewhere)."""
         z, feats, cues, remembered = self.logit(text)
         prob = float(1.0 / (1.0 + np.exp(-z)))
         if explain <= 0:
@@ -120,7 +122,8 @@ class LinearClassifier:
         parts.append(np.array([remembered]))  # last: the memory (0 without one)
         values = np.concatenate(parts)
         # the side that decided: features towards "attack" when flagged, else towards "benign"
-        order = np.argsort(-values if prob >= self.threshold else values, kind="stable")[:explain]
+        attack = prob >= self.threshold if towards_attack is None else towards_attack
+        order = np.argsort(-values if attack else values, kind="stable")[:explain]
         top = tuple((self._name(feats, int(i)), round(float(values[i]), 4)) for i in order if values[i] != 0)
         return ClassifierScore(round(prob, 6), top, z)
 

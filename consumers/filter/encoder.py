@@ -8,7 +8,7 @@ Long prompts are not cut to their first window: the text's tokens are split into
 of ``max_tokens`` (with ``stride`` tokens of overlap), every window is scored, and the
 prompt's logit is the largest (an attack hidden in the middle of a 10,000-character
 prompt counts). Scoring is batched: concurrent calls (the filter's worker threads) are
-gathered into one ONNX Runtime call (:class:`_Batcher`).
+gathered into one ONNX Runtime call (:class:`Batcher`).
 
 Artifact: a directory (lab/filter/train_encoder.py writes it) holding ``model.onnx``
 (input_ids, attention_mask -> one logit per window; weights dynamically quantized to
@@ -40,6 +40,7 @@ from consumers.filter.interface import ClassifierScore
 
 __all__ = [
     "ENCODER_FORMAT",
+    "Batcher",
     "EncoderClassifier",
     "artifact_file",
     "file_digest",
@@ -113,7 +114,7 @@ class EncoderClassifier:
             str(artifact_file(directory, "model.onnx", meta)), options, providers=["CPUExecutionProvider"]
         )
         self.benign_reference = np.load(directory / "reference.npy", allow_pickle=False).astype(np.float64)
-        self._batcher = _Batcher(self.logits, max_batch)
+        self._batcher = Batcher(self.logits, max_batch)
 
     def tokens(self, text: str) -> list[list[int]]:
         """The prompt's windows, each with [CLS] and [SEP]."""
@@ -145,7 +146,7 @@ class EncoderClassifier:
         return ClassifierScore(round(float(1.0 / (1.0 + math.exp(-z))), 6), (), z)  # no n-gram explanation
 
 
-class _Batcher:
+class Batcher:
     """Gathers concurrent :meth:`logit` calls into one batched call: the first caller to find no
     batch running runs one with every prompt waiting (up to ``max_batch``); the others wait for it.
     A run that fails fails every call it held (each raises the error), never leaves one waiting."""

@@ -1,8 +1,9 @@
 """Read a classifier stage, or an ensemble of them, from its artifact.
 
 * ``.json``: an ensemble manifest (ensemble.py), its stages' artifacts beside it;
-* ``.npz``: the character model (classifier.py) or the word stage (words.py), by the
-  format in its metadata; read with ``allow_pickle=False``;
+* ``.npz``: the character model (classifier.py), the word stage (words.py) or the character
+  stage summed with a frozen embedding view (embedding.py), by the format in its metadata;
+  read with ``allow_pickle=False``;
 * a directory: the fine-tuned encoder (encoder.py, when it holds ``encoder.json``), or a
   Hugging Face checkpoint the operator brings (guard.py, when it holds ``config.json``).
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.filter.classifier import ARTIFACT_FORMAT, load_linear
+from consumers.filter.embedding import EMBED_FORMAT, load_summed
 from consumers.filter.ensemble import ENSEMBLE_FORMAT, Ensemble, Member
 from consumers.filter.interface import Classifier
 from consumers.filter.words import WORDS_FORMAT, load_words
@@ -41,6 +43,8 @@ def load_stage(path: str | Path, attack_label: str | None = None) -> Classifier:
         meta = json.loads(z["meta"].tobytes().decode())
         if meta.get("format") == WORDS_FORMAT:
             return load_words(z, meta)
+        if meta.get("format") == EMBED_FORMAT:
+            return load_summed(path, z, meta)  # onnxruntime imported only here
         if meta.get("format") != ARTIFACT_FORMAT:
             raise ValueError(f"{path}: not a prompt classifier artifact (format {meta.get('format')!r})")
         return load_linear(z, meta)

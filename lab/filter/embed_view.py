@@ -5,9 +5,10 @@ the protocol of its target (heldout.loso_attack_scores: each attack family score
 never saw it, the threshold at 0.3% of a held-out benign fold), fitting inside every fold:
 
 * ``chars``: the character stage as shipped (train.py: n-grams, cues, memory);
-* ``embed``: all-MiniLM-L6-v2 as pretrained (not fine-tuned), each 128-token window mean-pooled
-  (frozen_baseline.embed, int8 ONNX Runtime, the windows averaged), standardized, then a logistic
-  regression (C=0.1) with the same family-balanced weights;
+* ``embed``: all-MiniLM-L6-v2 as pretrained (not fine-tuned), as the served view reads it
+  (consumers/filter/embedding.py: each 128-token window mean-pooled, at most 8 windows, averaged;
+  int8 ONNX Runtime), standardized, then a logistic regression (C=0.1) with the same
+  family-balanced weights;
 * ``chars + a*embed``: the two logits summed, each centred and scaled by the median and spread of
   its own scores on the fold's benign training rows (how train.fit_views sums its views).
 
@@ -20,46 +21,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from consumers.filter.embedding import FrozenEmbedder, model_path
 from lab.filter import heldout, train
 from lab.filter.corpus import load_rows
-from lab.filter.frozen_baseline import embed, embedder
+from lab.filter.train_embed import EMBED_C, Joint, build_model, embed_rows, head, scale
 
-EMBED_C = 0.1  # among 0.1, 1 and 10 on this protocol (embed alone 43.7%, 42.1%, 40.9%): optimistic by the choice
-DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-embed-view.npy"
-
-
-@dataclass(frozen=True)
-class Joint:
-    """The character stage's rows and their embeddings, indexed together."""
-
-    chars: train.Data
-    embedding: np.ndarray
-
-    def __getitem__(self, rows) -> Joint:
-        return Joint(self.chars[rows], self.embedding[rows])
-
-    def __len__(self) -> int:
-        return len(self.embedding)
+DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-embed-view-8w.npy"
 
 
-def _scale(benign: np.ndarray) -> tuple[float, float]:
-    """Median and spread of a view's logits on the benign training rows (train.fit_views' scaling)."""
-    return float(np.median(benign)), float(benign.std()) or 1.0
-
-
-def fitters(mixes: list[float]):
+def fitters(mixes: list[float], c: float = EMBED_C):
     """One fit per column: chars, embed, and chars + a * embed for each ``a``. A fold's two views
     are trained once, for its first column (the folds are the same for every column, so the
     fold is known by its labels and weights)."""
-    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
-
     chars_fit = train._fitter(train.C, 0, train.BITS, ["chars", "cues"], train.MEMORY_WEIGHT)
     cache: dict[bytes, tuple] = {}
 
@@ -67,8 +45,8 @@ def fitters(mixes: list[float]):
         key = hashlib.sha256(y.tobytes() + w.tobytes()).digest()
         if key not in cache:
             chars = chars_fit(x.chars, y, w)
-            model = LogisticRegression(C=EMBED_C, max_iter=3000).fit(x.embedding, y, sample_weight=w)
-            cache[key] = (chars, model, _scale(chars(x.chars[~y])), _scale(model.decision_function(x.embedding[~y])))
+            model = head(x.embedding, y, w, c)
+            cache[key] = (chars, model, scale(chars(x.chars[~y])), scale(model.decision_function(x.embedding[~y])))
         return cache[key]
 
     def column(mix: float | None):
@@ -93,16 +71,15 @@ def fitters(mixes: list[float]):
 
 
 def embeddings(rows, cache: Path) -> np.ndarray:
-    """Each row's frozen embedding (its windows' mean), standardized; cached by the rows' count."""
+    """Each row's embedding as the served view reads it (consumers/filter/embedding.py); cached by
+    the rows' count."""
     if cache.is_file():
         e = np.load(cache)
         if len(e) == len(rows):
             print(f"embeddings from {cache}")
             return e
-    print(f"embedding {len(rows)} rows (frozen all-MiniLM-L6-v2, int8 ONNX Runtime, one thread) ...", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        session, tokenizer = embedder(Path(tmp))
-        e = embed(session, tokenizer, [r.text for r in rows])
+    embedder = FrozenEmbedder(model_path(build_model()), threads=2)
+    e = embed_rows(embedder, [r.text for r in rows], print)
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.save(cache, e)
     return e

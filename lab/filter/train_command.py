@@ -1,5 +1,7 @@
 """`arena filter-train`: the character stage, the word stage and their ensemble's manifest,
-from one command (the recipes are train.py's, train_words.py's and train_ensemble.py's)."""
+from one command (the recipes are train.py's, train_words.py's and train_ensemble.py's);
+``--encoder`` the encoder stage (train_encoder.py), ``--embed-view`` the character stage
+summed with a frozen embedding view (train_embed.py)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.encoder:
         return _encoder(args, [*rows, *dev] if args.train_on_dev else rows)
+    if args.embed_model or args.embed_view:
+        return _embed(args, rows, dev)
     rules = rules_flag(dev) if dev else None
     log(f"character stage (n-grams, cues, memory) on {len(rows)} + {len(dev)} rows ...")
     chars = train(
@@ -151,6 +155,30 @@ def _wrote(path: str, meta: dict[str, Any]) -> None:
     print(f"wrote {path} ({size / 1e6:.2f} MB), version {meta['version']}, threshold {meta['threshold']:.4f}")
 
 
+def _embed(args: argparse.Namespace, rows: list, dev: list) -> int:
+    """The frozen embedding model (``--embed-model``), or the character stage summed with it."""
+    from lab.filter.train_embed import build_model, train_embed  # noqa: PLC0415 - torch: only here
+
+    start = time.perf_counter()
+    if args.embed_model:
+        build_model(log)
+        return 0
+    if not args.train_on_dev or not dev:
+        print(
+            "filter-train: --embed-view sums the shipped character stage, which trains on the dev file", file=sys.stderr
+        )
+        return 2
+    out = Path(args.embed_out or Path(args.out).with_name("prompt-embed-sum.npz"))
+    meta = train_embed(
+        rows, dev, Path(args.out), out, rules=rules_flag(dev), evaluate_heldout=not args.no_eval, log=log
+    )
+    held = meta["report"].get("loso_attack")
+    tail = f"; attack families held out: mean {100 * held['mean_catch']:.1f}%" if held else ""
+    print(f"wrote {out}, version {meta['version']}, threshold {meta['threshold']:.4f}{tail}")
+    print(f"trained in {time.perf_counter() - start:.0f} s; serve it with ARENA_FILTER__CLASSIFIER_PATH={out}")
+    return 0
+
+
 def _orders(text: str) -> tuple[int, ...]:
     lo, _, hi = text.partition("-")
     return tuple(range(int(lo), int(hi or lo) + 1))
@@ -186,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-batch", type=int, default=16, help="prompts (windows) per encoder step")
     p.add_argument("--encoder-tokens", type=int, default=128, help="tokens per window (long prompts: several)")
     p.add_argument("--encoder-threads", type=int, default=2, help="torch threads while fine-tuning")
+    p.add_argument(
+        "--embed-view",
+        action="store_true",
+        help="the character stage (--out) summed with a frozen all-MiniLM-L6-v2 view: prompt-embed-sum.npz",
+    )
+    p.add_argument("--embed-out", default=None, help="the summed stage's artifact (default: beside --out)")
+    p.add_argument("--embed-model", action="store_true", help="only build the frozen embedding model into the cache")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bits", type=int, default=BITS, help="log2 of the hashed feature space")
     p.add_argument("--C", type=float, default=C, dest="c", help="inverse regularization strength")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from consumers.filter.config import FilterConfig
-from consumers.filter.encoder import _Batcher, load_encoder, windows
+from consumers.filter.encoder import Batcher, load_encoder, windows
 from consumers.filter.stage import ClassifierOutcome, undecided
 from lab.filter import heldout
 from lab.filter.calibrate import union_point
@@ -38,7 +38,7 @@ def test_the_batcher_gathers_concurrent_calls_into_one_run():
         time.sleep(0.05)  # the first run is busy while the others arrive
         return [float(len(t)) for t in texts]
 
-    batcher = _Batcher(run, max_batch=32)
+    batcher = Batcher(run, max_batch=32)
     results: dict[str, float] = {}
     threads = [
         threading.Thread(target=lambda t=t: results.__setitem__(t, batcher.logit(t)))
@@ -62,7 +62,7 @@ def test_a_failed_run_fails_every_call_it_held_and_the_next_runs_again():
             raise RuntimeError("onnxruntime failed")
         return [1.0 for _ in texts]
 
-    batcher = _Batcher(run, max_batch=32)
+    batcher = Batcher(run, max_batch=32)
     errors: list[str] = []
 
     def call() -> None:
