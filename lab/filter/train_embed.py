@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from consumers.filter.classifier import LinearClassifier
-from consumers.filter.embedding import EMBED_FORMAT, MAX_WINDOWS, STRIDE, WINDOW, FrozenEmbedder, model_path
+from consumers.filter.embedding import EMBED_FORMAT, WINDOW, FrozenEmbedder, model_path
 from consumers.filter.encoder import file_digest
 from consumers.filter.loader import load_stage
 from lab.filter import heldout, protocols, train
@@ -139,7 +139,7 @@ def train_embed(
     fitted, y, fam, boost = train.training_set(rows, dev, True, train.DEV_WEIGHT)
     sha = build_model(log)
     embedder = FrozenEmbedder(model_path(sha), threads)
-    log(f"embedding {len(fitted)} prompts ({MAX_WINDOWS} windows at most each) ...")
+    log(f"embedding {len(fitted)} prompts (one {WINDOW}-token window each: a long prompt's head and tail) ...")
     raw = embed_rows(embedder, [r.text for r in fitted], log)
     mu, sd = raw.mean(axis=0), raw.std(axis=0) + 1e-6  # unsupervised: no label enters the scaling
     x = Joint(train.data(fitted, train.BITS, word_orders=()), (raw - mu) / sd)
@@ -176,8 +176,7 @@ def train_embed(
         "base": {"artifact": os.path.relpath(base_path.resolve(), out.resolve().parent), "version": base.version},
         "model_sha256": sha,
         "window": WINDOW,
-        "stride": STRIDE,
-        "max_windows": MAX_WINDOWS,
+        "long_prompts": "first and last halves of the window",
         "threshold": float(1.0 / (1.0 + np.exp(-t))),
         "report": report,
     }

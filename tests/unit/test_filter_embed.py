@@ -15,7 +15,7 @@ import pytest
 
 from consumers.filter.classifier import save_linear
 from consumers.filter.config import FilterConfig
-from consumers.filter.embedding import SummedClassifier, model_path, spread
+from consumers.filter.embedding import SummedClassifier, clip, model_path
 from consumers.filter.loader import load_classifier
 from consumers.filter.policy import inspect_prompt
 from lab.filter.corpus import load_rows
@@ -41,10 +41,10 @@ def summed(tmp_path_factory):
     return out, meta, [*rows, *dev]
 
 
-def test_spread_keeps_the_ends_and_at_most_k():
-    assert spread(list(range(5)), 8) == [0, 1, 2, 3, 4]
-    picked = spread(list(range(30)), 8)
-    assert len(picked) == 8 and picked[0] == 0 and picked[-1] == 29 and picked == sorted(set(picked))
+def test_a_long_prompt_keeps_its_head_and_tail():
+    assert clip(list(range(5)), 126) == [0, 1, 2, 3, 4]
+    kept = clip(list(range(1000)), 126)
+    assert len(kept) == 126 and kept[:63] == list(range(63)) and kept[63:] == list(range(937, 1000))
 
 
 def test_the_frozen_model_builds_to_the_same_bytes():
