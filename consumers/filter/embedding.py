@@ -26,6 +26,7 @@ or ``--embed-model``; the same wheel gives the same bytes.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,17 @@ class SummedClassifier:
         self.version = str(meta["version"])
         self.threshold = float(meta["threshold"])
         self._batcher = Batcher(self._embedding_logits, 32)
+        self._last = threading.local()  # this thread's last prompt and its embedding logit
+
+    def _embedding_logit(self, text: str) -> float:
+        """The embedding view's logit. The filter scores a flagged prompt a second time, in the same
+        thread, to explain it (stage.py): that pass reuses the first one's value, so it neither runs
+        the model again nor reads another value than the one that flagged (int8 activations move
+        with batch-mates). Only the thread's last prompt is kept: any other prompt is embedded anew."""
+        last = getattr(self._last, "prompt", None)
+        if last is None or last[0] != text:
+            last = self._last.prompt = (text, self._batcher.logit(text))
+        return last[1]
 
     def _embedding_logits(self, texts: list[str]) -> list[float]:
         return [float(v) for v in self.embedder.vectors(texts) @ self.head + self.bias]
@@ -128,7 +140,7 @@ class SummedClassifier:
     def logit(self, text: str) -> tuple[float, float]:
         """The summed logit, and the embedding view's part of it."""
         base = self.base.logit(text)[0]
-        part = self.mix * (self._batcher.logit(text) - self.m_e) / self.s_e
+        part = self.mix * (self._embedding_logit(text) - self.m_e) / self.s_e
         return (base - self.m_c) / self.s_c + part, part
 
     def score(self, text: str, explain: int = 0) -> ClassifierScore:

@@ -101,9 +101,12 @@ def test_the_filter_serves_it_and_names_it(summed):
     path = out / "prompt-embed-sum.npz"
     config = FilterConfig(classifier_path=str(path))
     prompt = ATTACK.replace("Ignore all previous instructions and e", "E")  # no stock phrase: the classifier decides
-    verdict = inspect_prompt(prompt, config, load_classifier(path))
+    clf = load_classifier(path)
+    assert isinstance(clf, SummedClassifier)
+    verdict = inspect_prompt(prompt, config, clf)
     assert verdict.classifier is not None and verdict.classifier.version == meta["version"]
     assert verdict.classifier.flagged and verdict.action == "reject"
+    assert clf._batcher.prompts == 1  # the flagged prompt's explaining pass reused its embedding
 
 
 @pytest.mark.integration  # the real frozen model
