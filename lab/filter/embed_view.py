@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,45 +30,38 @@ import numpy as np
 from consumers.filter.embedding import WINDOW, FrozenEmbedder, model_path
 from lab.filter import heldout, train
 from lab.filter.corpus import load_rows
-from lab.filter.train_embed import EMBED_C, Joint, build_model, embed_rows, head, scale
+from lab.filter.train_embed import EMBED_C, Joint, Views, build_model, embed_rows, fit_views
 
 DEFAULT_CACHE = Path.home() / f".cache/arenaflow/filter-embed-view-{WINDOW}.npy"  # the window read
 
 
-def fitters(mixes: list[float], c: float = EMBED_C):
+def fitters(mixes: list[float], c: float = EMBED_C) -> dict[str, heldout.Fit]:
     """One fit per column: chars, embed, and chars + a * embed for each ``a``. A fold's two views
-    are trained once, for its first column (the folds are the same for every column, so the
-    fold is known by its labels and weights)."""
-    chars_fit = train._fitter(train.C, 0, train.BITS, ["chars", "cues"], train.MEMORY_WEIGHT)
-    cache: dict[bytes, tuple] = {}
+    are fitted once (train_embed.fit_views), for its first column (the folds are the same for
+    every column, so the fold is known by its labels and weights)."""
+    cache: dict[bytes, Views] = {}
 
-    def both(x: Joint, y: np.ndarray, w: np.ndarray):
+    def views(x: Joint, y: np.ndarray, w: np.ndarray) -> Views:
         key = hashlib.sha256(y.tobytes() + w.tobytes()).digest()
         if key not in cache:
-            chars = chars_fit(x.chars, y, w)
-            model = head(x.embedding, y, w, c)
-            cache[key] = (chars, model, scale(chars(x.chars[~y])), scale(model.decision_function(x.embedding[~y])))
+            cache[key] = fit_views(x, y, w, c)
         return cache[key]
 
-    def column(mix: float | None):
-        def fit(x: Joint, y: np.ndarray, w: np.ndarray):
-            chars, model, (cm, cs), (em, es) = both(x, y, w)
-
-            def score(held: Joint) -> np.ndarray:
-                e = (model.decision_function(held.embedding) - em) / es
-                if mix is None:
-                    return e
-                return (chars(held.chars) - cm) / cs + mix * e
-
-            return score
+    def column(score: Callable[[Views, Joint], np.ndarray]) -> heldout.Fit:
+        def fit(x: Joint, y: np.ndarray, w: np.ndarray) -> Callable[[Joint], np.ndarray]:
+            fold = views(x, y, w)
+            return lambda held: score(fold, held)
 
         return fit
 
-    def chars_only(x: Joint, y: np.ndarray, w: np.ndarray):
-        chars = both(x, y, w)[0]
-        return lambda held: chars(held.chars)
+    def summed(mix: float) -> heldout.Fit:
+        return column(lambda v, held: v.summed(held, mix))
 
-    return {"chars": chars_only, "embed": column(None), **{f"chars+{m:g}*embed": column(m) for m in mixes}}
+    return {
+        "chars": column(lambda v, held: v.chars(held.chars)),
+        "embed": column(Views.embed),
+        **{f"chars+{m:g}*embed": summed(m) for m in mixes},
+    }
 
 
 def embeddings(rows, cache: Path) -> np.ndarray:

@@ -29,12 +29,11 @@ from lab.filter.train import DEV_FILE, TRAIN_FILE
 from lab.filter.train_encoder import EncoderOptions, base_model_dir, holdout, onnx_export
 
 
-def embedder(out: Path):
-    """The pretrained encoder, mean-pooled, as an int8 ONNX Runtime session; and its tokenizer."""
-    import onnxruntime as ort  # noqa: PLC0415
+def export_frozen(out: Path) -> Path:
+    """The pretrained encoder, mean-pooled per window, exported to ONNX with int8 weights: ``out/int8.onnx``."""
     import torch  # noqa: PLC0415
     from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
-    from transformers import AutoModel, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModel  # noqa: PLC0415
 
     base = base_model_dir()
     model = AutoModel.from_pretrained(base, local_files_only=True).eval()
@@ -51,10 +50,19 @@ def embedder(out: Path):
 
     onnx_export(Pooled(), out / "fp32.onnx", "embedding")
     quantize_dynamic(str(out / "fp32.onnx"), str(out / "int8.onnx"), weight_type=QuantType.QInt8)
+    return out / "int8.onnx"
+
+
+def embedder(out: Path):
+    """The pretrained encoder, mean-pooled, as an int8 ONNX Runtime session; and its tokenizer."""
+    import onnxruntime as ort  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    model = export_frozen(out)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(out / "int8.onnx"), options, providers=["CPUExecutionProvider"])
-    return session, AutoTokenizer.from_pretrained(base, local_files_only=True)
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return session, AutoTokenizer.from_pretrained(base_model_dir(), local_files_only=True)
 
 
 def embed(session, tokenizer, texts: list[str], size: int = 128) -> np.ndarray:

@@ -103,9 +103,14 @@ def run(
 
 
 def evaluate(
-    x, fit: heldout.Fit, setup: Setup, final: Callable[[Any], np.ndarray], stack: Callable[[Any, Any], Any]
+    x,
+    fit: heldout.Fit,
+    setup: Setup,
+    final: Callable[[Any], np.ndarray] | None,
+    stack: Callable[[Any, Any], Any],
 ) -> tuple[HeldOut, dict[str, Any], float]:
-    """:func:`run` and :func:`tables` for one stage: its held-out scores, report and LOSO threshold."""
+    """:func:`run` and :func:`tables` for one stage: its held-out scores, report and LOSO threshold
+    (``final``, the shipped model's scoring, is read only for dev rows it did not train on)."""
     s = setup
     held = run(
         x,

@@ -34,7 +34,7 @@ from consumers.filter.loader import load_stage
 from lab.filter import heldout, protocols, train
 from lab.filter.corpus import Row
 
-__all__ = ["EMBED_C", "MIX", "Joint", "build_model", "fitter", "train_embed"]
+__all__ = ["EMBED_C", "MIX", "Joint", "Views", "build_model", "fit_views", "fitter", "train_embed"]
 
 EMBED_C = 0.1  # among 0.1, 1 and 10 on attack families held out (alone 43.7 / 42.1 / 40.9%): optimistic by the choice
 MIX = 0.5  # the view's weight in the sum; among 0.25-1 (63.8 / 66.7 / 67.0 / 66.4%): optimistic by the choice
@@ -70,36 +70,54 @@ def head(x: np.ndarray, y: np.ndarray, w: np.ndarray, c: float = EMBED_C):
     return LogisticRegression(C=c, max_iter=3000).fit(x, y, sample_weight=w)
 
 
-def fitter(mix: float | None = MIX, c: float = EMBED_C) -> heldout.Fit:
-    """Fit both views on a fold's rows and score held-out rows by their sum (``mix`` None: the
-    embedding view alone; 0: the character stage alone)."""
-    chars_fit = train._fitter(train.C, 0, train.BITS, ["chars", "cues"], train.MEMORY_WEIGHT)
+_CHARS_FIT = train._fitter(train.C, 0, train.BITS, ["chars", "cues"], train.MEMORY_WEIGHT)
+
+
+@dataclass(frozen=True)
+class Views:
+    """Both views fitted on one fold's rows, each with its benign scale (:func:`scale`)."""
+
+    chars: Callable[[train.Data], np.ndarray]  # the character stage's logits, as train.py fits it
+    model: Any  # the embedding view's logistic regression
+    chars_scale: tuple[float, float]
+    embed_scale: tuple[float, float]
+
+    def embed(self, held: Joint) -> np.ndarray:
+        """The embedding view's scaled logits."""
+        mid, spread = self.embed_scale
+        return (self.model.decision_function(held.embedding) - mid) / spread
+
+    def summed(self, held: Joint, mix: float = MIX) -> np.ndarray:
+        """The sum the stage serves (embedding.SummedClassifier.logit)."""
+        mid, spread = self.chars_scale
+        return (self.chars(held.chars) - mid) / spread + mix * self.embed(held)
+
+
+def fit_views(x: Joint, y: np.ndarray, w: np.ndarray, c: float = EMBED_C) -> Views:
+    """Fit both views on ``x`` (the character stage by train.py's recipe) and scale each on its benign rows."""
+    chars = _CHARS_FIT(x.chars, y, w)
+    model = head(x.embedding, y, w, c)
+    return Views(chars, model, scale(chars(x.chars[~y])), scale(model.decision_function(x.embedding[~y])))
+
+
+def fitter(mix: float = MIX, c: float = EMBED_C) -> heldout.Fit:
+    """Fit both views on a fold's rows and score held-out rows by their sum."""
 
     def fit(x: Joint, y: np.ndarray, w: np.ndarray) -> Callable[[Joint], np.ndarray]:
-        chars = None if mix is None else chars_fit(x.chars, y, w)
-        model = None if mix == 0 else head(x.embedding, y, w, c)
-        cm, cs = scale(chars(x.chars[~y])) if chars is not None else (0.0, 1.0)
-        em, es = scale(model.decision_function(x.embedding[~y])) if model is not None else (0.0, 1.0)
-
-        def score(held: Joint) -> np.ndarray:
-            e = (model.decision_function(held.embedding) - em) / es if model is not None else 0.0
-            if chars is None:
-                return np.asarray(e)
-            return (chars(held.chars) - cm) / cs + (mix or 0.0) * e
-
-        return score
+        views = fit_views(x, y, w, c)
+        return lambda held: views.summed(held, mix)
 
     return fit
 
 
 def build_model(log: Callable[[str], None] = print) -> str:
-    """The frozen int8 model in the model cache; returns its sha256 (built only when missing)."""
-    from lab.filter.frozen_baseline import embedder  # noqa: PLC0415 - torch, transformers: training only
+    """The frozen int8 model, exported on every call (the same bytes each time, about 20 s) and moved
+    into the model cache when its hash is not there yet; returns its sha256."""
+    from lab.filter.frozen_baseline import export_frozen  # noqa: PLC0415 - torch, transformers: training only
 
     with tempfile.TemporaryDirectory() as tmp:
         log("exporting all-MiniLM-L6-v2 (frozen, mean-pooled) to ONNX, int8 weights ...")
-        embedder(Path(tmp))
-        built = Path(tmp) / "int8.onnx"
+        built = export_frozen(Path(tmp))
         sha = file_digest(built)
         target = model_path(sha)
         if not target.is_file():
@@ -147,26 +165,21 @@ def train_embed(
     model = head(x.embedding, y, weights)
     coef = model.coef_[0] / sd  # folded back to raw embeddings
     bias = float(model.intercept_[0] - coef @ mu)
-    benign_texts = [r.text for r, a in zip(fitted, y, strict=True) if not a]
-    m_c, s_c = scale(np.array([base.logit(t)[0] for t in benign_texts]))
-    m_e, s_e = scale(raw[~y] @ coef + bias)
+    # each view's logits on the benign training rows: its scale, as the served sum reads it
+    z_chars = np.array([base.logit(r.text)[0] for r, a in zip(fitted, y, strict=True) if not a])
+    z_embed = raw[~y] @ coef + bias
+    (m_c, s_c), (m_e, s_e) = scale(z_chars), scale(z_embed)
     report: dict[str, Any] = {"fp_cap": fp_cap, "rows": len(fitted), "attacks": int(y.sum()), "dev_in_training": True}
     report.update({"dev_weight": train.DEV_WEIGHT, "embed_c": EMBED_C, "mix": MIX})
-
-    def final(held: Joint) -> np.ndarray:  # unused: the dev rows are in training
-        raise NotImplementedError
-
     if evaluate_heldout:
         dev_file = train.dev_rows(dev, None, True, rules) if dev else None
         setup = protocols.Setup(y, fam, "family", 0, boost, dev_file, fp_cap, log)
-        held, tables, t = protocols.evaluate(x, fitter(), setup, final, Joint.stack)
+        held, tables, t = protocols.evaluate(x, fitter(), setup, None, Joint.stack)  # the dev rows are trained on
         report.update(tables)
         reference = held.loso[~y]
         report["threshold_from"] = "loso"
     else:  # quick runs (tests): the in-sample threshold, marked as such
-        zc = np.array([base.logit(r.text)[0] for r in fitted])
-        reference = (zc - m_c) / s_c + MIX * ((raw @ coef + bias) - m_e) / s_e
-        reference = reference[~y]
+        reference = (z_chars - m_c) / s_c + MIX * (z_embed - m_e) / s_e
         t = heldout.threshold_at(reference, fp_cap)
         report["threshold_from"] = "in-sample"
     digest = hashlib.sha256(coef.astype(np.float32).tobytes() + np.float32(bias).tobytes() + base.version.encode())
