@@ -79,6 +79,20 @@ def embeddings(rows, cache: Path) -> np.ndarray:
     return e
 
 
+def print_columns(tables: dict[str, tuple[dict, float]]) -> None:
+    """A markdown table of held-out tables side by side (heldout.table's, each with its held-out
+    benign share): catch per attack family, the mean, benign flagged; the first column's families."""
+    names = list(tables)
+    print(f"\n| attack family held out | n | {' | '.join(names)} |\n|---|---|{'---|' * len(names)}")
+    for f, v in tables[names[0]][0]["families"].items():
+        if v["caught"] is not None:
+            cells = " | ".join(f"{100 * tables[k][0]['families'][f]['caught']:.1f}%" for k in names)
+            print(f"| {f} | {v['attacks']:,} | {cells} |")
+    means = " | ".join(f"**{100 * tables[k][0]['mean_catch']:.1f}%**" for k in names)
+    print(f"| **mean** | | {means} |")
+    print(f"| held-out benign flagged | | {' | '.join(f'{100 * tables[k][1]:.2f}%' for k in names)} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--mix", default="0.25,0.5,0.75,1", help="weights a of the embedding view in the sums")
@@ -97,15 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         t = heldout.threshold_at(ben, train.FP_CAP)
         tables[name] = (heldout.table(att, y, fam, t, float), float((ben >= t).mean()))
         print(f"  {name}: {100 * tables[name][0]['mean_catch']:.1f}% ({time.perf_counter() - start:.0f} s)", flush=True)
-    names = list(tables)
-    print(f"\n| attack family held out | n | {' | '.join(names)} |\n|---|---|{'---|' * len(names)}")
-    for f, v in tables["chars"][0]["families"].items():
-        if v["caught"] is not None:
-            cells = " | ".join(f"{100 * tables[k][0]['families'][f]['caught']:.1f}%" for k in names)
-            print(f"| {f} | {v['attacks']:,} | {cells} |")
-    means = " | ".join(f"**{100 * tables[k][0]['mean_catch']:.1f}%**" for k in names)
-    print(f"| **mean** | | {means} |")
-    print(f"| held-out benign flagged | | {' | '.join(f'{100 * tables[k][1]:.2f}%' for k in names)} |")
+    print_columns(tables)
     return 0
 
 
