@@ -14,7 +14,8 @@ fold's held-out rows. Columns:
 * ``chars + a*encoder``: the two logits summed, each centred and scaled by the median and spread
   of its scores on benign training rows of the fold (a seeded sample of ``--scale-rows``; the
   character stage's own scaling is on all of them), as train_embed.fit_views sums its views;
-* ``chars OR encoder``: either above its own threshold, each at half the benign cap.
+* ``chars OR encoder``: the larger of the two scaled logits' margins over their own thresholds at
+  half the cap of the fold's held-out benign rows, thresholded like the other columns.
 
 Each fold's encoder scores are cached (``--cache``), so a run that stops resumes where it stopped;
 a fold takes 3-4 minutes on a 2-core AVX-512 machine (20 folds).
@@ -34,7 +35,7 @@ import numpy as np
 from lab.filter import heldout, train
 from lab.filter.corpus import load_rows
 from lab.filter.embed_view import print_columns
-from lab.filter.train_embed import _CHARS_FIT, scale
+from lab.filter.train_embed import CHARS_FIT, scale
 from lab.filter.train_encoder import EncoderOptions, export, fine_tune, provisional, score_rows
 
 DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-encoder-view"
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         z = fold_scores(fitted, y, fam, boost, i, train_rows, held, scale_rows, options, args.cache)
         enc, enc_scale = z[: len(held)], scale(z[len(held) :])
         w = heldout.family_weights(y[train_rows], fam[train_rows], "family", boost)
-        chars = _CHARS_FIT(x[train_rows], y[train_rows], w)
+        chars = CHARS_FIT(x[train_rows], y[train_rows], w)
         c_held, c_scale = chars(x[held]), scale(chars(x[benign_train]))
         cs, es = (c_held - c_scale[0]) / c_scale[1], (enc - enc_scale[0]) / enc_scale[1]
         columns = {"chars": c_held, "encoder": enc, **{f"chars+{m:g}*encoder": cs + m * es for m in mixes}}
