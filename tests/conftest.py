@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -43,6 +44,17 @@ from tests.servers import nats_for_tests, redis_for_tests  # noqa: E402
 from tests.waiting import until  # noqa: E402, F401  (tests import it from here too)
 
 ROLES = tuple(role_names())
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_runtest_setup(item):
+    """A run stopped with SIGTERM (`kill`, a CI timeout) tears its fixtures down as Ctrl-C does:
+    otherwise the nats-server and redis-server processes it started outlive it. Set before every
+    test, because a test of a process's own SIGTERM handling (asyncio's) leaves the default."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):
