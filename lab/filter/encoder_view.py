@@ -2,7 +2,7 @@
 
 The shipped encoder (train_encoder.py) is measured on one held-out third of the attack families,
 because fine-tuning once per family did not fit the slower machines. This runs the protocol of
-issue 33's target itself (heldout.loso_attack_scores' folds: attack family ``i`` held out with
+issue 33's target itself (heldout.attack_folds, loso_attack_scores' folds: attack family ``i`` held out with
 benign fold ``i mod 5``, the threshold at 0.3% of that benign fold, pooled): in every fold the
 encoder is fine-tuned from all-MiniLM-L6-v2 on the fold's training rows with the character
 stage's family-balanced weights (train_encoder.fine_tune, the shipped options), exported as
@@ -43,25 +43,23 @@ DEFAULT_CACHE = Path.home() / ".cache/arenaflow/filter-encoder-view"
 
 def fold_scores(
     rows,
-    y,
-    fam,
-    boost,
     i: int,
     train_rows: np.ndarray,
+    weights: np.ndarray,
     held: np.ndarray,
     scale_rows: np.ndarray,
     options: EncoderOptions,
     cache: Path,
 ) -> np.ndarray:
-    """The fold's fine-tuned encoder logits on ``held`` then ``scale_rows`` (cached by fold)."""
+    """The fold's encoder, fine-tuned on ``train_rows`` drawn with ``weights``: its logits on ``held``
+    then ``scale_rows`` (cached by fold)."""
     path = cache / f"fold-{i:02d}-steps{options.steps}-seed{options.seed}.npz"
     wanted = np.concatenate([held, scale_rows])
     if path.is_file():
         saved = np.load(path)
         if np.array_equal(saved["rows"], wanted):
             return saved["logits"]
-    w = heldout.family_weights(y[train_rows], fam[train_rows], "family", boost)
-    model, tokenizer = fine_tune([rows[j] for j in train_rows], w, options, log=lambda s: None)
+    model, tokenizer = fine_tune([rows[j] for j in train_rows], weights, options, log=lambda s: None)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         export(model, tokenizer, out, log=lambda s: None)
@@ -72,11 +70,11 @@ def fold_scores(
     return logits
 
 
-def report(attack: dict[str, np.ndarray], benign: dict[str, list[np.ndarray]], benign_or: list[np.ndarray], y, fam):
+def report(attack: dict[str, np.ndarray], benign: dict[str, list[np.ndarray]], y, fam):
     """The table: each column at the threshold flagging 0.3% of its held-out benign scores, pooled."""
     tables: dict[str, tuple[dict, float]] = {}
     for n, scores in attack.items():
-        ben = np.concatenate(benign_or if n == "chars OR encoder" else benign[n])
+        ben = np.concatenate(benign[n])
         t = heldout.threshold_at(ben, train.FP_CAP)
         tables[n] = (heldout.table(scores, y, fam, t, float), float((ben >= t).mean()))
     print_columns(tables)
@@ -95,37 +93,34 @@ def main(argv: list[str] | None = None) -> int:
     rows, dev = load_rows(train.TRAIN_FILE), load_rows(train.DEV_FILE)
     fitted, y, fam, boost = train.training_set(rows, dev, True, train.DEV_WEIGHT)
     x = train.data(fitted, train.BITS, word_orders=())
-    fold = heldout.benign_folds(y, fam, 5, 0)
     rng = np.random.default_rng(0)
-    names = ["chars", "encoder", *(f"chars+{m:g}*encoder" for m in mixes)]
-    attack = {n: np.full(len(y), np.nan) for n in [*names, "chars OR encoder"]}
+    names = ["chars", "encoder", *(f"chars+{m:g}*encoder" for m in mixes), "chars OR encoder"]
+    attack = {n: np.full(len(y), np.nan) for n in names}
     benign: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    benign_or: list[np.ndarray] = []
-    for i, f in enumerate(np.unique(fam[y])):
-        held_attack, held_benign = y & (fam == f), fold == i % 5
+    for i, (f, held_attack, held_benign) in enumerate(heldout.attack_folds(y, fam)):
         train_rows = np.flatnonzero(~held_attack & ~held_benign)
         held = np.flatnonzero(held_attack | held_benign)
         benign_train = train_rows[~y[train_rows]]
         scale_rows = np.sort(rng.choice(benign_train, min(args.scale_rows, len(benign_train)), replace=False))
-        z = fold_scores(fitted, y, fam, boost, i, train_rows, held, scale_rows, options, args.cache)
-        enc, enc_scale = z[: len(held)], scale(z[len(held) :])
         w = heldout.family_weights(y[train_rows], fam[train_rows], "family", boost)
+        z = fold_scores(fitted, i, train_rows, w, held, scale_rows, options, args.cache)
+        enc, enc_scale = z[: len(held)], scale(z[len(held) :])
         chars = CHARS_FIT(x[train_rows], y[train_rows], w)
         c_held, c_scale = chars(x[held]), scale(chars(x[benign_train]))
         cs, es = (c_held - c_scale[0]) / c_scale[1], (enc - enc_scale[0]) / enc_scale[1]
-        columns = {"chars": c_held, "encoder": enc, **{f"chars+{m:g}*encoder": cs + m * es for m in mixes}}
         is_attack = y[held]
+        # OR at half the cap each: the larger of the two margins over each one's threshold in the fold
+        tc = heldout.threshold_at(cs[~is_attack], train.FP_CAP / 2)
+        te = heldout.threshold_at(es[~is_attack], train.FP_CAP / 2)
+        columns = {
+            "chars": c_held,
+            "encoder": enc,
+            **{f"chars+{m:g}*encoder": cs + m * es for m in mixes},
+            "chars OR encoder": np.maximum(cs - tc, es - te),
+        }
         for n, v in columns.items():
             attack[n][held[is_attack]] = v[is_attack]
             benign[n].append(v[~is_attack])
-        # OR at half the cap each: a row's rank against its own benign fold, the larger of the two
-        tc, te = (
-            heldout.threshold_at(cs[~is_attack], train.FP_CAP / 2),
-            heldout.threshold_at(es[~is_attack], train.FP_CAP / 2),
-        )
-        either = np.maximum(cs - tc, es - te)
-        attack["chars OR encoder"][held[is_attack]] = either[is_attack]
-        benign_or.append(either[~is_attack])
         t_c = heldout.threshold_at(c_held[~is_attack], train.FP_CAP)
         t_e = heldout.threshold_at(enc[~is_attack], train.FP_CAP)
         print(
@@ -133,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             f" encoder {np.mean(enc[is_attack] >= t_e):.2f} ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
-    report(attack, benign, benign_or, y, fam)
+    report(attack, benign, y, fam)
     print(f"({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -35,6 +35,7 @@ import numpy as np
 
 __all__ = [
     "Fit",
+    "attack_folds",
     "dev_split",
     "family_weights",
     "kfold_scores",
@@ -97,6 +98,14 @@ def benign_folds(y: np.ndarray, families: np.ndarray, k: int, seed: int) -> np.n
     return fold
 
 
+def attack_folds(y: np.ndarray, families: np.ndarray, k: int = 5, seed: int = 0):
+    """The folds of :func:`loso_attack_scores`: for attack family ``i`` (sorted), its attack rows and
+    benign fold ``i mod k`` (masks), held out together."""
+    fold = benign_folds(y, families, k, seed)
+    for i, fam in enumerate(np.unique(families[y])):
+        yield fam, y & (families == fam), fold == i % k
+
+
 def loso_attack_scores(
     x,
     y: np.ndarray,
@@ -113,11 +122,9 @@ def loso_attack_scores(
     returned benign scores pool every held-out fold (a benign row is scored by
     each model that left its fold out, so it may appear more than once).
     """
-    fold = benign_folds(y, families, k, seed)
     attack_scores = np.full(len(y), np.nan)
     benign: list[np.ndarray] = []
-    for i, fam in enumerate(np.unique(families[y])):
-        held_attack, held_benign = y & (families == fam), fold == i % k
+    for _, held_attack, held_benign in attack_folds(y, families, k, seed):
         score = _fit_on(fit, x, y, families, np.flatnonzero(~held_attack & ~held_benign), balance, boost)
         attack_scores[held_attack] = score(x[held_attack])
         benign.append(score(x[held_benign]))
