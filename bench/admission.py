@@ -313,6 +313,25 @@ def measure(live: dict[str, targets.Target], args, rows: list[dict]) -> None:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
 
 
+def start(
+    names: list[str], setup: targets.Setup, stack: contextlib.ExitStack, deadline_s: float, say: str = "admission"
+):
+    """The targets named, started (each stopped when `stack` closes), ready and warmed up
+    (`warm`), by name; one that cannot run here is said and left out."""
+    live: dict[str, targets.Target] = {}
+    for name in names:
+        try:
+            target = prepare(name, setup)
+            stack.enter_context(target.process).wait_ready(300)
+        except (targets.NotRunnable, procs.ServerFailed) as exc:
+            print(f"[{say}] {name}: not run: {exc}", flush=True)
+            continue
+        check_local(target.base_url)
+        asyncio.run(warm(target, deadline_s))
+        live[name] = target
+    return live
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     procs.install_cleanup()
@@ -335,23 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     groups = [names] if args.interleave else [[n] for n in names]
     for group in groups:
         with contextlib.ExitStack() as stack:
-            live: dict[str, targets.Target] = {}
-            for name in group:
-                try:
-                    target = prepare(name, setup)
-                    server = stack.enter_context(target.process)
-                    server.wait_ready(300)
-                except (targets.NotRunnable, procs.ServerFailed) as exc:
-                    print(f"[admission] {name}: not run: {exc}", flush=True)
-                    continue
-                check_local(target.base_url)
-                asyncio.run(warm(target, args.deadline))
-                live[name] = target
-            measure(live, args, rows)
-    (args.out / "admission.json").write_text(
+            measure(start(group, setup, stack, args.deadline), args, rows)
+    return written(args, rows, table(rows), "admission")
+
+
+def written(args: argparse.Namespace, rows: list[dict], text: str, stem: str) -> int:
+    """The run's arguments and rows into `<out>/<stem>.json`; its table printed; exit status 0."""
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
     )
-    print(f"\n{table(rows)}\n\nwritten to {args.out / 'admission.json'}")
+    print(f"\n{text}\n\nwritten to {args.out / f'{stem}.json'}")
     return 0
 
 
