@@ -220,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--classifier", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument(
-        "--ensemble", type=Path, default=DEFAULT_ARTIFACT.with_name("ensemble.json"), help="an ensemble manifest"
+        "--ensemble",
+        type=Path,
+        default=DEFAULT_ARTIFACT.with_name("ensemble-encoder.json"),
+        help="an ensemble manifest (default: the lexical stages and the encoder, after `arena filter-train --encoder`)",
     )
     parser.add_argument(
         "--summed",

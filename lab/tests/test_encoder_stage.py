@@ -1,5 +1,13 @@
-"""End to end on `arena up`: the served ensemble with the encoder stage enforced rejects a paraphrased
-attack that the rules and the lexical stages pass, and `arena replay` shows the encoder rejected it."""
+"""The lab's own target: what the trained encoder stage catches, on the weights `arena filter-train
+--encoder` builds (12-20 min on 2 cores; not part of `scripts/test-setup.sh` or `pytest`, whose tests
+run the encoder's code on a build of their own, tests/unit/tiny_encoder.py):
+
+    arena filter-train --encoder && python -m pytest lab/tests
+
+End to end on `arena up`: the served ensemble with the encoder stage enforced rejects a paraphrased
+attack that the rules and the lexical stages pass, and `arena replay` shows the encoder rejected it.
+It checks what the stage does, not which build it is: a CPU whose float kernels differ builds other
+weights under another version (written into the checkout), and the case still holds."""
 
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ from tests.arena_up import ArenaUp, replayed_rejection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-MANIFEST = DEFAULT_ARTIFACT.with_name("ensemble.json")
+MANIFEST = DEFAULT_ARTIFACT.with_name("ensemble-encoder.json")
 # Written for this test (in neither corpus file): a request for the hidden instructions in plain, polite
 # words, with no marker, token or stock phrase for the rules; the character stage scores it 0.68 (its own
 # threshold is 0.99), the word stage 0.19 (0.53), the encoder 0.99 (0.98).

@@ -164,12 +164,12 @@ def test_text_and_json_agree_stage_by_stage(dev_sample: Path, capsys: pytest.Cap
 
 
 def test_text_and_json_agree_for_the_manifest_with_the_encoder_enforced(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_manifest: Path
 ) -> None:
     sample = tmp_path / "dev-sample.jsonl"  # every 25th row: the encoder reads long prompts whole
     sample.write_text("\n".join(CORPUS.read_text(encoding="utf-8").split("\n")[::25]) + "\n", encoding="utf-8")
     monkeypatch.setenv("ARENA_FILTER__STAGE_MODES__ENCODER", "block")  # the filter process's own setting
-    manifest = str(DEFAULT_ARTIFACT.with_name("ensemble.json"))
+    manifest = str(tiny_manifest)  # the committed lexical stages and the tests' own encoder build
     data = json.loads(_run(capsys, str(sample), "--json", "--classifier", manifest))
     _assert_agree(
         data,
