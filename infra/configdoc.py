@@ -92,7 +92,9 @@ def _machine_neutral(text: str) -> str:
 
 def default_text(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
+        # A default made from the fields before it (the models config's default model): as
+        # none of them is set.
+        value = field.default_factory({}) if field.default_factory_takes_validated_data else field.default_factory()  # type: ignore[call-arg]
     elif field.default is PydanticUndefined:
         return "required"
     else:

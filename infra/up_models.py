@@ -8,13 +8,20 @@ choose the served name (else the directory's or the file's name, lower-cased). E
 checked as the command line is read, so a typo fails at once with its cause, not after a
 long wait with the cause in a worker's log. `arena up` writes the models config the
 workers read (``models-cli.yaml`` in the state dir): the ``--models-config`` file's
-models, if one is given, then these; the first ``--model`` is the default model.
+models, if one is given, then these; the first ``--model`` is the default model, and the
+models the file warms are warmed beside them (``--models-config configs/arena-models.yaml
+--model FILE.gguf``: the arena's two models and yours, so battles run).
+
+Whatever the models come from, their default model and the models warmed at start are
+settled here, before anything starts (``runtime.models_config``): a ``--default-model`` the
+config does not have is refused at once with the names it has.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +29,14 @@ import yaml
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
+from runtime import models_config as config_file
+from runtime.settings import REPO, CommonSettings
 
 #: What `arena up` writes for the workers when models come from the command line.
 CONFIG_NAME = "models-cli.yaml"
+#: What `arena up` serves without --models-config or --model: a real chat model (the
+#: default) and stories-260k, both warmed, so the arena battles them at once.
+DEFAULT_MODELS_CONFIG = REPO / "configs" / "arena-models.yaml"
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,13 @@ def write_config(sources: list[ModelSource], state_dir: Path, base: str | None) 
     """The models config the workers read: ``base``'s models (a file, or none), then
     ``sources``. Raises SystemExit naming a served name given twice."""
     entries: list[dict] = []
+    warm: list[str] = []
     if base is not None:  # as it is: its relative paths are the models dir's, wherever the copy is
         try:
-            entries = list(yaml.safe_load(Path(base).read_text())["models"])  # (JSON is YAML too)
-        except (OSError, yaml.YAMLError, TypeError, KeyError) as exc:
-            raise SystemExit(f"arena up: cannot read models config {base}: {exc!r}") from exc
+            entries = list(config_file.read(base)["models"])
+            warm = list(config_file.plan(base).warm)  # warmed still, beside the new default
+        except config_file.ConfigError as exc:
+            raise SystemExit(f"arena up: {exc}") from exc
     names = [e.get("name") for e in entries if isinstance(e, dict)]
     for source in sources:
         if source.name in names:
@@ -84,14 +98,30 @@ def write_config(sources: list[ModelSource], state_dir: Path, base: str | None) 
         entries.append({"name": source.name, "path": source.path})
     out = Path(state_dir) / CONFIG_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump({"models": entries}, sort_keys=False))
+    warm += [source.name for source in sources]
+    out.write_text(yaml.safe_dump({"warm": warm, "models": entries}, sort_keys=False))
     return out
 
 
 def settle(args: argparse.Namespace) -> argparse.Namespace:
-    """`arena up`'s arguments with ``--model`` sources turned into the models config and
-    default model the workers read (unchanged without any)."""
+    """`arena up`'s arguments with the models config the workers read (``--model`` sources
+    written into one; else ``--models-config``, ARENA_MODELS_CONFIG or DEFAULT_MODELS_CONFIG)
+    and its ``plan``: the default model and the models warmed. Raises SystemExit saying what
+    to fix when the config cannot be read or does not have the default model named."""
+    common = CommonSettings()  # the user's ARENA_* variables
     if args.model:
         args.models_config = str(write_config(args.model, Path(args.state_dir), args.models_config))
         args.default_model = args.default_model or args.model[0].name
+    args.models_config = str(Path(args.models_config or common.models_config or DEFAULT_MODELS_CONFIG).resolve())
+    flag, default = "--default-model", args.default_model
+    if default is None and "default_model" in common.model_fields_set:
+        flag, default = "ARENA_DEFAULT_MODEL", common.default_model
+    try:
+        plan = config_file.plan(args.models_config)
+        if default is not None:
+            plan = config_file.plan(args.models_config, plan.check(default, flag))
+    except config_file.ConfigError as exc:
+        print(f"arena up: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    args.plan = plan
     return args

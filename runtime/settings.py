@@ -17,6 +17,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime import models_config as config_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -68,7 +70,13 @@ class CommonSettings(NatsClient):
     retention_days: float = Field(7.0, gt=0, description="Max age of events kept in the stream.")
     log_level: str = Field("INFO", description="Python log level of the process.")
     heartbeat_s: float = Field(1.0, gt=0, description="How often a process announces itself.")
-    default_model: str = Field("stories-260k", description="Model used when a request names none.")
+    models_config: str | None = Field(None, description="YAML/JSON file listing served models.")
+    default_model: str = Field(
+        default_factory=lambda fields: config_file.default_model(fields.get("models_config")),
+        description="Model used when a request names none, and which /readyz waits for. Unset: the models "
+        "config's `default_model:`, else its first model; stories-260k without a models config "
+        "(runtime/models_config.py).",
+    )
     max_prompt_chars: int = Field(
         32_000,
         ge=1,

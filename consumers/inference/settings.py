@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from consumers.inference.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
+from runtime import models_config as config_file
 from runtime.settings import REPO, CommonSettings
 
 
@@ -16,11 +17,16 @@ def _default_models_dir() -> str:
 
 
 class InferenceSettings(CommonSettings):
-    models_config: str | None = Field(None, description="YAML/JSON file listing served models.")
     models_dir: str = Field(
         default_factory=_default_models_dir, description="Where relative model paths are looked up."
     )
-    warm_models: list[str] | None = Field(None, description="Loaded at start; default: the default model.")
+    warm_models: list[str] = Field(
+        default_factory=lambda fields: config_file.warm_models(
+            fields.get("models_config"), fields.get("default_model")
+        ),
+        description="Loaded at start (the default model first). Unset: the default model and the models config's "
+        "`warm:` list.",
+    )
     model_cache: str = Field(
         str(Path.home() / ".cache" / "arenaflow" / "models"),
         description="Where a GGUF model source is converted to a checkpoint once (a directory per file hash).",

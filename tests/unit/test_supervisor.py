@@ -19,6 +19,14 @@ def test_the_waiting_line_says_which_models_load_and_which_are_resident():
     assert waiting_line({"filter": 0, "delivery": 0, "inference": 0}).endswith("models: none listed yet")
 
 
+def test_the_waiting_line_names_the_models_warmed_at_start():
+    ready = {"filter": 1, "delivery": 1, "inference": 1, "models": {"tiny": [], "tinier": [], "other": []}}
+    assert waiting_line(ready, ["tiny"]).endswith("; warming: tiny loading; 2 more load on their first request")
+    ready["models"]["tiny"] = ["inference-0"]
+    assert waiting_line(ready, ["tiny"]).endswith("; warming: tiny resident; 2 more load on their first request")
+    assert waiting_line({"inference": 0}, ["a", "b"]).endswith("; warming: a, b (no worker lists them yet)")
+
+
 def test_a_conversion_child_that_fails_is_said_and_start_goes_on(monkeypatch, tmp_path):
     """The model sources' converting child killed or failing before a word: the
     supervisor says so (the workers convert what they need and name what fails)."""

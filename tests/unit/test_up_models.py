@@ -10,6 +10,7 @@ import yaml
 
 from infra import up_models
 from infra.cli import parser
+from runtime import models_config as config_file
 from tests.conftest import STORIES
 
 
@@ -69,19 +70,57 @@ def test_the_first_model_is_the_default_beside_the_config_models(checkpoint, tmp
     assert settled.default_model == "smollm2-135m-instruct"
     written = yaml.safe_load((tmp_path / "state" / up_models.CONFIG_NAME).read_text())
     assert written == {
+        "warm": ["stories-260k", "smollm2-135m-instruct"],  # the file's warmed still, and the new one
         "models": [
             {"name": "stories-260k", "path": "stories260K-hf"},  # the models dir's, as in the file
             {"name": "smollm2-135m-instruct", "path": str(checkpoint)},
-        ]
+        ],
     }
     assert settled.models_config == str(tmp_path / "state" / up_models.CONFIG_NAME)
+    assert settled.plan.default == "smollm2-135m-instruct"
+    assert settled.plan.warm == ("smollm2-135m-instruct", "stories-260k")  # the default first
     twice = parser().parse_args(["up", "--model", f"stories-260k={checkpoint}", "--state-dir", str(tmp_path)])
     twice.models_config = str(base)
     with pytest.raises(SystemExit, match="given twice"):
         up_models.settle(twice)
 
 
-def test_without_model_nothing_changes(tmp_path):
-    args = parser().parse_args(["up", "--state-dir", str(tmp_path)])
-    assert up_models.settle(args).models_config is None and args.default_model is None
+def test_without_model_the_default_config_serves_as_it_says(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARENA_MODELS_CONFIG", raising=False)
+    monkeypatch.delenv("ARENA_DEFAULT_MODEL", raising=False)
+    args = up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path)]))
+    assert args.models_config == str(up_models.DEFAULT_MODELS_CONFIG) and args.default_model is None
+    assert args.plan == config_file.Plan(
+        ("smollm2-135m", "stories-260k", "smollm2-135m-brief"), "smollm2-135m", ("smollm2-135m", "stories-260k")
+    )
     assert not (tmp_path / up_models.CONFIG_NAME).exists()
+
+
+def test_a_config_of_ones_own_serves_its_first_model_or_the_one_it_names(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARENA_DEFAULT_MODEL", raising=False)
+    config = tmp_path / "mine.yaml"
+    config.write_text("models:\n  - {name: tiny, path: stories260K-hf}\n  - {name: tinier, base: tiny}\n")
+    args = up_models.settle(parser().parse_args(["up", "--models-config", str(config)]))
+    assert args.plan == config_file.Plan(("tiny", "tinier"), "tiny", ("tiny",))
+    config.write_text(f"default_model: tinier\nwarm: [tiny]\n{config.read_text()}")
+    assert up_models.settle(parser().parse_args(["up", "--models-config", str(config)])).plan.warm == ("tinier", "tiny")
+
+
+@pytest.mark.parametrize("where", ["flag", "variable"])
+def test_a_default_model_the_config_has_not_is_refused_with_the_names_it_has(where, tmp_path, monkeypatch, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("models:\n  - {name: tiny, path: stories260K-hf}\n  - {name: tinier, base: tiny}\n")
+    argv = ["up", "--state-dir", str(tmp_path / "state"), "--models-config", str(config)]
+    if where == "flag":
+        argv += ["--default-model", "stories-260k"]
+    else:
+        monkeypatch.setenv("ARENA_DEFAULT_MODEL", "stories-260k")
+    with pytest.raises(SystemExit) as stopped:
+        up_models.settle(parser().parse_args(argv))
+    named = "--default-model" if where == "flag" else "ARENA_DEFAULT_MODEL"
+    assert stopped.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"arena up: {named} 'stories-260k' is no model of the models config; it has: tiny, tinier\n"
+    )
+    assert not (tmp_path / "state").exists()  # refused before anything started
