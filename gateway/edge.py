@@ -4,6 +4,10 @@
   arrive: over `max_body_bytes` is 413 whatever the framing (Content-Length or chunked),
   and a body that does not arrive within `body_timeout_s` (shorter than its
   Content-Length, or trickled) is 408. The route then reads the buffered body.
+  Before a 413 the rest of the body is read and dropped (`DRAIN_BYTES` and
+  `body_timeout_s` at most): a connection closed with unread bytes is reset, and a client
+  still sending (httpx's AsyncClient) would get that reset instead of the 413. A client
+  that waits for `100 Continue` gets the 413 at once and sends nothing.
 - The head timeout (a slow-loris client holds nothing for long), the connection limit
   and the WebSocket count live in uvicorn's protocols: gateway/admission/uvicorn_adapter.py.
 - `ServerTiming` (ASGI middleware) adds `Server-Timing: gateway;dur=<ms>` to every
@@ -16,6 +20,7 @@ Every refusal is in the API's error shape (gateway/errors.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -25,6 +30,10 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS
 
 Scope = dict[str, Any]
+
+
+#: The most of a refused body read (and dropped) before its 413 is sent (see the module doc).
+DRAIN_BYTES = 64 * 2**20
 
 
 def too_large(limit: int) -> APIError:
@@ -46,18 +55,20 @@ class BodyGuard:
     async def __call__(self, scope: Scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            METRICS.rejections.labels(reason="body_too_large").inc()
-            return await _reply(send, too_large(self.limit))
+            if int(length) <= DRAIN_BYTES and headers.get(b"expect", b"").lower() != b"100-continue":
+                await self._drain(receive)
+            return await self._too_large(send)
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)
         except TimeoutError:
             METRICS.rejections.labels(reason="body_timeout").inc()
             return await _reply(send, too_slow(self.timeout_s))
         except _TooLarge:
-            METRICS.rejections.labels(reason="body_too_large").inc()
-            return await _reply(send, too_large(self.limit))
+            await self._drain(receive)
+            return await self._too_large(send)
         if body is None:  # the client left before its body was complete
             return None
         delivered = False
@@ -70,6 +81,25 @@ class BodyGuard:
             return await receive()  # after the body: the disconnect, when it comes
 
         return await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        METRICS.rejections.labels(reason="body_too_large").inc()
+        await _reply(send, too_large(self.limit))
+
+    async def _drain(self, receive) -> None:
+        """Read and drop the rest of a refused body: until its end, the client leaving,
+        DRAIN_BYTES or body_timeout_s, whichever comes first."""
+
+        async def rest() -> None:
+            dropped = 0
+            while dropped <= DRAIN_BYTES:
+                message = await receive()
+                dropped += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rest(), self.timeout_s)
 
     async def _read(self, receive) -> bytes | None:
         parts: list[bytes] = []

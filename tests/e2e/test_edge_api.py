@@ -79,6 +79,24 @@ def test_chunked_ten_megabytes_is_413(api):
     healthy(api)
 
 
+async def test_an_async_client_still_sending_ten_megabytes_reads_the_413(api):
+    """httpx's AsyncClient writes the whole body before it reads: the gateway reads the rest of
+    a refused body before answering, or the client would get a reset connection, not the 413."""
+    body = b"x" * 10_000_000
+
+    async def chunks():
+        for start in range(0, len(body), 65536):
+            yield body[start : start + 65536]
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        for content in (body, body, body, chunks(), chunks(), chunks()):  # Content-Length, then chunked
+            r = await client.post(
+                api.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    healthy(api)
+
+
 def test_body_shorter_than_content_length_is_dropped_with_408(api):
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     head += b"Content-Length: 500\r\n\r\n"

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from gateway.app import build_app
-from gateway.edge import FrameError, parse_frame
+from gateway.edge import DRAIN_BYTES, BodyGuard, FrameError, parse_frame
 from tests.unit.fake_pipeline import FakePipeline, chat, gateway, settings
 
 LONE = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
@@ -40,6 +40,42 @@ def test_declared_length_over_the_limit_is_413_before_reading():
     with gateway(max_body_bytes=4096)[0] as client:
         r = client.post("/chat", content=b"{}", headers={"content-length": "99999999"})
         assert_error(r, 413, "body_too_large")
+
+
+def _body_guard_run(headers: list[tuple[bytes, bytes]], chunks: int) -> list[str]:
+    """BodyGuard (limit 4096) on a body of ``chunks`` chunks of 1 KiB: what happened, in order
+    ("read" for each chunk taken, then the response's status)."""
+    happened: list[str] = []
+    left = [b"x" * 1024 for _ in range(chunks)]
+
+    async def inner(scope, receive, send):
+        raise AssertionError("a body over the limit reached the app")
+
+    async def receive():
+        happened.append("read")
+        part = left.pop(0)
+        return {"type": "http.request", "body": part, "more_body": bool(left)}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            happened.append(str(message["status"]))
+
+    scope = {"type": "http", "headers": headers}
+    asyncio.run(asyncio.wait_for(BodyGuard(inner, 4096, 5.0)(scope, receive, send), 10))
+    return happened
+
+
+def test_a_body_over_the_limit_is_read_to_its_end_before_the_413():
+    """A client still sending its body reads the 413 (a socket closed with unread bytes is reset)."""
+    assert _body_guard_run([], 64) == ["read"] * 64 + ["413"]  # chunked
+    declared = [(b"content-length", b"65536")]
+    assert _body_guard_run(declared, 64) == ["read"] * 64 + ["413"]
+
+
+def test_a_body_not_sent_yet_or_past_the_drain_bound_is_not_read():
+    waiting = [(b"content-length", b"65536"), (b"expect", b"100-continue")]
+    assert _body_guard_run(waiting, 64) == ["413"]  # reading would send 100 Continue: it sends nothing
+    assert _body_guard_run([(b"content-length", str(DRAIN_BYTES + 1).encode())], 64) == ["413"]
 
 
 async def _call_raw(app, receive) -> tuple[int, dict]:
