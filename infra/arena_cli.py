@@ -77,6 +77,10 @@ async def leaderboard(
         print(json.dumps(board, indent=2))
         return 0
     kind = ("style-controlled  " if style_control else "") + (f"category {category}  " if category else "")
+    if not board["rows"]:
+        counted = "votes with style counts" if style_control else "votes"
+        print(f"{kind}seq {board['seq']}  no {counted} yet: play a battle at /arena")
+        return 0
     print(f"{kind}seq {board['seq']}  votes {board['total_votes']}  digest {board['digest']}")
     if style_control:
         coef = board["style_coefficients"] or {}

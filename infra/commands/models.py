@@ -117,6 +117,12 @@ async def _hot_swap(args: argparse.Namespace) -> int:
     return 0 if answers and all(a.ok for a in answers) else 1
 
 
+def _resident(d) -> str:
+    """What a loaded model holds in memory: a variant (a system prompt over its base) holds no
+    weights of its own."""
+    return f"shares {d.base}'s weights" if d.base else f"{(d.resident_bytes or 0) / 1e6:.0f} MB"
+
+
 def table(answers: list[ModelsAnswer]) -> str:
     """`arena models list`: each process's models, one row each."""
     blocks = []
@@ -132,10 +138,10 @@ def table(answers: list[ModelsAnswer]) -> str:
                     (f"{d.dtype}" + (f" + {d.quantize}" if d.quantize else "")) if loaded else "-",
                     str(d.context or "?"),
                     ("yes" if d.chat_template else "no (plain text)") if loaded else "-",
-                    f"{(d.resident_bytes or 0) / 1e6:.0f} MB" if loaded else "not loaded",
+                    _resident(d) if loaded else "not loaded",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        blocks.append("\n".join([f"{a.instance}:", *lines]))
+        blocks.append("\n".join([f"inference process {a.instance}:", *lines]))
     return "\n\n".join(blocks)

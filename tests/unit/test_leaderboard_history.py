@@ -104,3 +104,17 @@ def test_model_events_have_a_subject_of_their_own_and_old_battles_decode():
     assert old.owner_a is None and old.owner_b is None
     p = project([(1, old)])
     assert p.model_history()["owners"] == [{"owner": None, "variants": 2, "active": 2, "withdrawn": 0}]
+
+
+async def test_the_leaderboard_command_with_no_votes_says_so(monkeypatch, capsys):
+    from infra import arena_cli
+
+    async def no_events(js, upto=None):
+        return []
+
+    monkeypatch.setattr(arena_cli, "battle_events", no_events)
+    assert await arena_cli.leaderboard(None, None, False) == 0
+    assert capsys.readouterr().out == "seq 0  no votes yet: play a battle at /arena\n"
+    assert await arena_cli.leaderboard(None, None, False, style_control=True) == 0
+    out = capsys.readouterr().out
+    assert out == "style-controlled  seq 0  no votes with style counts yet: play a battle at /arena\n"
