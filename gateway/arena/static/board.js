@@ -72,7 +72,8 @@ async function refresh() {
   }
   const which = board.category ? ` in ${board.category.replace("_", " ")}` : board.style_control ? " with style counts" : "";
   document.querySelector("#summary").textContent = board.rows.length
-    ? `${board.total_votes} votes${which} (stream sequence ${board.seq}). Provisional: fewer than ${board.min_votes} ` +
+    ? `${board.total_votes} ${board.total_votes === 1 ? "vote" : "votes"}${which} (stream sequence ${board.seq}). ` +
+      `Provisional: fewer than ${board.min_votes} ` +
       "votes, ranked by the low end of its interval."
     : `No votes${which} yet: play a battle.`;
   await refreshHistory();
