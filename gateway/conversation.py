@@ -34,3 +34,14 @@ def conversation_state(events: list[EventBase]) -> Conversation:
         conv.messages = [*requested[last.request_id].messages, ChatMessage(role="assistant", content=last.text)]
     conv.attempt = sum(1 for r in requested.values() if r.turn_id == conv.turn_id and r.request_id in failed)
     return conv
+
+
+def messages_through(events: list[EventBase], request_id: str) -> list[ChatMessage]:
+    """The conversation as it stood once `request_id` completed: its messages and its
+    answer (none when it did not complete). An arena side goes on from the last turn both
+    sides answered, not from one only its own side finished."""
+    requested = next((e for e in events if isinstance(e, ChatRequested) and e.request_id == request_id), None)
+    answer = next((e for e in events if isinstance(e, ChatCompleted) and e.request_id == request_id), None)
+    if requested is None or answer is None:
+        return []
+    return [*requested.messages, ChatMessage(role="assistant", content=answer.text)]

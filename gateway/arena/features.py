@@ -52,21 +52,21 @@ def conv_metadata(answers: Mapping[str, Sequence[str]], tokens: Mapping[str, int
     return meta
 
 
+def whole_turns(answers: Sequence[Answers]) -> list[tuple[ChatCompleted, ChatCompleted]]:
+    """The turns both sides answered, in order: a turn one side did not finish is no part
+    of the battle (it was sent again, and neither side's conversation keeps it)."""
+    return [(a, b) for a, b in answers if isinstance(a, ChatCompleted) and isinstance(b, ChatCompleted)]
+
+
 def answer_texts(answers: Sequence[Answers]) -> dict[str, list[str]]:
-    """Each side's completed answers in turn order, from each turn's (side a, side b) terminal events."""
-    texts: dict[str, list[str]] = {"a": [], "b": []}
-    for terminals in answers:
-        for side, t in zip(("a", "b"), terminals, strict=True):
-            if isinstance(t, ChatCompleted):
-                texts[side].append(t.text)
-    return texts
+    """Each side's answers of the turns both sides answered, in turn order, from each
+    turn's (side a, side b) terminal events."""
+    whole = whole_turns(answers)
+    return {"a": [a.text for a, _ in whole], "b": [b.text for _, b in whole]}
 
 
 def style_of(answers: Sequence[Answers]) -> dict:
-    """The battle's `conv_metadata` from its completed answers (a turn cut off counts for nothing)."""
-    tokens = {"a": 0, "b": 0}
-    for terminals in answers:
-        for side, t in zip(("a", "b"), terminals, strict=True):
-            if isinstance(t, ChatCompleted):
-                tokens[side] += t.usage.completion_tokens
+    """The battle's `conv_metadata` from the turns both sides answered (a turn cut off counts for nothing)."""
+    whole = whole_turns(answers)
+    tokens = {side: sum(t[i].usage.completion_tokens for t in whole) for i, side in enumerate(("a", "b"))}
     return conv_metadata(answer_texts(answers), tokens)

@@ -21,13 +21,13 @@ from events.arena_readmodel import HISTORY, arena_secret, load_leaderboard
 from events.battles import BattleStarted, BattleTurn, VoteCast, VoteInvalidated, VoteStatusChanged, battle_filter
 from events.models import ChatCompleted, ChatFailed, ChatRequested, Failure, Terminal, new_id
 from gateway.arena.categories import categorize
-from gateway.arena.features import Answers, answer_texts, style_of
+from gateway.arena.features import Answers, answer_texts, style_of, whole_turns
 from gateway.arena.identity import SIDES, neutral_name, scrub, side_conv_id, voter_pseudonym
 from gateway.arena.integrity import Decision, Integrity, IntegrityConfig, identity_leak, pair_counts, pair_score
 from gateway.arena.pairing import NoPair, PairPolicy, active_pair, pair_stats, sample_pair
 from gateway.arena.protocol import BattleView, TurnRequest
 from gateway.arena.state import Battle, fold
-from gateway.conversation import conversation_state
+from gateway.conversation import conversation_state, messages_through
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import stream_unavailable
@@ -178,6 +178,15 @@ class ArenaService:
         turn = battle.turns[-1]
         return await self.terminal(turn.request_a), await self.terminal(turn.request_b)
 
+    async def last_whole_turn(self, battle: Battle) -> BattleTurn | None:
+        """The last turn both sides answered: where a new turn goes on from (a turn one side
+        did not finish is sent again, and neither side's conversation keeps it)."""
+        for turn in reversed(battle.turns):
+            terminals = [await self.terminal(request_of(turn, side)) for side in SIDES]
+            if all(isinstance(t, ChatCompleted) for t in terminals):
+                return turn
+        return None
+
     async def open_turn(
         self, battle: Battle, req: TurnRequest, principal: str, limits: Limits | None = None
     ) -> tuple[int, list[Side]]:
@@ -187,11 +196,16 @@ class ArenaService:
         if battle.turns and None in await self.last_turn_terminals(battle):
             raise APIError(409, "the previous turn is still running", "turn_running")
         n, key = len(battle.turns), await self.secret()
+        whole = await self.last_whole_turn(battle)
         sides: list[Side] = []
         try:
             for side in SIDES:
                 conv = side_conv_id(key, battle.battle_id, side)
-                history = conversation_state(await self.pipeline.conversation(conv)).messages
+                history = (
+                    messages_through(await self.pipeline.conversation(conv), request_of(whole, side))
+                    if whole is not None
+                    else []
+                )
                 creq = ChatCompletionRequest(
                     model=battle.model(side),
                     messages=[*(m.model_dump() for m in history), {"role": "user", "content": req.prompt}],
@@ -225,7 +239,9 @@ class ArenaService:
 
     async def stream_turn(self, battle: Battle, n: int, sides: list[Side]) -> AsyncIterator[str]:
         """SSE: both sides' chunks as they come, each tagged with its side; then [DONE]. A
-        client gone first stops both sides (their sessions' exits)."""
+        client gone first stops both sides (their sessions' exits). A side that ends without
+        an answer (refused by its worker, cut at its deadline, failed) stops the other: the
+        turn cannot be voted on, so its other answer would only take a place in the batch."""
         queue: asyncio.Queue = asyncio.Queue()
         head = {"object": "arena.battle.chunk", "battle_id": battle.battle_id, "turn_id": n}
 
@@ -247,18 +263,19 @@ class ArenaService:
             await queue.put((s.side, None, terminal, err))
 
         tasks = [asyncio.create_task(pump(s)) for s in sides]
-        ended = 0
+        ended: set[str] = set()
         try:
-            while ended < len(sides):
+            while len(ended) < len(sides):
                 side, text, terminal, err = await queue.get()
                 body = {**head, "side": side, "model": neutral_name(side)}
                 if text is not None:
                     yield sse({**body, "delta": {"content": text}, "finish_reason": None})
                     continue
-                ended += 1
+                ended.add(side)
                 if err is None:
                     yield sse({**body, "delta": {}, "finish_reason": terminal.finish_reason})
                 else:
+                    await self.call_off([other for other in sides if other.side not in ended])
                     yield sse({**body, "delta": {}, "finish_reason": "error", **self.neutral(err, battle).body()})
             yield "data: [DONE]\n\n"
         finally:
@@ -266,6 +283,11 @@ class ArenaService:
                 t.cancel()
             with anyio.CancelScope(shield=True):
                 await close_turn(sides)
+
+    async def call_off(self, running: list[Side]) -> None:
+        """Stop the sides still running of a turn that cannot be whole any more."""
+        for s in running:
+            await self.chat.cancel(s.ticket)
 
     # ---- voting ----------------------------------------------------------------------
 
@@ -285,7 +307,7 @@ class ArenaService:
             model_a=battle.started.model_a,
             model_b=battle.started.model_b,
             voter=battle.started.voter,
-            turns=len(battle.turns),
+            turns=len(whole_turns(answers)),
             conv_metadata=style_of(answers),
             categories=categorize(prompts),
         )
@@ -370,6 +392,10 @@ def unfinished(battle: Battle, last: Answers) -> None:
             f"prompt again (POST /arena/battles/{battle.battle_id}/turns) and vote once both answers are in",
             "turn_incomplete",
         )
+
+
+def request_of(turn: BattleTurn, side: str) -> str:
+    return turn.request_a if side == "a" else turn.request_b
 
 
 def _ending(terminal: Failure) -> str:

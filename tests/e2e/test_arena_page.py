@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
+from gateway.settings import GatewaySettings
+from tests.arena_up import ArenaUp
 from tests.conftest import REPO
 from tests.e2e.test_arena_battles import MODELS, START_S, arena_cmd
 
@@ -139,3 +146,136 @@ def test_leaderboard_page_and_phone_width(arena, browser, img):
     wide.select_option("#view", "category:english")
     wide.wait_for_function("document.querySelector('#summary').textContent.includes('in english')")
     assert wide.locator("#rows tr").count() >= 2 and wide.is_hidden("#coefficients")
+
+
+# ---- a turn refused, a turn cut: what a person sees ------------------------------------
+
+PROMPT = "Once upon a time there was a lighthouse keeper who collected lost things"
+#: What the API says to programs and the page must not show a person: the gateway's
+#: refusal, the stream's failure messages, the neutral names and the endpoint hints.
+RAW = re.compile(
+    r"requests queued|retry later|generation ended|\[model\]|model_[ab]|/arena/battles|deadline_s|max_tokens"
+)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory) -> Iterator[ArenaUp]:
+    """`arena up` as a user runs it (the stories arena, the default deadline), with the
+    backstop at one request in flight per model, so a busy model refuses a turn at once."""
+    stack = ArenaUp(
+        tmp_path_factory.mktemp("arena-up"),
+        "--models-config",
+        str(REPO / "configs" / "stories-arena.yaml"),
+        "--default-model",
+        MODELS[0],
+        ready_s=START_S,
+        env={"ARENA_MAX_QUEUE_PER_MODEL": "1"},
+    )
+    yield stack
+    stack.stop()
+
+
+@contextmanager
+def engines_stalled(up: ArenaUp) -> Iterator[None]:
+    """The engine processes that step the models stopped (SIGSTOP), as a machine too busy
+    to run them would; the workers go on pulling requests and sending heartbeats."""
+    engines = [
+        p
+        for pid in up.inference_pids()
+        for p in psutil.Process(pid).children(recursive=True)
+        if p.name() == "arena-engine"
+    ]
+    assert engines, "no engine process under the inference workers"
+    for p in engines:
+        p.suspend()
+    try:
+        yield
+    finally:
+        for p in engines:
+            with suppress(psutil.NoSuchProcess):
+                p.resume()
+
+
+def every_model_busy(url: str) -> list[threading.Thread]:
+    """One streamed request per model, each in flight once its answer's head is here
+    (a stalled engine holds them): every model is at the backstop. The threads end with
+    the answers."""
+    started = threading.Barrier(len(MODELS) + 1, timeout=30)
+
+    def hold(model: str) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "deadline_s": 60}, timeout=90) as r:
+            assert r.status_code == 200, r.read()
+            started.wait()
+            r.read()
+
+    threads = [threading.Thread(target=hold, args=(m,), daemon=True) for m in MODELS]
+    for t in threads:
+        t.start()
+    started.wait()
+    return threads
+
+
+def told_plainly(page, width: int, shot: Path) -> str:
+    """The page's state after a turn that did not finish: a short message, the prompt
+    still in its box, a retry, no vote buttons, nothing wider than the window. The message."""
+    page.wait_for_selector("#notice:not([hidden])", timeout=30_000)
+    message = page.inner_text("#notice-text")
+    body = page.inner_text("body")
+    assert 0 < len(message) <= 160 and not RAW.search(body), f"{message!r} / {RAW.search(body)} in {body!r}"
+    assert page.input_value("#prompt") == PROMPT
+    assert page.is_visible("#retry") and page.is_enabled("#retry")
+    assert page.is_hidden(".votes") and page.locator(".votes button:visible").count() == 0
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    page.screenshot(path=str(shot), full_page=True)
+    return message
+
+
+def retried(page) -> None:
+    """The retry sends the kept prompt again and both models answer it."""
+    page.click("#retry")
+    page.wait_for_selector(".votes button[data-choice='a']:not([disabled])", timeout=60_000)
+    assert page.is_hidden("#notice") and page.input_value("#prompt") == ""
+    assert [t.strip() for t in page.locator("#pane-a .you").all_inner_texts()] == [PROMPT]
+    assert all(a.strip() for a in page.locator(".answer").all_inner_texts())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("width", [1280, 390])
+def test_a_refused_and_a_cut_turn_speak_to_a_person(up, browser, img, width):
+    """(a) Every model busy: the turn is refused (429 at the backstop, one side refused
+    and the other never run); (b) the engines stall past the default deadline: both
+    sides are cut at it. Neither is offered for a vote, the server refuses one too, and
+    the page says what happened in a sentence, keeps the prompt and retries it."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.goto(f"{up.url}/arena")
+    page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
+
+    page.fill("#prompt", PROMPT)
+    with engines_stalled(up):
+        held = every_model_busy(up.url)
+        page.click("#send")
+        refused = told_plainly(page, width, img / f"arena-refused-{width}.png")
+    for t in held:
+        t.join(30)
+    assert "busy" in refused and page.locator(".answer").count() == 0  # nothing ran
+    retried(page)
+
+    page.click("#new-round")
+    page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
+    page.fill("#prompt", PROMPT)
+    deadline_s = GatewaySettings.model_fields["deadline_s"].default
+    with engines_stalled(up):
+        page.click("#send")
+        time.sleep(deadline_s + 0.5)  # the engines step again once the turn's deadline has passed
+    told_plainly(page, width, img / f"arena-cut-{width}.png")
+    notes = page.locator(".ended").all_inner_texts()
+    assert len(notes) == 2 and any("ran out of time" in n for n in notes), notes
+    battle_id = page.evaluate("battle.battle_id")
+    vote = httpx.post(f"{up.url}/arena/battles/{battle_id}/vote", json={"choice": "a"}, timeout=30)
+    assert vote.status_code == 409 and vote.json()["error"]["code"] == "turn_incomplete", vote.text
+    retried(page)
+    assert page.locator(".ended").count() == 0  # the cut turn made way for its retry
+    page.click(".votes button[data-choice='b']")
+    page.wait_for_selector("#reveal:not([hidden])")
+    assert "Your vote counts" in page.inner_text("#reveal")
