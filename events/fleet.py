@@ -130,6 +130,11 @@ class InferenceBeat(ProcessBeat):
     engine: str = Field("continuous", description="Its engines' batching: 'static' or 'continuous'.")
     models: tuple[str, ...] = Field((), description="Every model it serves (loaded or not).")
     resident: tuple[str, ...] = Field((), description="The models loaded now.")
+    loading: tuple[str, ...] = Field(
+        (),
+        description="The models `arena models add` is loading now (weights, then a started engine): a gateway "
+        "answers a request for one that no worker holds ready 503 model_loading, with Retry-After.",
+    )
     resident_bytes: int = Field(0, ge=0, description="Bytes of the resident models' weights.")
     context: dict[str, int] = Field(
         default_factory=dict, description="Per model: the tokens a request may have (prompt and completion)."

@@ -136,13 +136,17 @@ class Pipeline:
         roles = [r.name for r in topology.ROLES if r.name != topology.GATEWAY.name]
         out: dict[str, Any] = {role: sum(1 for b in beats if b.role == role and b.ready) for role in roles}
         served: dict[str, set] = {}
+        loading: dict[str, set] = {}
         for b in beats:
             if isinstance(b, InferenceBeat):
                 for name in b.models:
                     served.setdefault(name, set())
                 for name in b.resident:
                     served.setdefault(name, set()).add(b.instance)
+                for name in b.loading:
+                    loading.setdefault(name, set()).add(b.instance)
         out["models"] = {name: sorted(insts) for name, insts in served.items()}
+        out["loading"] = {name: sorted(insts) for name, insts in loading.items()}
         return out
 
     def context_len(self, model: str) -> int | None:

@@ -73,6 +73,24 @@ def context_exceeded(req: ChatCompletionRequest, context: int) -> APIError:
     )
 
 
+#: What a request for a model being loaded, resident nowhere yet, is told to wait before it
+#: asks again (a load takes seconds; a GGUF's first conversion a minute or more).
+LOADING_RETRY_S = 5
+
+
+def model_loading(model: str) -> APIError:
+    """503 for a model `arena models add` is loading and no worker holds ready (its weights
+    and its engine, started and profiled): said at once, not a 504 once the deadline has passed."""
+    return APIError(
+        503,
+        f"model '{model}' is loading on the inference processes; retry after {LOADING_RETRY_S} s "
+        "(`arena models add` returns once it is served)",
+        "model_loading",
+        "model",
+        headers={"Retry-After": str(LOADING_RETRY_S)},
+    )
+
+
 class ChatService:
     def __init__(self, settings: GatewaySettings, pipeline: Pipeline, admission: Admission | None = None):
         self.settings = settings
@@ -89,6 +107,9 @@ class ChatService:
             raise APIError(503, "no inference worker is connected; retry shortly", "no_workers")
         if model not in fleet["models"]:
             raise APIError(404, f"model '{model}' is not served; see GET /v1/models", "model_not_found", "model")
+        loading = fleet.get("loading", {}).get(model, [])
+        if loading and not set(fleet["models"][model]) - set(loading):  # no worker holds it ready
+            raise model_loading(model)
         if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
             raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
         chars = sum(len(m.text()) for m in req.messages)

