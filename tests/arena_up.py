@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 import httpx
 import psutil
@@ -74,6 +76,26 @@ class ArenaUp:
             except psutil.NoSuchProcess:
                 pass
         return out
+
+    @contextmanager
+    def engines_stalled(self) -> Iterator[None]:
+        """The engine processes that step the models stopped (SIGSTOP), as a machine too
+        busy to run them would; the workers go on pulling requests and sending heartbeats."""
+        engines = [
+            p
+            for pid in self.inference_pids()
+            for p in psutil.Process(pid).children(recursive=True)
+            if p.name() == "arena-engine"
+        ]
+        assert engines, "no engine process under the inference workers"
+        for p in engines:
+            p.suspend()
+        try:
+            yield
+        finally:
+            for p in engines:
+                with suppress(psutil.NoSuchProcess):
+                    p.resume()
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM, as Ctrl-C would; killed if it does not stop in time. Its exit code."""

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.arena_up import ArenaUp
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -283,6 +284,46 @@ def test_a_turn_cut_off_by_the_client_says_how_to_vote(arena):
         turn(client, bid, "Once upon a time")
         voted = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
         assert voted.status_code == 200 and voted.json()["counted"] is True, voted.text
+
+
+def ended_frames(lines) -> list[dict]:
+    """The frames read from an arena turn's SSE lines up to the next side's last frame."""
+    frames = []
+    for line in lines:
+        if line.startswith("data: {"):
+            frames.append(json.loads(line[6:]))
+            if frames[-1]["finish_reason"]:
+                return frames
+    return frames
+
+
+def test_a_side_its_worker_refuses_stops_the_other(tmp_path):
+    """Both sides or neither: a variant whose default answer length leaves no room for a
+    prompt in the model's 512-token context is refused by its worker (its gateway checks
+    pass), and the other side, held by a stalled engine meanwhile, is stopped rather than
+    answered; the turn is not offered for a vote."""
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        f"models:\n  - {{name: {MODELS[0]}, path: stories260K-hf}}\n"
+        f"  - {{name: {MODELS[0]}-long, base: {MODELS[0]}, max_tokens: 510}}\n"
+    )
+    up = ArenaUp(tmp_path, "--models-config", str(config), "--default-model", MODELS[0], ready_s=START_S)
+    try:
+        with httpx.Client(base_url=up.url, timeout=60) as client:
+            bid = client.post("/arena/battles").json()["battle_id"]
+            with client.stream("POST", f"/arena/battles/{bid}/turns", json={"prompt": "Once upon a time"}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                with up.engines_stalled():
+                    refused = ended_frames(lines)[-1]
+                    time.sleep(0.5)  # the other side's stop reaches its worker while its engine stands still
+                stopped = ended_frames(lines)[-1]
+            assert refused["error"]["code"] == "context_length_exceeded", refused
+            assert stopped["side"] != refused["side"] and stopped["error"]["code"] == "cancelled", stopped
+            vote = client.post(f"/arena/battles/{bid}/vote", json={"choice": "a"})
+            assert vote.status_code == 409 and vote.json()["error"]["code"] == "turn_incomplete", vote.text
+    finally:
+        up.stop()
 
 
 def test_boards_per_category_live_from_an_import_and_refused_for_an_unknown_name(arena, tmp_path):

@@ -9,11 +9,9 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from gateway.settings import GatewaySettings
@@ -175,27 +173,6 @@ def up(tmp_path_factory) -> Iterator[ArenaUp]:
     stack.stop()
 
 
-@contextmanager
-def engines_stalled(up: ArenaUp) -> Iterator[None]:
-    """The engine processes that step the models stopped (SIGSTOP), as a machine too busy
-    to run them would; the workers go on pulling requests and sending heartbeats."""
-    engines = [
-        p
-        for pid in up.inference_pids()
-        for p in psutil.Process(pid).children(recursive=True)
-        if p.name() == "arena-engine"
-    ]
-    assert engines, "no engine process under the inference workers"
-    for p in engines:
-        p.suspend()
-    try:
-        yield
-    finally:
-        for p in engines:
-            with suppress(psutil.NoSuchProcess):
-                p.resume()
-
-
 def every_model_busy(url: str) -> list[threading.Thread]:
     """One streamed request per model, each in flight once its answer's head is here
     (a stalled engine holds them): every model is at the backstop. The threads end with
@@ -252,7 +229,7 @@ def test_a_refused_and_a_cut_turn_speak_to_a_person(up, browser, img, width):
     page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
 
     page.fill("#prompt", PROMPT)
-    with engines_stalled(up):
+    with up.engines_stalled():
         held = every_model_busy(up.url)
         page.click("#send")
         refused = told_plainly(page, width, img / f"arena-refused-{width}.png")
@@ -265,7 +242,7 @@ def test_a_refused_and_a_cut_turn_speak_to_a_person(up, browser, img, width):
     page.wait_for_function("document.querySelector('#status').textContent.startsWith('New battle')")
     page.fill("#prompt", PROMPT)
     deadline_s = GatewaySettings.model_fields["deadline_s"].default
-    with engines_stalled(up):
+    with up.engines_stalled():
         page.click("#send")
         time.sleep(deadline_s + 0.5)  # the engines step again once the turn's deadline has passed
     told_plainly(page, width, img / f"arena-cut-{width}.png")
