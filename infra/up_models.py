@@ -9,8 +9,9 @@ checked as the command line is read, so a typo fails at once with its cause, not
 long wait with the cause in a worker's log. `arena up` writes the models config the
 workers read (``models-cli.yaml`` in the state dir): the ``--models-config`` file's
 models, if one is given, then these; the first ``--model`` is the default model, and the
-models the file warms are warmed beside them (``--models-config configs/arena-models.yaml
---model FILE.gguf``: the arena's two models and yours, so battles run).
+models the file warms are warmed beside them (``--with-arena-models --model FILE.gguf``,
+the same as ``--models-config configs/arena-models.yaml``: the arena's two models and
+yours, so battles run).
 
 Whatever the models come from, their default model and the models warmed at start are
 settled here, before anything starts (``runtime.models_config``): a ``--default-model`` the
@@ -109,6 +110,10 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
     and its ``plan``: the default model and the models warmed. Raises SystemExit saying what
     to fix when the config cannot be read or does not have the default model named."""
     common = CommonSettings()  # the user's ARENA_* variables
+    if getattr(args, "with_arena_models", False):
+        if not args.model or args.models_config:
+            raise SystemExit("arena up: --with-arena-models goes with --model, and without --models-config")
+        args.models_config = str(DEFAULT_MODELS_CONFIG)
     if args.model:
         args.models_config = str(write_config(args.model, Path(args.state_dir), args.models_config))
         args.default_model = args.default_model or args.model[0].name

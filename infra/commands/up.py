@@ -34,7 +34,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve this model: a Hugging Face checkpoint directory, a .gguf file or pkg:PACKAGE (repeatable; "
         "beside --models-config's models, if given); the first is the default model",
     )
-    p.add_argument("--default-model", default=None)
+    p.add_argument(
+        "--with-arena-models",
+        action="store_true",
+        help="with --model: serve the default arena models (configs/arena-models.yaml, warmed) beside yours, so "
+        "arena battles run; yours stays the default model",
+    )
+    p.add_argument(
+        "--default-model",
+        default=None,
+        help="the model a request that names none gets (default: the models config's default_model:, else its "
+        "first model; the first --model); one the config has not is refused",
+    )
     p.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument(

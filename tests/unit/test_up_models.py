@@ -124,3 +124,13 @@ def test_a_default_model_the_config_has_not_is_refused_with_the_names_it_has(whe
         == f"arena up: {named} 'stories-260k' is no model of the models config; it has: tiny, tinier\n"
     )
     assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+def test_with_arena_models_a_model_of_ones_own_is_served_beside_the_arena_models(checkpoint, tmp_path):
+    argv = ["up", "--state-dir", str(tmp_path / "state"), "--with-arena-models", "--model", f"mine={checkpoint}"]
+    args = up_models.settle(parser().parse_args(argv))
+    assert args.plan.default == "mine"
+    assert args.plan.warm == ("mine", "smollm2-135m", "stories-260k")  # the arena battles them at once
+    assert set(args.plan.names) == {"smollm2-135m", "stories-260k", "smollm2-135m-brief", "mine"}
+    with pytest.raises(SystemExit, match="--with-arena-models goes with --model"):
+        up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path), "--with-arena-models"]))
