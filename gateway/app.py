@@ -32,6 +32,7 @@ from gateway.edge import BodyGuard, ServerTiming
 from gateway.fleet import FLEET
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
+from gateway.served_schema import one_board_query, served_contexts, with_served_limits
 from gateway.serving import ChatService
 from gateway.settings import GatewaySettings
 from runtime import heap, tracing
@@ -86,7 +87,10 @@ def build_app(settings: GatewaySettings | None = None, pipeline: Pipeline | None
     # Added last, so it runs first: no body is read for a caller without a key.
     app.add_middleware(KeyGuard, access=Access(settings, pipeline.keys.redis))
     app.add_middleware(ServerTiming)  # outermost: times every response from its request's arrival
-    app.openapi = lambda: openapi(app)  # type: ignore[method-assign]
+    # the document as served now: the deployment's and the served models' limits (gateway/served_schema.py)
+    app.openapi = lambda: with_served_limits(  # type: ignore[method-assign]
+        openapi(app), settings.admission_overhead_s, served_contexts(pipeline), settings.default_model
+    )
     return app
 
 
@@ -118,6 +122,7 @@ def openapi(app: FastAPI) -> dict:
                         responses[ok].setdefault("headers", {}).update(RATE_LIMIT_HEADERS)
     doc["components"]["schemas"].pop("HTTPValidationError", None)
     doc["components"]["schemas"].pop("ValidationError", None)
+    one_board_query(doc)
     app.openapi_schema = doc
     return doc
 

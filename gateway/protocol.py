@@ -14,6 +14,7 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
 )
+from pydantic.json_schema import JsonDict
 
 from events.models import (
     DEFAULT_MAX_TOKENS,
@@ -75,7 +76,15 @@ Temperature = Annotated[
     ),
 ]
 #: A time budget in seconds (strict: `true` is not a number).
-Deadline = Annotated[float, Strict(), Field(gt=0, description="Time budget in seconds; default 15, at most 120.")]
+Deadline = Annotated[
+    float,
+    Strict(),
+    Field(
+        gt=0,
+        description="Time budget in seconds; default 15, at most 120 (a longer one is cut to it); at least the "
+        "admission overhead (0.5 by default), and long enough for the tokens asked for at the model's speed.",
+    ),
+]
 StopText = Annotated[Text, Field(min_length=1)]
 #: OpenAI's penalties: -2 to 2, over the tokens generated so far.
 Penalty = Annotated[float, Strict(), Field(ge=-2.0, le=2.0)]
@@ -158,8 +167,15 @@ COMPLETION_UNSERVED: dict[str, tuple] = {"echo": (None, False), "suffix": (None,
 
 
 def _refuse_unless_neutral(table: dict[str, tuple], v: Any, info) -> None:
-    if v not in table[info.field_name]:
+    # as JSON Schema's enum compares: `false` is not 0, nor `true` 1
+    if not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in table[info.field_name]):
         raise ValueError(f"is not supported by this server (accepted: {table[info.field_name][1]!r} or null)")
+
+
+def _neutral_only(table: dict[str, tuple], name: str, description: str) -> Any:
+    """An unserved field (any JSON, checked by `_refuse_unless_neutral`), declared in the schema as
+    what is accepted: its neutral values, so the schema refuses what the check refuses."""
+    return Field(None, description=description, json_schema_extra={"enum": list(table[name])})
 
 
 class StreamOptions(BaseModel):
@@ -203,9 +219,17 @@ class Sampling(BaseModel):
         return list(self.stop or [])
 
 
+#: top_logprobs above 0 needs logprobs: true (`_top_needs_logprobs`), as the schema says it.
+TOP_NEEDS_LOGPROBS: JsonDict = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+
+
 class ChatCompletionRequest(Sampling):
     """The OpenAI chat completion request, plus arenaflow's conversation fields."""
 
+    model_config = ConfigDict(extra="ignore", json_schema_extra=TOP_NEEDS_LOGPROBS)
     #: How the event's messages become the prompt (a completion's are its prompt as it is).
     prompt_format: ClassVar[PromptFormat] = "chat"
 
@@ -222,11 +246,11 @@ class ChatCompletionRequest(Sampling):
     turn_id: TurnId | None = Field(None, description="Turn index inside the conversation.")
     # OpenAI fields this server does not serve: refused with a 400 naming the field when
     # they ask for anything (their neutral values pass), never accepted and ignored.
-    response_format: Any = Field(None, description='Not served: only {"type": "text"} is accepted.')
-    tools: Any = Field(None, description="No tool calling: only []/null is accepted.")
-    tool_choice: Any = Field(None, description='No tool calling: only "none"/null is accepted.')
-    functions: Any = Field(None, description="No function calling: only []/null is accepted.")
-    function_call: Any = Field(None, description='No function calling: only "none"/null is accepted.')
+    response_format: Any = _neutral_only(UNSERVED, "response_format", 'Not served: only {"type": "text"} is accepted.')
+    tools: Any = _neutral_only(UNSERVED, "tools", "No tool calling: only []/null is accepted.")
+    tool_choice: Any = _neutral_only(UNSERVED, "tool_choice", 'No tool calling: only "none"/null is accepted.')
+    functions: Any = _neutral_only(UNSERVED, "functions", "No function calling: only []/null is accepted.")
+    function_call: Any = _neutral_only(UNSERVED, "function_call", 'No function calling: only "none"/null is accepted.')
 
     @field_validator(*UNSERVED)
     @classmethod
@@ -265,9 +289,9 @@ class CompletionRequest(Sampling):
     logprobs: TopLogprobs | None = Field(
         None, description=f"0 to {MAX_TOP_LOGPROBS}: each token's log probability and this many most likely tokens."
     )
-    echo: Any = Field(None, description="Not served: only false/null is accepted.")
-    suffix: Any = Field(None, description='Not served: only ""/null is accepted.')
-    best_of: Any = Field(None, description="Not served: only 1/null is accepted.")
+    echo: Any = _neutral_only(COMPLETION_UNSERVED, "echo", "Not served: only false/null is accepted.")
+    suffix: Any = _neutral_only(COMPLETION_UNSERVED, "suffix", 'Not served: only ""/null is accepted.')
+    best_of: Any = _neutral_only(COMPLETION_UNSERVED, "best_of", "Not served: only 1/null is accepted.")
 
     @field_validator("prompt")
     @classmethod

@@ -63,7 +63,8 @@ def test_up_gives_each_role_its_own_redis_user_and_refuses_anonymous_clients(tmp
     up = ArenaUp(tmp_path, ready_s=150, env={"ARENA_RATE_LIMIT_RPM": "1000"})  # the limiter's script runs too
     state, env, url = up.state, up.env, up.url
     try:
-        assert any(line.startswith("redis-server on") and "per-role users: True" in line for line in up.lines)
+        said = [line for line in up.lines if line.startswith("redis-server ") and " on redis://" in line]
+        assert said and "per-role users: True" in said[0], up.lines
         acl = state / "redis-users.acl"
         assert stat.S_IMODE(acl.stat().st_mode) == 0o600
         operator_url = up.endpoints["redis_url"]
