@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the test suite needs beyond `scripts/install.sh`, each step skipped when already there:
-# Debian's chromium, prometheus and kubectl (apt-get, as root), cmake and g++, and a llama-server
+# Debian's chromium, prometheus, kubectl and stress-ng (apt-get, as root), cmake and g++, and a llama-server
 # built from the pinned llama-cpp-python sdist. It writes nothing in the checkout.
 # Run after scripts/install.sh; the README's test command and .ci/run both run it.
 set -uo pipefail
@@ -12,6 +12,8 @@ missing=()
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
 # The Kubernetes manifest tests render infra/k8s with `kubectl kustomize`.
 command -v kubectl >/dev/null || missing+=(kubectl)
+# The contention tests run `arena up` beside a CPU hog (tests/e2e/test_contention.py).
+command -v stress-ng >/dev/null || missing+=(stress-ng)
 # The llama.cpp backend is compiled from source.
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)

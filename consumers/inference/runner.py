@@ -6,6 +6,7 @@ import asyncio
 import heapq
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
+from consumers.inference import probes
 from consumers.inference.metrics import METRICS, PrefixCounts
 from consumers.inference.protocol import (
     EngineBackend,
@@ -44,13 +46,17 @@ PROFILE_PROMPT_TOKENS = 8
 #: A profile that has not ended by then (a llama-server that never came up) is given up:
 #: the engine serves, its figures come from real steps.
 PROFILE_TIMEOUT_S = 180.0
-#: The profile's full batch stops after this long once it has PROFILE_MIN_FULL_STEPS
+#: Each of the profile's batches stops after this long once it has PROFILE_MIN_FULL_STEPS
 #: decode steps: on a slow CPU its 16 steps at 64 rows took 18 s (SmolLM2 in float32 on
-#: an AVX2 EPYC, 0.8 s a step), and a restarted worker's requests waited them out.
+#: an AVX2 EPYC, 0.8 s a step), and a restarted worker's requests waited them out; beside
+#: a CPU hog its lone request's steps took 2 s each (the idle probes correct them after).
 PROFILE_FULL_BUDGET_S = 3.0
 PROFILE_MIN_FULL_STEPS = 4
 
 PROFILE_PREFIX = "step-profile-"
+#: An idle engine's probe (`EngineRunner._probe`, consumers/inference/probes.py) is given
+#: up past this, its figure unused (a probe is a few steps: this is a stuck engine).
+PROBE_TIMEOUT_S = 30.0
 
 #: An engine's measured steps are kept in a file (``EngineRunner(figures=...)``), written
 #: at the profile's end and every FIGURES_EVERY_S while it lives; an engine of the same
@@ -177,8 +183,20 @@ class EngineRunner:
         self._small_batches: deque[int] = deque(maxlen=64)
         #: Steps with one request in the batch: how fast a request goes alone (the median).
         self._alone: deque[float] = deque(maxlen=64)
-        #: ... and those of the profile's lone request: the engine alone on an idle machine.
-        self._alone_idle: list[float] = []
+        #: ... and those of the profile's and the idle probes' lone request, the newest.
+        self._alone_idle: deque[float] = deque(maxlen=MIN_SAMPLES)
+        #: When each of _small, _full and _alone's steps ran (monotonic; -inf: kept by an
+        #: earlier process): a probe rescales those that ran before the last probe.
+        self._at: dict[str, deque[float]] = {name: deque(maxlen=64) for name in self._TIMED}
+        #: The idle probes (`_probe`): when the next is due, the CPU's pressure, the probe's
+        #: step times while it runs, and when the engine last stepped for a request.
+        self._probes = probes.ProbeClock()
+        self._pressure = probes.Pressure()
+        self._pressure_now: float | None = None
+        self._probe_times: list[float] | None = None
+        self._probing = False
+        self._idle_since = -math.inf
+        self._probes_before = -math.inf  # when the last probe began: a rescale's edge
         #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
         #: The busiest batch of the served steps of each recent second, as (monotonic
@@ -193,8 +211,11 @@ class EngineRunner:
         self._profiling: set[str] = set()
         self._figures = Path(figures) if figures else None
         self._figures_saved = 0.0
+        self._probing_on = profile  # the idle probes follow the profile's figures
         if not profile or self._take_figures():
             self.profiled.set()
+        else:
+            self._probes.probed(time.monotonic(), None)  # the profile measures now
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 
@@ -203,24 +224,24 @@ class EngineRunner:
         return self.engine.loaded
 
     def add(self, req: GenRequest) -> None:
-        if self._hold(req):
-            return
-        self.engine.add(req)
-        self._wake.set()
+        self._apply(req)
 
     def cancel(self, request_id: str) -> None:
-        if self._hold(request_id):
-            return
-        self.engine.cancel(request_id)
-        self._wake.set()
+        self._apply(request_id)
 
-    def _hold(self, command: GenRequest | str) -> bool:
-        """While the profile runs, a request (or a cancel, by its id) waits for it."""
+    def _apply(self, command: GenRequest | str) -> None:
+        """Into the engine; while the profile or a probe runs, a request (or a cancel, by
+        its id) waits for it, in order (a probe gives way at its next step). Under the
+        lock a probe starts with: no request joins one."""
         with self._held_lock:
-            if self.profiled.is_set():
-                return False
-            self._held.append(command)
-            return True
+            if not self.profiled.is_set() or self._probing:
+                self._held.append(command)
+                return
+            if isinstance(command, str):
+                self.engine.cancel(command)
+            else:
+                self.engine.add(command)
+        self._wake.set()
 
     def _hold_for_batch(self, queue: EngineStats) -> float:
         """Static mode: seconds to wait for a fuller micro-batch before starting one."""
@@ -241,8 +262,7 @@ class EngineRunner:
                 self._keep_figures()
             queue = self.engine.stats()
             if not queue.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
+                self._idle()
                 continue
             hold = self._hold_for_batch(queue)
             if hold > 0:
@@ -251,6 +271,7 @@ class EngineRunner:
                 continue
             self._first_wait = None
             self._step(len(queue.running))
+            self._idle_since = time.monotonic()
 
     def _step(self, batch: int) -> None:
         """One engine step of `batch` running requests: timed, told, its outputs posted."""
@@ -299,11 +320,10 @@ class EngineRunner:
                     if time.monotonic() - started > PROFILE_TIMEOUT_S:
                         raise TimeoutError(f"not done after {PROFILE_TIMEOUT_S:g} s")
                     if (
-                        n > 1
-                        and time.monotonic() - batch_started > PROFILE_FULL_BUDGET_S
-                        and len(self._full) >= PROFILE_MIN_FULL_STEPS
+                        time.monotonic() - batch_started > PROFILE_FULL_BUDGET_S
+                        and len(self._full if n > 1 else self._alone_idle) >= PROFILE_MIN_FULL_STEPS
                     ):
-                        self._end_profile_requests()  # enough steps to judge a burst by
+                        self._end_profile_requests()  # enough steps to judge by
                         break
                     self._step(len(self.engine.stats().running))
                 load = self.load()
@@ -320,6 +340,13 @@ class EngineRunner:
         except Exception as exc:  # noqa: BLE001 - the engine must serve without its figures
             log.warning("step profile given up: %r", exc, extra={"model": self.name})
             self._end_profile_requests()
+        self._release_held()
+        self._probes_before = time.monotonic()  # the profile's steps: a probe's to rescale
+        if self._figures is not None:
+            self._keep_figures()
+
+    def _release_held(self) -> None:
+        """The requests and cancels held while the profile or a probe ran go in, in order."""
         with self._held_lock:
             for command in self._held:
                 if isinstance(command, str):
@@ -331,13 +358,93 @@ class EngineRunner:
                     log.warning("engine refused a request: %r", exc, extra={"request_id": command.request_id})
                     self._post([StepOutput.ended(command, "error")])
             self._held.clear()
+            self._probing = False
             self.profiled.set()
-        if self._figures is not None:
-            self._keep_figures()
+        self._wake.set()
+
+    # ---- the idle probes (consumers/inference/probes.py) -------------------------------
+
+    def _idle(self) -> None:
+        """Nothing to step: wait for a request, and probe when one is due (and the
+        engine's layers are in place: the probe times the steps it will serve with)."""
+        self._wake.wait(0.5)
+        self._wake.clear()
+        now = time.monotonic()
+        self._pressure_now = self._pressure.read(now)
+        if (
+            self._probing_on
+            and not self._stop
+            and self._probes.due(now, self._idle_since, self._pressure_now)
+            and self.engine.wait_packed(0)
+        ):
+            self._probe()
+
+    def _probe(self) -> None:
+        """Step one short synthetic request alone for a few decode steps (`_probed_enough`),
+        as the profile's lone one (out of the outputs, the metrics and the prefix cache),
+        and let the figures follow what they took (`_follow`). Requests that come meanwhile
+        wait at most a step: the probe then ends, its steps unused under PROBE_STEPS."""
+        with self._held_lock:
+            if self.engine.stats().has_work():
+                return
+            self._probing = True
+        self._probe_times = []
+        started = time.monotonic()
+        try:
+            self._profile_batch(1, probes.PROBE_MAX_STEPS)
+            while self._profiling and not self._held and not self._stop and not self._probed_enough():
+                if time.monotonic() - started > PROBE_TIMEOUT_S:
+                    raise TimeoutError(f"not done after {PROBE_TIMEOUT_S:g} s")
+                self._step(len(self.engine.stats().running))
+        except Exception as exc:  # noqa: BLE001 - a failed probe costs its figure, not the engine
+            log.warning("step probe given up: %r", exc, extra={"model": self.name})
+        finally:
+            if self._profiling:
+                self._end_profile_requests()
+            times, self._probe_times = self._probe_times, None
+            self._release_held()
+        self._probes.probed(time.monotonic(), self._pressure_now)
+        if len(times) >= probes.PROBE_STEPS:
+            self._follow(times, started)
+            self._post([])  # an engine process's stats go up with it (heartbeats carry them)
+
+    def _probed_enough(self) -> bool:
+        times = self._probe_times or []
+        return len(times) >= probes.PROBE_MAX_STEPS or (
+            len(times) >= probes.PROBE_STEPS and sum(times) >= probes.PROBE_MIN_S
+        )
+
+    def _follow(self, times: list[float], started: float) -> None:
+        """A probe's lone step: past probes.RESCALE_AT from the figures' own lone steps,
+        every step figure measured before the previous probe is rescaled by as much (those
+        since are requests' own steps, measured as the machine is now); then it joins them."""
+        probe_s = statistics.median(times)
+        lone = statistics.median(self._alone_idle) if self._alone_idle else None
+        ratio = probes.rescaled(probe_s, lone)
+        if ratio != 1.0:
+            before = self._probes_before
+            for name in self._TIMED:
+                values, at = getattr(self, name), self._at[name]
+                for i, t in enumerate(at):
+                    if t < before:
+                        values[i] *= ratio
+            for i in range(len(self._alone_idle)):
+                self._alone_idle[i] *= ratio
+            log.info(
+                "step probe: a step alone takes %.1f ms now, %.1f ms in the figures: they follow (x%.2f)",
+                probe_s * 1000,
+                (lone or 0.0) * 1000,
+                ratio,
+                extra={"model": self.name},
+            )
+        self._alone_idle.extend(times)
+        self._probes_before = started
+        self.measured_at = time.time()
 
     # ---- the figures kept between processes ---------------------------------------------
 
     _KEPT = ("_small", "_small_batches", "_full", "_full_batches", "_alone", "_alone_idle")
+    _TIMED = ("_small", "_full", "_alone")  # the steps a probe rescales by when they ran
 
     def _keep_figures(self) -> None:
         """Write the measured steps to the figures file (atomically: a reader sees the old
@@ -370,6 +477,9 @@ class EngineRunner:
             return False
         for name, values in seeds.items():
             getattr(self, name).extend(values)
+            if name in self._TIMED:
+                self._at[name].extend([-math.inf] * len(values))
+        self._probes_before = time.monotonic()  # the first probe rescales them all
         self.measured_at = float(kept.get("measured_at") or 0.0)
         log.info(
             "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it",
@@ -387,15 +497,15 @@ class EngineRunner:
             self._profile_outputs(self.engine.step())
         self._profiling.clear()
 
-    def _profile_batch(self, n: int) -> None:
+    def _profile_batch(self, n: int, steps: int = PROFILE_STEPS) -> None:
         loaded = self.engine.loaded
         prompt = loaded.tokenizer.encode("Tell me about the weather in the mountains", add_special_tokens=False)
         params = SamplingParams(
             temperature=0,
-            max_tokens=PROFILE_STEPS + 1,
+            max_tokens=steps + 1,
             logit_bias=tuple((eos, -100.0) for eos in loaded.eos_ids),
         )
-        ids = [f"{PROFILE_PREFIX}{n}-{i}" for i in range(n)]
+        ids = [f"{PROFILE_PREFIX}{n}-{i}-{time.monotonic_ns()}" for i in range(n)]
         self._profiling.update(ids)
         for rid in ids:
             self.engine.add(GenRequest(rid, prompt[:PROFILE_PROMPT_TOKENS], params, cache=False))
@@ -431,6 +541,10 @@ class EngineRunner:
         """A step's time: a decode step's (no newcomer in it) at its batch; a step that
         prefilled `fresh` newcomers counts its time past a decode step's at that batch as
         prefill, for the share (`_prefill_share`). `idle`: the profile's own step."""
+        if self._probe_times is not None:  # a probe's step: its own figure (`_probe`)
+            if batch == 1 and not fresh:
+                self._probe_times.append(took)
+            return
         self.measured_at = time.time()
         prefill = 0.0
         if fresh:
@@ -439,14 +553,20 @@ class EngineRunner:
         self._recent.append((time.monotonic(), took, prefill))
         if fresh:
             return
+        now = time.monotonic()
         if batch * 2 >= self.engine.max_batch_size:
             self._full.append(took)
             self._full_batches.append(batch)
+            self._at["_full"].append(now)
         else:
             self._small.append(took)
             self._small_batches.append(batch)
-        if batch == 1:
-            (self._alone_idle if idle else self._alone).append(took)
+            self._at["_small"].append(now)
+        if batch == 1 and idle:
+            self._alone_idle.append(took)
+        elif batch == 1:
+            self._alone.append(took)
+            self._at["_alone"].append(now)
 
     def _decode_figures(self) -> EngineLoad:
         """The decode steps measured, as a load carries them (at small and at near-full
@@ -467,10 +587,11 @@ class EngineRunner:
         lower bound (a short context, nothing streamed beside it: 51 ms for SmolLM2, whose
         256-token answer then stepped ~55 ms and ended at 15.04 s in the stack), so it is
         not preferred once the real ones are measured."""
-        for steps in (self._alone, self._alone_idle):
-            if len(steps) >= MIN_SAMPLES:
-                return statistics.median(steps)
-        return None
+        if len(self._alone) >= MIN_SAMPLES:
+            return statistics.median(self._alone)
+        # The profile's lone batch is cut short on a slow machine (PROFILE_FULL_BUDGET_S):
+        # 4 steps then, and each probe adds its own.
+        return statistics.median(self._alone_idle) if len(self._alone_idle) >= PROFILE_MIN_FULL_STEPS else None
 
     def _prefill_share(self) -> float:
         """Of the steps in the last PREFILL_WINDOW_S, the share of their time that went to
@@ -510,6 +631,7 @@ class EngineRunner:
                 "alone_step_s": self._alone_step(),
                 "prefill_share": self._prefill_share(),
                 "recent_running": self._recent_running(),
+                "ends": tuple(sorted(queue.running)),
                 "measured_at": self.measured_at,
             }
         )
