@@ -85,7 +85,7 @@ class Pipeline:
     async def start(self) -> None:
         options = jetstream.connect_options(self.settings)
         self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway", **options)
-        self.js = self.nc.jetstream()
+        self.js = jetstream.context(self.nc)
         await jetstream.prepare_topology(self.js, self.settings)
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
         self.listening_since = time.time()
@@ -241,21 +241,31 @@ class Pipeline:
         return Output(self, request_id, until, after_seq=after_seq, replay=replay)
 
 
+#: What a request's live subject brings: a live message, or the events a stream read
+#: found (`LiveSub.stored`).
+Arrival = Msg | list[EventBase]
+
+
 class LiveSub:
     """A request's live subject, read with a timeout: the subscription's callback queues
     each message, and a read takes one at once when one is there. (nats-py's `next_msg`
     starts two tasks and draws a UUID for every message: for a stream of chunks, a
-    share of the gateway's work per token.)"""
+    share of the gateway's work per token.) Stream reads done beside it come through
+    the same queue (`Arrival`)."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self.queue: asyncio.Queue[Arrival] = asyncio.Queue()
         self.sub: Subscription | None = None
 
     async def put(self, msg: Msg) -> None:
         self.queue.put_nowait(msg)
 
-    async def next_msg(self, timeout: float) -> Msg:
-        """The next message; TimeoutError when none comes within `timeout` seconds."""
+    def stored(self, events: list[EventBase]) -> None:
+        """A stream read's events, taken in turn with the live messages."""
+        self.queue.put_nowait(events)
+
+    async def next_msg(self, timeout: float) -> Arrival:
+        """The next arrival; TimeoutError when none comes within `timeout` seconds."""
         if not self.queue.empty():
             return self.queue.get_nowait()
         async with asyncio.timeout(timeout):
@@ -280,6 +290,7 @@ class Output:
         self.after_seq, self.replay = after_seq, replay
         self.assembler = Assembler()
         self.sub: LiveSub | None = None
+        self._reading: asyncio.Task | None = None  # a stream read beside the live subject
 
     @property
     def terminal(self) -> Terminal | None:
@@ -294,6 +305,8 @@ class Output:
         return self
 
     async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
         if self.sub is not None:
             with suppress(Exception):
                 await self.sub.unsubscribe()
@@ -316,13 +329,31 @@ class Output:
         """The chunks these events make deliverable, in order, past the client's last seq."""
         return [c for e in events for c in self.assembler.add(e) if c.seq > self.after_seq]
 
+    def _read_soon(self) -> None:
+        """Read the stream beside the live subject (one read at a time): its events come
+        in turn with the live messages, so a slow read (a NATS server that just restarted
+        answers one in seconds) holds no live chunk back."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read_into(self.sub))
+
+    async def _read_into(self, sub: LiveSub | None) -> None:
+        events = await self._stored()
+        if sub is not None:
+            sub.stored(events)
+
     async def __aiter__(self) -> AsyncIterator[TokensGenerated]:
+        """Quiet is counted from the last chunk delivered, not the last message: chunks
+        held behind a lost one (a NATS restart) are no progress, and the stream is read
+        for it once the request has been quiet that long."""
         asm = self.assembler
         incoming = await self._stored() if self.replay else []
-        quiet = QUIET_S
+        quiet, progress_at = QUIET_S, time.time()
         while True:
-            for chunk in self._deliverable(incoming):
+            delivered = self._deliverable(incoming)
+            for chunk in delivered:
                 yield chunk
+            if delivered:
+                quiet, progress_at = QUIET_S, time.time()
             if asm.terminal is not None:
                 if not asm.done:  # the terminal overtook chunks: the stream has them all
                     for chunk in self._deliverable(await self._stored()):
@@ -331,15 +362,26 @@ class Output:
             left = self.until - time.time()
             if left <= 0:
                 return
-            assert self.sub is not None, "open() the output before iterating it"
-            try:
-                msg = await self.sub.next_msg(timeout=min(quiet, left))
-                incoming, quiet = [decode(msg.data)], QUIET_S
-            except TimeoutError:
-                incoming, quiet = await self._stored(), min(quiet * 2, QUIET_MAX_S)
-            except ValueError as exc:  # no event (a buggy or older publisher): the stream has what it meant
-                METRICS.live_skipped.inc()
-                log.warning(
-                    "undecodable live message skipped: %s", str(exc)[:200], extra={"request_id": self.request_id}
-                )
-                incoming = await self._stored()
+            if time.time() >= progress_at + quiet:
+                self._read_soon()
+                quiet, progress_at = min(quiet * 2, QUIET_MAX_S), time.time()
+            incoming = await self._next(min(progress_at + quiet - time.time(), left))
+
+    async def _next(self, timeout: float) -> list[EventBase]:
+        """What arrives within `timeout` s: a live event, a stream read's events; nothing
+        when nothing came. After a live message that is no event the stream is read (it
+        has what was meant)."""
+        assert self.sub is not None, "open() the output before iterating it"
+        try:
+            arrival = await self.sub.next_msg(timeout=timeout)
+        except TimeoutError:
+            return []
+        if isinstance(arrival, list):
+            return arrival
+        try:
+            return [decode(arrival.data)]
+        except ValueError as exc:  # no event (a buggy or older publisher): the stream has what it meant
+            METRICS.live_skipped.inc()
+            log.warning("undecodable live message skipped: %s", str(exc)[:200], extra={"request_id": self.request_id})
+            self._read_soon()
+            return []

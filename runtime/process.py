@@ -78,7 +78,7 @@ class ProcessRuntime:
         await self.endpoint.start()  # /healthz answers while the rest starts (slow model loads)
         options = jetstream.connect_options(self.settings)
         self.nc = nc = await jetstream.connect(self.settings.nats_url, f"arena-{self.role}", **options)
-        self.js = js = nc.jetstream()
+        self.js = js = jetstream.context(nc)
         await jetstream.prepare_topology(js, self.settings, topology.role(self.role).durable)
         self._beat = asyncio.create_task(self._heartbeats())
 

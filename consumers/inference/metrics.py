@@ -40,6 +40,9 @@ class InferenceMetrics:
         self.resumed_tokens = Counter(
             "arena_resumed_tokens_total", "Tokens a taken-over request did not regenerate (already delivered)"
         )
+        self.chunks_resent = Counter(
+            "arena_chunks_resent_total", "Chunks sent again at once: their ack was lost with the NATS connection"
+        )
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
         self.prefix_hits = Counter(
             "arena_prefix_cache_hits_total", "Prompts that reused a cached prefix's keys and values", ["model"]

@@ -61,7 +61,7 @@ from events.models import (
     Usage,
 )
 from runtime import tracing
-from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S
+from runtime.jetstream import NATS_DOWN, PUBLISH_TIMEOUT_S, ReplyLost
 from runtime.steps import too_long_alone
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class Job:
     pending_text: str = ""
     pending_logprobs: list = field(default_factory=list)  # the engine's, for the next chunk (when asked)
     text: str = ""
-    #: Chunks sent to the stream whose acknowledgement is still to be collected.
-    unconfirmed: list[tuple[TokensGenerated, Awaitable | None]] = field(default_factory=list)
+    #: Chunks sent to the stream whose acknowledgement is still to be collected, by seq.
+    unconfirmed: dict[int, tuple[TokensGenerated, asyncio.Future | None]] = field(default_factory=dict)
     closed: bool = False  # its terminal event is queued; later engine outputs are ignored
     span: Span | None = None  # its trace's inference span (None: tracing off)
     gen: GenRequest | None = None  # what the engine runs (when it joined a batch)
@@ -141,6 +141,7 @@ class InferenceService:
         self.runners: dict[int, Runner] = {}
         self._core_notes: CoreShare | Literal[False] | None = None  # _notes(); False: none can be made
         self.outbox: asyncio.Queue = asyncio.Queue()
+        self._endings: set[asyncio.Task] = set()  # jobs being settled (`_ending`)
         self._room = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -158,7 +159,7 @@ class InferenceService:
     async def stop(self) -> None:
         for runner in self.runners.values():
             runner.stop()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._endings]:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
@@ -571,22 +572,39 @@ class InferenceService:
     # ---- background tasks ------------------------------------------------------------
 
     async def _publisher(self) -> None:
-        """Send chunks as they come (live, and to the stream without waiting for acks);
-        settle a message only after its chunks are confirmed and its terminal event stored."""
+        """Send chunks as they come (live, and to the stream without waiting for acks), in
+        the order the engine made them; settle each job beside the others (`_ending`).
+
+        Settling waits for the job's chunk acks. It ran in this loop once: after a NATS
+        restart every job waited out its lost acks (PUBLISH_TIMEOUT_S) in turn, and the
+        chunks of every other job waited behind it (one answer every 1.5 s)."""
         while True:
             kind, job, event = await self.outbox.get()
+            if kind != "chunk":  # the job's chunks are all sent: nothing of it follows
+                self._endings.add(task := asyncio.create_task(self._ending(kind, job, event)))
+                task.add_done_callback(self._endings.discard)
+                continue
             try:
                 with tracing.within(job.span):  # the events carry the request's trace
-                    if kind == "chunk":
-                        await self._send_chunk(job, event)
-                    elif kind == "give back":
-                        await self._give_back(job)
-                    else:
-                        await self._settle(job, event, term=kind == "reaped")
+                    await self._send_chunk(job, event)
             except Exception:
                 log.exception("publish failed", extra={"request_id": job.event.request_id})
             finally:
                 self.outbox.task_done()
+
+    async def _ending(self, kind: str, job: Job, terminal: Terminal | None) -> None:
+        """A job's end: its message given back, or its terminal event stored and the
+        message acked (or termed, `reaped`). Done for `outbox.join()` once settled."""
+        try:
+            with tracing.within(job.span):
+                if kind == "give back":
+                    await self._give_back(job)
+                else:
+                    await self._settle(job, terminal, term=kind == "reaped")
+        except Exception:
+            log.exception("publish failed", extra={"request_id": job.event.request_id})
+        finally:
+            self.outbox.task_done()
 
     async def _send_chunk(self, job: Job, event: TokensGenerated) -> None:
         raw = encode(event)
@@ -594,16 +612,29 @@ class InferenceService:
             with suppress(Exception):  # the stream has it; a gateway that missed it reads it there
                 await self.live(subjects.live_subject(event.request_id), raw)
         try:
-            job.unconfirmed.append((event, await self.publish_nowait(event, raw)))
+            ack = asyncio.ensure_future(await self.publish_nowait(event, raw))
         except NATS_DOWN:
             log.warning("chunk not sent; retried before the terminal event", extra={"request_id": event.request_id})
-            job.unconfirmed.append((event, None))
+            job.unconfirmed[event.seq] = (event, None)
+            return
+        job.unconfirmed[event.seq] = (event, ack)
+        ack.add_done_callback(functools.partial(self._chunk_acked, job, event))
+
+    def _chunk_acked(self, job: Job, event: TokensGenerated, ack: asyncio.Future) -> None:
+        """A chunk whose ack was lost with the connection (NATS restarted under it) is sent
+        again at once, live and to the stream (buffered until the connection is back): it
+        may never have reached either, and a gateway holds every later chunk behind it.
+        Once the job's end is queued, `_confirm_chunks` publishes it instead."""
+        if ack.cancelled() or not isinstance(ack.exception(), ReplyLost) or job.closed:
+            return
+        METRICS.chunks_resent.inc()
+        self.outbox.put_nowait(("chunk", job, event))
 
     async def _confirm_chunks(self, job: Job) -> None:
         """Every chunk of the job stored in the stream: collect the acks, publish again
         (dedupe keys make that safe) whatever the stream did not confirm."""
-        pending = [(event, None if ack is None else asyncio.ensure_future(ack)) for event, ack in job.unconfirmed]
-        job.unconfirmed = []
+        pending = list(job.unconfirmed.values())
+        job.unconfirmed = {}
         acks = [ack for _, ack in pending if ack is not None]
         if acks:  # all at once: a stream leader lost mid-answer costs one timeout, not one per chunk
             await asyncio.wait(acks, timeout=PUBLISH_TIMEOUT_S)

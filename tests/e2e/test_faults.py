@@ -6,11 +6,13 @@ Every figure a test measures is printed (run with -s to see it)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
 import statistics
 import time
+from dataclasses import dataclass
 
 import httpx
 import nats
@@ -214,6 +216,135 @@ def test_kill_9_of_arena_ups_own_server_is_restarted_and_serving_resumes(tmp_pat
         print(f"\n[kill -9 {server}] {len(answers) - len(failed)}/{len(answers)} answered 200, {len(failed)} x 503")
     finally:
         up.stop()
+
+
+def test_a_nats_blip_under_arena_up_costs_about_the_blip_and_answers_every_request_once(tmp_path):
+    """`arena up` defaults; 12 streams, 6 plain and 6 `Idempotency-Key` requests under way
+    (all published or refused, every stream flowing), then its nats-server killed with
+    SIGKILL and restarted by the supervisor. Every request in flight is answered, once and
+    whole, and a request sent right after the restart is answered. (The plain and keyed
+    ones used to come back 504 and the streams end one every 1.5 s: each job waited out
+    its lost acks in turn.) The figures are printed; the bounds are the default deadline."""
+    up = ArenaUp(tmp_path)
+    try:
+        blip = asyncio.run(_blip(up))
+        in_flight = [kind for kind, _, _ in blip.in_flight]
+        assert {"stream", "plain", "keyed"} <= set(in_flight), f"in flight at the kill: {in_flight}"
+        errors = [(kind, answer) for kind, _, answer in blip.in_flight if not _whole(up, answer)]
+        assert errors == [], errors
+        for before, after in blip.keyed_again:  # the key still names the one request, which ran once
+            assert (after.json()["x_arena"]["request_id"], after.json()["x_arena"]["attached"]) == (
+                before.json()["x_arena"]["request_id"],
+                True,
+            )
+        report = asyncio.run(audit_of(up.nats_url, settle_s=1.0))
+        assert report["missing_terminal"] == [] and report["duplicate_terminal"] == [], report
+        assert blip.fresh.status_code == 200, blip.fresh.text[:300]
+        print(f"\n[nats kill -9 under arena up] {blip.summary()}")
+        up.stop()
+        exits = [json.loads(line) for line in up.lines if '"process_exited"' in line]
+        assert [e["process"] for e in exits] == ["nats-server"], exits
+    finally:
+        up.stop()
+
+
+@dataclass
+class Blip:
+    """What the clients saw around a kill of the stack's nats-server."""
+
+    in_flight: list[tuple[str, int, Stream | httpx.Response]]  # (kind, index, answer) of those unanswered at the kill
+    refused_before: int  # answered (refused at admission) before the kill
+    keyed_again: list[tuple[httpx.Response, httpx.Response]]  # a keyed request in flight, and its key sent again
+    fresh: httpx.Response  # a request sent once the server was back
+    restarted_s: float  # the kill to the new server's process
+    fresh_s: float  # the new request's time
+    ended_s: float  # the kill to the last answer
+
+    def summary(self) -> str:
+        streams = [a for kind, _, a in self.in_flight if isinstance(a, Stream) and len(a.chunk_times) > 1]
+        gaps = [max(b - a for a, b in itertools.pairwise(s.chunk_times)) for s in streams]
+        return (
+            f"server back in {self.restarted_s:.2f} s; in flight: {len(self.in_flight)} "
+            f"({self.refused_before} refused before), all answered, the last {self.ended_s:.2f} s after the kill; "
+            f"longest gap in a stream {max(gaps, default=0):.2f} s (median {statistics.median(gaps or [0]):.2f}); "
+            f"a new request after the restart: {self.fresh_s:.2f} s"
+        )
+
+
+async def _blip(up: ArenaUp) -> Blip:
+    [victim] = [p for p in psutil.Process(up.proc.pid).children() if p.name() == "nats-server"]
+    nc = await nats.connect(up.nats_url)
+    published: set[str] = set()
+
+    async def on_requested(msg) -> None:
+        published.add(msg.subject)
+
+    await nc.subscribe(f"{subjects.REQUESTED}.>", cb=on_requested)
+    body = {"ignore_eos": True}
+    kinds = ["stream"] * 12 + ["keyed"] * 6 + ["plain"] * 6
+    async with httpx.AsyncClient(timeout=60) as client:
+        seen = [Stream() for _ in range(12)]
+        tasks = [
+            asyncio.create_task(stream_one(client, up.url, prompt(i, 400) | body, out=s)) for i, s in enumerate(seen)
+        ]
+        tasks += [
+            asyncio.create_task(
+                post_one(client, up.url, prompt(i, 400) | body, {"Idempotency-Key": f"blip-{i}"} if i < 18 else None)
+            )
+            for i in range(12, 24)
+        ]
+        # Killed mid-flight, whatever the machine's speed: every request published (or
+        # already refused at admission) and every stream flowing.
+        await until(
+            lambda: (
+                len(published) + sum(t.done() for t in tasks) >= 24
+                and all(s.chunk_times or s.done or s.status not in (0, 200) for s in seen)
+            ),
+            timeout=60,
+        )
+        await nc.close()
+        unanswered = [i for i, t in enumerate(tasks) if not t.done()]
+        victim.kill()
+        killed = time.monotonic()
+        await until(lambda: nats_server_of(up, other_than=victim.pid), timeout=30)
+        restarted = time.monotonic() - killed
+        fresh = await post_one(client, up.url, prompt(999, 16))
+        fresh_s = time.monotonic() - killed - restarted
+        answers = await asyncio.gather(*tasks)
+        ended = time.monotonic() - killed
+        keyed = [i for i in unanswered if kinds[i] == "keyed"]
+        again = [await post_one(client, up.url, prompt(i, 400) | body, {"Idempotency-Key": f"blip-{i}"}) for i in keyed]
+    return Blip(
+        in_flight=[(kinds[i], i, answers[i]) for i in unanswered],
+        refused_before=len(tasks) - len(unanswered),
+        keyed_again=list(zip([answers[i] for i in keyed], again, strict=True)),
+        fresh=fresh,
+        restarted_s=restarted,
+        fresh_s=fresh_s,
+        ended_s=ended,
+    )
+
+
+def _whole(up: ArenaUp, answer: Stream | httpx.Response) -> bool:
+    """Answered 200 with the request's one stored answer, every chunk stored once."""
+    if isinstance(answer, Stream):
+        if answer.status != 200 or answer.error is not None or not answer.done:
+            return False
+        request_id, text = answer.request_id, answer.text
+    else:
+        if answer.status_code != 200:
+            return False
+        request_id, text = answer.json()["x_arena"]["request_id"], answer.json()["choices"][0]["message"]["content"]
+    stored = stored_events(up.nats_url, request_id)
+    [done] = [e for e in stored if e.type == "chat.completed"]
+    chunks = sorted(e.seq for e in stored if e.type == "tokens.generated")
+    return done.text == text and done.usage.completion_tokens == 400 and chunks == list(range(done.chunks))
+
+
+def nats_server_of(up: ArenaUp, other_than: int) -> int | None:
+    """The pid of the stack's nats-server, once one other than `other_than` runs."""
+    pids = [p.pid for p in psutil.Process(up.proc.pid).children() if p.name() == "nats-server"]
+    return next((pid for pid in pids if pid != other_than), None)
 
 
 # ---- Redis and NATS outages -------------------------------------------------------------

@@ -43,6 +43,9 @@ class FakeSub:
     async def next_msg(self, timeout: float):
         return await asyncio.wait_for(self.queue.get(), timeout)
 
+    def stored(self, events: list) -> None:
+        self.queue.put_nowait(events)
+
     async def unsubscribe(self) -> None:
         self.closed = True
 

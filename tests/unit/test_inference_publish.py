@@ -14,6 +14,8 @@ from consumers.inference.service import InferenceService, Job
 from consumers.inference.settings import InferenceSettings
 from events import subjects
 from events.models import ChatMessage, FilterReport, PromptAccepted, SamplingParams
+from runtime.jetstream import PUBLISH_TIMEOUT_S, ReplyLost
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,19 +35,25 @@ class FakeMsg:
 
 
 class FakeStream:
-    """Stores what is published; `lose` names chunk seqs whose first ack never comes."""
+    """Stores what is published; `lose` names chunk seqs whose first ack fails, `hang`
+    the dedupe keys whose first ack never comes (lost with a NATS server killed)."""
 
-    def __init__(self, lose: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, lose: set[int] = frozenset(), hang: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         self.stored: list[str] = []
         self.live: list[tuple[str, str]] = []
         self.lose = set(lose)
+        self.hang = set(hang)
+        self.held: dict[str, asyncio.Future] = {}  # the acks left waiting, by dedupe key
 
     async def publish(self, event, raw: bytes | None = None) -> None:
         self.stored.append(subjects.dedupe_key(event))
 
     async def publish_nowait(self, event, raw: bytes | None = None) -> asyncio.Future:
         ack: asyncio.Future = asyncio.get_running_loop().create_future()
-        if event.seq in self.lose:
+        if (key := subjects.dedupe_key(event)) in self.hang:
+            self.hang.discard(key)
+            self.held[key] = ack
+        elif event.seq in self.lose:
             self.lose.discard(event.seq)
             ack.set_exception(TimeoutError("no ack"))
         else:
@@ -71,7 +79,7 @@ def accepted(rid: str = "r1") -> PromptAccepted:
     )
 
 
-async def run_job(stream: FakeStream) -> FakeMsg:
+def started(stream: FakeStream) -> InferenceService:
     service = InferenceService(
         InferenceSettings(nats_url="nats://unused:1", chunk_tokens=4),
         pool=None,
@@ -80,11 +88,21 @@ async def run_job(stream: FakeStream) -> FakeMsg:
         live=stream.send_live,
     )
     service.start()
+    return service
+
+
+def generate(service: InferenceService, rid: str) -> FakeMsg:
+    """A job for ``rid`` whose engine makes its 9 tokens at once: its message."""
     msg = FakeMsg()
-    job = Job(accepted(), msg, runner=None, pin=AsyncExitStack())  # type: ignore[arg-type]
-    service.jobs["r1"] = job
-    outputs = [StepOutput("r1", [i], f"t{i}", i == 8, "length" if i == 8 else None, 3, i + 1) for i in range(9)]
+    service.jobs[rid] = Job(accepted(rid), msg, runner=None, pin=AsyncExitStack())  # type: ignore[arg-type]
+    outputs = [StepOutput(rid, [i], f"t{i}", i == 8, "length" if i == 8 else None, 3, i + 1) for i in range(9)]
     service.on_outputs(outputs)
+    return msg
+
+
+async def run_job(stream: FakeStream) -> FakeMsg:
+    service = started(stream)
+    msg = generate(service, "r1")
     await service.outbox.join()
     await service.stop()
     return msg
@@ -104,3 +122,33 @@ async def test_a_chunk_the_stream_did_not_confirm_is_published_again_before_the_
     msg = await run_job(stream)
     assert stream.stored == ["r1:tok:0", "r1:tok:2", "r1:tok:1", "r1:terminal"]
     assert msg.settled == ["ack"]
+
+
+async def test_a_job_waiting_for_a_lost_ack_holds_up_no_other_job():
+    """A NATS restart loses the acks of the chunks in flight: the job that waits for one
+    (PUBLISH_TIMEOUT_S, then publishes the chunk again) holds up neither the chunks nor
+    the end of the jobs after it. (They waited in turn: one answer every 1.5 s.)"""
+    stream = FakeStream(hang={"a:tok:0"})
+    service = started(stream)
+    waiting, other = generate(service, "a"), generate(service, "b")
+    await until(lambda: other.settled == ["ack"], timeout=PUBLISH_TIMEOUT_S / 2)
+    assert waiting.settled == [] and "b:terminal" in stream.stored and "a:terminal" not in stream.stored
+    await service.outbox.join()
+    assert waiting.settled == ["ack"]
+    assert stream.stored[-2:] == ["a:tok:0", "a:terminal"]  # the chunk published again, then the terminal
+    await service.stop()
+
+
+async def test_a_chunk_whose_ack_was_lost_with_the_connection_is_sent_again_at_once():
+    """Not at the job's end: a gateway holds every later chunk behind it until it comes."""
+    stream = FakeStream(hang={"r1:tok:0"})
+    service = started(stream)
+    msg = FakeMsg()
+    service.jobs["r1"] = Job(accepted(), msg, runner=None, pin=AsyncExitStack())  # type: ignore[arg-type]
+    service.on_outputs([StepOutput("r1", [0], "t0", False, None, 3, 1)])
+    await service.outbox.join()
+    assert stream.stored == [] and len(stream.live) == 1
+    stream.held["r1:tok:0"].set_exception(ReplyLost())  # the connection went: that ack cannot come
+    await until(lambda: stream.stored == ["r1:tok:0"] and len(stream.live) == 2, timeout=1.0)
+    assert msg.settled == []  # the job runs on
+    await service.stop()
