@@ -353,6 +353,9 @@ class ChatFailed(RequestEvent):
     code: FailureCode
     message: str
     chunks: int = 0
+    #: An `overloaded` worker's guess of when it would have room (whole seconds): the
+    #: client's Retry-After. None: 1 s (events written before it had one).
+    retry_after_s: int | None = None
 
 
 class ChatCancelled(RequestEvent):

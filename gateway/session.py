@@ -96,7 +96,8 @@ def failure(terminal: Failure) -> APIError:
     """The client error for a terminal event that is not an answer."""
     if isinstance(terminal, PromptRejected):
         return APIError(400, f"prompt rejected by the filter: {terminal.reason}", "prompt_rejected", "messages")
-    headers = {"Retry-After": "1"} if terminal.code == "overloaded" else None
+    # An overloaded worker says when it expects room (the openai client waits that long).
+    headers = {"Retry-After": str(terminal.retry_after_s or 1)} if terminal.code == "overloaded" else None
     # A worker's message names the field at fault first ("max_tokens: ..."), as the edge's do.
     named = terminal.message.partition(":")[0]
     param = named if named in NAMED_FIELDS else None

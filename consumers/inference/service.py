@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
@@ -268,7 +269,7 @@ class InferenceService:
         except Exception as exc:  # noqa: BLE001 - each becomes the request's failure; a bug is logged there
             await self._drop(rid, pin)
             code, message = _failure_of(exc, rid)
-            await self._fail(event, msg, code, message)
+            await self._fail(event, msg, code, message, exc.retry_after_s if isinstance(exc, _Refused) else None)
 
     async def _start(
         self,
@@ -313,7 +314,9 @@ class InferenceService:
             # waited, and the estimate is a worst case (the whole token budget); the
             # engine still ends it at its deadline if it really cannot finish.
             METRICS.deadline_misses.labels(event.model).inc()
-            raise _Refused("overloaded", "the worker cannot finish it before its deadline; retry")
+            over_s = max(1, math.ceil((eta or 0.0) - event.deadline_at))  # its work ahead drains by then
+            why = f"the worker cannot finish it before its deadline; retry in {over_s} s"
+            raise _Refused("overloaded", why, over_s)
         job = self.jobs[event.request_id] = Job(event, msg, runner, pin, span=span, gen=gen)
         if chunks:
             job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
@@ -562,10 +565,10 @@ class InferenceService:
         job.closed = True
         self.outbox.put_nowait(("terminal", job, terminal))
 
-    async def _fail(self, event, msg, code: str, message: str) -> None:
+    async def _fail(self, event, msg, code: str, message: str, retry_after_s: int | None = None) -> None:
         """A permanent failure: publish ChatFailed, then terminate the message (no redelivery)."""
         ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
-        await self.publish(ChatFailed(**ids, code=code, message=message))
+        await self.publish(ChatFailed(**ids, code=code, message=message, retry_after_s=retry_after_s))
         await msg.term()
         log.info("failed: %s", code, extra={"request_id": event.request_id, "model": event.model})
 
@@ -779,9 +782,9 @@ def engine_params(event: PromptAccepted) -> EngineParams:
 class _Refused(Exception):
     """A request the worker will not start, and the failure its client gets."""
 
-    def __init__(self, code: FailureCode, message: str) -> None:
+    def __init__(self, code: FailureCode, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
 def _failure_of(exc: Exception, request_id: str) -> tuple[FailureCode, str]:

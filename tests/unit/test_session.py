@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from events.models import ChatCancelled
+from events.models import ChatCancelled, ChatFailed
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatService
-from gateway.session import keep_running
+from gateway.session import failure, keep_running
 from tests.unit.fake_pipeline import FakePipeline, settings
 
 MODEL = "stories-260k"
@@ -110,3 +110,14 @@ async def test_time_to_first_token_is_observed_for_a_streamed_session():
         async for _ in session:
             pass
     assert sample("arena_time_to_first_token_seconds_count") == count + 1
+
+
+def test_an_overloaded_workers_refusal_says_when_to_retry():
+    """A worker that pulled a request too late to finish it says when it expects room: the
+    client's Retry-After (the openai client waits that long before its retry), where a
+    fixed second had the client's two retries refused the same way. A refusal stored
+    before the field existed still reads, with 1 s."""
+    said = ChatFailed(request_id="r1", conv_id="c1", code="overloaded", message="retry in 7 s", retry_after_s=7)
+    assert (failure(said).status, failure(said).headers) == (429, {"Retry-After": "7"})
+    old = ChatFailed.model_validate_json('{"request_id": "r2", "conv_id": "c2", "code": "overloaded", "message": "x"}')
+    assert failure(old).headers == {"Retry-After": "1"}
