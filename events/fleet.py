@@ -62,6 +62,11 @@ class EngineLoad(Beat):
         "the batch a request admitted now is judged to live through, if more than the batch of the moment.",
     )
     measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
+    ends: tuple[int, ...] = Field(
+        (),
+        description="The token budgets the running requests have left, fewest first: when their slots free, for "
+        "a request that has to wait for one (empty: none running, or a worker that does not say).",
+    )
 
 
 class ModelLoad(EngineLoad):
@@ -82,6 +87,7 @@ class ModelLoad(EngineLoad):
                 "waiting": self.waiting + engine.waiting,
                 "recent_running": self.recent_running + engine.recent_running,
                 "max_batch": self.max_batch + engine.max_batch,
+                "ends": tuple(sorted(self.ends + engine.ends)),
                 "measured_at": max(self.measured_at, engine.measured_at),
                 "prefill_share": max(self.prefill_share, engine.prefill_share),
                 "step_s": engine.step_s if small else self.step_s,

@@ -16,6 +16,7 @@ its deadline, and a refused one is told when to retry.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -24,6 +25,8 @@ from dataclasses import dataclass, replace
 from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
 from runtime.steps import step_time, stretch, too_long_alone
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ModelQueue:
     prefill_share: float = 0.0  # of recent step time, newcomers' prefills' (the busiest worker's)
     heard_at: float = 0.0  # the newest of the heartbeats it sums
     recent_running: int = 0  # the busiest batch of the last PEAK_WINDOW_S (the workers' sum)
+    ends: tuple[int, ...] = ()  # the running requests' token budgets left, fewest first (empty: unknown)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,17 @@ class Estimate:
     wait_s: float  # of which waiting for a slot
     step_s: float = 0.0  # the step time its tokens were counted at (margin included)
     margin: float = 1.0  # the margin step times were multiplied by
+    batch: int = 0  # the batch its steps were judged at
+    stretch: float = 1.0  # what others' prefills stretched its steps by
+
+    def parts(self, budget: int) -> str:
+        """The estimate's inputs in words, for a log line: what refused a request."""
+        decode = self.step_s / (self.margin * self.stretch) if self.step_s else 0.0
+        return (
+            f"{self.finish_s:.1f} s: {self.wait_s:.1f} s waiting, {budget} tokens x {self.step_s * 1000:.0f} ms "
+            f"(decode {decode * 1000:.0f} ms at batch {self.batch}, x{self.stretch:.2f} prefills, "
+            f"x{self.margin:.2f} margin)"
+        )
 
     def judged(self) -> Judged:
         """The estimate's parts, margin aside: what calibration compares the request's
@@ -90,6 +105,23 @@ class Endings:
         return ended
 
 
+class Refusals:
+    """Says in the log what refused a request (`Estimate.parts`), at most once every
+    EVERY_S per model: in a burst, hundreds are refused by the same figures."""
+
+    EVERY_S = 1.0
+
+    def __init__(self) -> None:
+        self.said_at: dict[str, float] = {}
+
+    def say(self, model: str, est: Estimate, budget: int, budget_s: float) -> None:
+        now = time.monotonic()
+        if now - self.said_at.get(model, -math.inf) < self.EVERY_S:
+            return
+        self.said_at[model] = now
+        log.info("refused: %s over %g s", est.parts(budget), budget_s, extra={"model": model})
+
+
 def combine(
     workers: ModelQueue,
     stream: StreamState,
@@ -112,10 +144,30 @@ def combine(
         tokens = round(known_tokens * requests / known)
     else:
         tokens = known_tokens + round((requests - known) * mean_budget)
+    ends = workers.ends
     if endings is not None and requests and (ended := endings.since(model, max(workers.heard_at, stream.read_at))):
         left = max(0, requests - ended)
         tokens, requests = round(tokens * left / requests), left
-    return replace(workers, requests=requests, tokens=tokens)
+        ends = ends[ended:]  # those that ended had the fewest tokens left
+    return replace(workers, requests=requests, tokens=tokens, ends=ends)
+
+
+def slot_wait(q: ModelQueue) -> float | None:
+    """Steps until a request joining the queue now gets a slot: the requests queued ahead of
+    it (beyond the running ones, `q.ends`) take the slots as they free, fewest tokens left
+    first, each with the mean budget of those queued; None when the running ones' budgets
+    are unknown. Counted as the mean of all the budgets left, a request one beyond the
+    slots waited as long as the running requests' mean (32 of 64 tokens at llama.cpp's 32
+    slots), where the first slot frees after the fewest (a token or two under arrivals),
+    and was refused at every moment a server at capacity held one more request than slots."""
+    if not q.ends:
+        return None
+    running = q.ends[: q.slots]
+    queued = max(0, q.requests - len(running))
+    each = max(0, q.tokens - sum(running)) / queued if queued else 0.0
+    free = (0,) * (q.slots - len(running)) + running  # when each slot frees, soonest first
+    rounds, k = divmod(queued, q.slots)
+    return free[k] + rounds * each
 
 
 def step_at(q: ModelQueue, batch: int) -> float | None:
@@ -128,38 +180,71 @@ def step_at(q: ModelQueue, batch: int) -> float | None:
 STALE_S = 10.0
 
 
-def estimate(q: ModelQueue, budget: int, overhead_s: float, margin: float = 1.0, now: float | None = None) -> Estimate:
+def grown(q: ModelQueue, typical: float, deadline_s: float, overhead_s: float, per_step: float) -> int:
+    """The batch admission lets the fleet grow to: the largest at which a request of the
+    `typical` budget still fits its deadline (each step times `per_step`, the prefills'
+    stretch and the margin), 1 when none does. A request admitted now shares its steps
+    with those admitted after it, and admission keeps letting typical ones in up to this
+    batch: judged at the batch of the moment, the first requests of a burst needed 1.4x
+    their estimate, and the margin learned from them refused at saturation turns that
+    llama-server answered in time."""
+    lo, hi = 1, q.slots
+    while lo < hi:  # step times never shrink as the batch grows: bisect
+        mid = (lo + hi + 1) // 2
+        step = step_at(q, mid)
+        if step is not None and overhead_s + typical * step * per_step <= deadline_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def estimate(
+    q: ModelQueue,
+    budget: int,
+    overhead_s: float,
+    margin: float = 1.0,
+    now: float | None = None,
+    typical: float | None = None,
+    deadline_s: float | None = None,
+) -> Estimate:
     """When a request of `budget` tokens would finish. Without step times (nothing
     measured yet, or an idle fleet with stale measurements) only the fixed overhead is
-    counted: the request is let through, unless its deadline is shorter than that."""
+    counted: the request is let through, unless its deadline is shorter than that.
+    Given the `typical` budget of the requests arriving and the request's `deadline_s`,
+    a request joining running ones is judged at the batch admission lets grow while it
+    runs (`grown`), not only at the batch of the moment."""
     probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
     if q.slots <= 0:  # no worker reported a load for the model yet (it has not run)
         return probe
     if q.requests == 0 and (now or time.time()) - q.measured_at > STALE_S:
         return probe
-    # The batch its tokens will share: the one it joins, or the busiest of the last
-    # seconds where that was more (conversations idle between turns; `PEAK_WINDOW_S`).
+    # An idle fleet is judged without the margin: refused there, a request would never
+    # run, and nothing would refresh the measurements that refused it; nor is anyone
+    # arriving beside it there, whose prefills would stretch its steps.
+    prefills = stretch(q.prefill_share, q.measured_at, now or time.time()) if q.requests else 1.0
+    if not q.requests:
+        margin = 1.0
+    # The batch its tokens will share: the one it joins, the busiest of the last seconds
+    # where that was more (conversations idle between turns; `PEAK_WINDOW_S`), or the
+    # one admission lets it grow to while it runs.
     batch = min(q.slots, max(q.requests + 1, q.recent_running))
+    if q.requests and typical is not None and deadline_s is not None:
+        batch = max(batch, grown(q, typical, deadline_s, overhead_s, prefills * margin))
     # Alone, a request steps as fast as requests alone do (the median step at batch 1),
     # the figure `never` judges it by: an idle fleet refuses with 429 only what a retry
     # could get, never a request that a 400 would have told to change.
     step = q.alone_step_s if batch == 1 and q.alone_step_s is not None else step_at(q, batch)
     if step is None:  # nothing measured yet: one wave of slots goes, the rest waits for figures
         return probe if q.requests < q.slots else Estimate(math.inf, math.inf)
-    # An idle fleet is judged without the margin: refused there, a request would never
-    # run, and nothing would refresh the measurements that refused it; nor is anyone
-    # arriving beside it there, whose prefills would stretch its steps.
-    if q.requests:
-        step *= stretch(q.prefill_share, q.measured_at, now or time.time())
-    else:
-        margin = 1.0
-    step *= margin
+    step *= prefills * margin
     beyond = q.requests + 1 - q.slots  # requests that must end before this one gets a slot
     wait_s = 0.0
     if beyond > 0 and q.requests:
-        mean_tokens = q.tokens / q.requests
-        wait_s = math.ceil(beyond / q.slots) * mean_tokens * step
-    return Estimate(overhead_s + wait_s + budget * step, wait_s, step, margin)
+        if (steps := slot_wait(q)) is None:
+            steps = math.ceil(beyond / q.slots) * q.tokens / q.requests
+        wait_s = steps * step
+    return Estimate(overhead_s + wait_s + budget * step, wait_s, step, margin, batch, prefills)
 
 
 def alone_s(q: ModelQueue, budget: int, overhead_s: float) -> float | None:

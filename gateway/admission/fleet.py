@@ -35,6 +35,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         total.prefill_share,
         heard_at,
         total.recent_running,
+        total.ends,
     )
 
 

@@ -115,6 +115,7 @@ class EarlyGate:
         in_flight: dict[str, int],
         calibration: Calibration | None = None,
         endings: estimate.Endings | None = None,
+        refusals: estimate.Refusals | None = None,
     ):
         """`pipeline`: the fleet as the heartbeats and the consumers' state say (`queue`,
         `context_len`, `stream_state`) and the NATS connection peers talk on; `in_flight`:
@@ -122,6 +123,7 @@ class EarlyGate:
         margins learned per model (Admission's)."""
         self.settings, self.pipeline, self.recent, self.in_flight = settings, pipeline, recent, in_flight
         self.endings = endings or estimate.Endings()  # the requests served here that ended (Admission's)
+        self.refusals = refusals or estimate.Refusals()  # what refused, in the log (Admission's)
         self.calibration = calibration or Calibration(settings.admission_margin)
         #: The estimates the requests let through were judged by, until their leases take them.
         self.judged: dict[str, Judged] = {}
@@ -238,8 +240,9 @@ class EarlyGate:
         if (queued := self.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
             METRICS.rejections.labels(reason="overloaded").inc()
             return backstop(model, queued), None
-        if (est := self.estimate(model, tokens, workers)).finish_s > budget_s:
+        if (est := self.estimate(model, tokens, workers, budget_s)).finish_s > budget_s:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
+            self.refusals.say(model, est, tokens, budget_s)
             return overloaded(model, est, budget_s), None
         member = new_id()
         self.judged[member] = est.judged()
@@ -251,16 +254,26 @@ class EarlyGate:
         """A request this gate let through is counted in the route's queue now."""
         self.unreserved.get(model, {}).pop(member, None)
 
-    def estimate(self, model: str, tokens: int, workers: estimate.ModelQueue | None = None) -> estimate.Estimate:
+    def estimate(
+        self, model: str, tokens: int, workers: estimate.ModelQueue | None = None, budget_s: float | None = None
+    ) -> estimate.Estimate:
         """When the request would finish: the fleet's queue with what was let through
         since its state was read, at the model's learned margin (stricter than the
-        fleet-wide check's: `STRICTER`)."""
+        fleet-wide check's: `STRICTER`); given its deadline (`budget_s`), at the batch
+        admission lets grow while it runs (`estimate.grown`)."""
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - VISIBILITY_LAG_S, self.share(model, time.time()))
         queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget, self.endings, model)
         margin = self.calibration.margin(model) * STRICTER
-        return estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
+        return estimate.estimate(
+            queue,
+            tokens,
+            self.settings.admission_overhead_s,
+            margin,
+            typical=self.recent.mean_budget,
+            deadline_s=budget_s,
+        )
 
     async def published(self, model: str, member: str) -> None:
         await self._set(model, member, 0, "pub")

@@ -20,6 +20,7 @@ from gateway.admission.estimate import (
     Endings,
     Estimate,
     ModelQueue,
+    Refusals,
     StreamState,
     backstop,
     combine,
@@ -139,7 +140,10 @@ class Admission:
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
         self.endings = Endings()  # when the requests served here ended (`combine` takes them off)
-        self.gate = EarlyGate(settings, pipeline, self.recent, self.in_flight, self.calibration, self.endings)
+        self.refusals = Refusals()  # what refused, in the log
+        self.gate = EarlyGate(
+            settings, pipeline, self.recent, self.in_flight, self.calibration, self.endings, self.refusals
+        )
         self.background = Background()  # the leases' bookkeeping after a publish
 
     async def start(self) -> None:
@@ -179,8 +183,11 @@ class Admission:
         def judge(stream: StreamState, n: int, ahead: int) -> Estimate | None:
             workers_now = workers or self.pipeline.queue(model)
             queue = combine(workers_now, stream, n, ahead, self.recent.mean_budget, self.endings, model)
-            est = estimate(queue, tokens, settings.admission_overhead_s, self.calibration.margin(model))
+            margin = self.calibration.margin(model)
+            overhead_s, typical = settings.admission_overhead_s, self.recent.mean_budget
+            est = estimate(queue, tokens, overhead_s, margin, typical=typical, deadline_s=budget_s)
             if est.finish_s > budget_s:
+                self.refusals.say(model, est, tokens, budget_s)
                 return est
             if lease is not None:
                 lease.judged = est.judged()

@@ -52,7 +52,11 @@ def test_a_beat_of_the_dict_era_decodes_as_its_roles_model_and_writes_the_same_k
     assert sent.pop("schema_version") == 1
     load = {k: v for k, v in DICT_BEAT["load"]["a"].items() if v is not None}
     added = {"loading": []}
-    assert sent == {**DICT_BEAT, **added, "load": {"a": {**load, "prefill_share": 0.0, "recent_running": 0}}}
+    assert sent == {
+        **DICT_BEAT,
+        **added,
+        "load": {"a": {**load, "prefill_share": 0.0, "recent_running": 0, "ends": []}},
+    }
 
 
 def test_roles_without_a_beat_of_their_own_and_fields_from_a_newer_contract():
@@ -69,10 +73,11 @@ def test_what_is_no_beat_is_a_value_error(raw):
 
 
 def test_model_load_adds_counts_and_keeps_the_slower_step():
-    one = ModelLoad(running=2, waiting=1, max_batch=8, tokens=10, step_s=0.01, measured_at=5.0)
-    two = EngineLoad(running=1, max_batch=8, step_s=0.02, full_step_s=0.05, full_batch=6, measured_at=3.0)
+    one = ModelLoad(running=2, waiting=1, max_batch=8, tokens=10, step_s=0.01, measured_at=5.0, ends=(3, 7))
+    two = EngineLoad(running=1, max_batch=8, step_s=0.02, full_step_s=0.05, full_batch=6, measured_at=3.0, ends=(5,))
     total = one.plus(two).plus(ModelLoad(tokens=5, full_step_s=0.04, full_batch=8))
     assert (total.running, total.waiting, total.max_batch, total.tokens) == (3, 1, 16, 15)
+    assert total.ends == (3, 5, 7)  # the running budgets left, fewest first, over the engines
     assert (total.step_s, total.full_step_s, total.full_batch, total.measured_at) == (0.02, 0.05, 6, 5.0)
 
 
