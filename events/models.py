@@ -342,6 +342,7 @@ FailureCode = Literal[
     "internal_error",
     "invalid_request",  # a parameter the model cannot serve (a logit_bias token outside its vocabulary)
     "deadline_too_short",  # more tokens than the model makes within the request's deadline even alone
+    "model_unavailable",  # its upstream server is down (the circuit is open): retry later
 ]
 
 

@@ -137,6 +137,7 @@ class Pipeline:
         out: dict[str, Any] = {role: sum(1 for b in beats if b.role == role and b.ready) for role in roles}
         served: dict[str, set] = {}
         loading: dict[str, set] = {}
+        unavailable: dict[str, set] = {}
         for b in beats:
             if isinstance(b, InferenceBeat):
                 for name in b.models:
@@ -145,8 +146,11 @@ class Pipeline:
                     served.setdefault(name, set()).add(b.instance)
                 for name in b.loading:
                     loading.setdefault(name, set()).add(b.instance)
+                for name in b.unavailable:
+                    unavailable.setdefault(name, set()).add(b.instance)
         out["models"] = {name: sorted(insts) for name, insts in served.items()}
         out["loading"] = {name: sorted(insts) for name, insts in loading.items()}
+        out["unavailable"] = {name: sorted(insts) for name, insts in unavailable.items()}
         return out
 
     def context_len(self, model: str) -> int | None:

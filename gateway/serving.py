@@ -110,6 +110,15 @@ class ChatService:
         loading = fleet.get("loading", {}).get(model, [])
         if loading and not set(fleet["models"][model]) - set(loading):  # no worker holds it ready
             raise model_loading(model)
+        down = fleet.get("unavailable", {}).get(model, [])
+        if down and not set(fleet["models"][model]) - set(down):  # its upstream is down wherever it is held
+            raise APIError(
+                503,
+                f"model '{model}' is unavailable: its upstream server is failing; retry after {LOADING_RETRY_S} s",
+                "model_unavailable",
+                "model",
+                headers={"Retry-After": str(LOADING_RETRY_S)},
+            )
         if req.conv_id is not None and not subjects.is_valid_token(req.conv_id):
             raise APIError(400, "conv_id: use 1-128 letters, digits, '_' or '-'", "invalid_value", "conv_id")
         chars = sum(len(m.text()) for m in req.messages)

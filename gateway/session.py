@@ -43,9 +43,11 @@ FAILURE_STATUS = {
     "internal_error": 500,
     "invalid_request": 400,
     "deadline_too_short": 400,
+    "model_unavailable": 503,
 }
 #: The fields a worker's failure message may name first ("max_tokens: ..."): its `param`.
-NAMED_FIELDS = ("max_tokens", "messages", "logit_bias")
+NAMED_FIELDS: tuple[str, ...] = ("max_tokens", "messages", "logit_bias", "prompt", "seed", "stop", "temperature")
+NAMED_FIELDS += ("top_p", "presence_penalty", "frequency_penalty", "logprobs")
 #: Output is followed this long past the deadline: a terminal event published at the
 #: deadline (inference ends a running request there) still reaches the client.
 FOLLOW_GRACE_S = 2.0

@@ -54,6 +54,7 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
             models=tuple(s.name for s in specs),
             resident=tuple(pool.resident()),
             loading=tuple(sorted(adding)),
+            unavailable=tuple(service.unavailable()),
             resident_bytes=pool.stats.resident_bytes,
             context=service.token_rooms(),
             defaults={s.name: d for s in specs if (d := s.defaults()) is not None},

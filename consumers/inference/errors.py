@@ -30,6 +30,24 @@ class UnknownModel(PermanentError):
         super().__init__(f"unknown model {name!r}{hint}")
 
 
+class Unsupported(PermanentError):
+    """A request field the model's server does not take (the models config says so): the
+    client's 400, naming the field."""
+
+    def __init__(self, field: str, model: str, why: str = "its upstream server does not support it") -> None:
+        self.field = field
+        super().__init__(f"{field}: model {model!r} cannot serve it: {why}")
+
+
+class Unavailable(PermanentError):
+    """The model's server is known to be down (its circuit is open): refused at once, a
+    503 with when to ask again, rather than held until its deadline."""
+
+    def __init__(self, model: str, why: str, retry_in_s: float) -> None:
+        self.retry_in_s = retry_in_s
+        super().__init__(f"model {model!r} is unavailable: {why}; retry in {retry_in_s:.0f} s")
+
+
 class PromptTooLong(PermanentError):
     """The prompt does not fit the model's context window."""
 

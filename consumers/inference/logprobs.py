@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,8 +76,33 @@ class Speller:
         return piece.encode()
 
 
-def speller(tokenizer: Any) -> Speller:
+class Pieces:
+    """The spellings of a model whose tokenizer is not here (an upstream server's, which
+    sends its tokens as text): each piece seen gets the next id, so the engine's token ids
+    and log probabilities work as a local model's. Ids are this process's, counted in
+    the chunks (``token_ids``) but meaningless elsewhere."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._pieces: list[str] = []
+        self._lock = threading.Lock()
+
+    def id(self, piece: str) -> int:
+        with self._lock:
+            if (found := self._ids.get(piece)) is None:
+                found = self._ids[piece] = len(self._pieces)
+                self._pieces.append(piece)
+            return found
+
+    def __call__(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        piece = self._pieces[token_id]
+        return piece, tuple(piece.encode())
+
+
+def speller(tokenizer: Any) -> Callable[[int], tuple[str, tuple[int, ...]]]:
     """The tokenizer's speller (one per tokenizer, kept while it lives)."""
+    if isinstance(tokenizer, Pieces):
+        return tokenizer
     if (found := _SPELLERS.get(tokenizer)) is None:
         found = _SPELLERS[tokenizer] = Speller(tokenizer)
     return found

@@ -43,6 +43,15 @@ class InferenceMetrics:
         self.chunks_resent = Counter(
             "arena_chunks_resent_total", "Chunks sent again at once: their ack was lost with the NATS connection"
         )
+        self.upstream_busy = Counter(
+            "arena_upstream_busy_total", "Upstream answers 429 or 503 (waited out, then tried again)", ["model"]
+        )
+        self.upstream_failures = Counter(
+            "arena_upstream_failures_total", "Upstream connections refused or broken, and its 5xx answers", ["model"]
+        )
+        self.upstream_circuit_open = Gauge(
+            "arena_upstream_circuit_open", "1 while an upstream model's circuit is open", ["model"]
+        )
         self.steps = Counter("arena_engine_steps_total", "Engine steps run", ["model"])
         self.prefix_hits = Counter(
             "arena_prefix_cache_hits_total", "Prompts that reused a cached prefix's keys and values", ["model"]

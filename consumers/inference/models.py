@@ -29,6 +29,7 @@ from consumers.inference import prepack, sources
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp.options import DEFAULT_SLOT_CONTEXT, LlamaCppOptions
 from consumers.inference.quantize import Quantize, quantize_model
+from consumers.inference.upstream.options import UpstreamOptions
 from events.fleet import VariantDefaults
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,15 @@ class ModelSpec(BaseModel):
         None,
         description="Jinja chat template overriding the tokenizer's; when both are missing FALLBACK_TEMPLATE is used.",
     )
-    backend: Literal["builtin", "llamacpp"] = Field(
+    backend: Literal["builtin", "llamacpp", "upstream"] = Field(
         "builtin",
         description="What computes its tokens: 'builtin', arenaflow's batch engine on torch; 'llamacpp', a "
         "llama-server child of the worker serving the GGUF itself (path: a .gguf file or pkg:PACKAGE; "
-        "`python -m consumers.inference.llamacpp build` once). Prompts are tokenized by the worker either way.",
+        "`python -m consumers.inference.llamacpp build` once), prompts tokenized by the worker; 'upstream', an "
+        "OpenAI-compatible server arenaflow does not run (the `upstream:` block; no path), which tokenizes itself.",
     )
     llamacpp: LlamaCppOptions | None = Field(None, description="backend llamacpp: its server's slots and threads.")
+    upstream: UpstreamOptions | None = Field(None, description="backend upstream: the server, its model id and key.")
     # A variant serves its base's weights (one copy in the pool) under its own name,
     # with its own defaults; the gateway applies them where a request sets nothing.
     base: str | None = Field(None, description="Variant of this model: same weights, its own defaults.")
@@ -147,11 +150,27 @@ class ModelSpec(BaseModel):
             raise ValueError(f"quantize: {self.quantize!r} runs on the CPU only; drop it or set device: cpu")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upstream_path(cls, data: Any) -> Any:
+        """An upstream model's path is its server's URL (what `arena models list` shows)."""
+        if isinstance(data, dict) and data.get("backend") == "upstream" and not data.get("path"):
+            upstream = data.get("upstream")
+            url = upstream.get("base_url") if isinstance(upstream, dict) else getattr(upstream, "base_url", None)
+            return {**data, "path": str(url or "")}
+        return data
+
     @model_validator(mode="after")
     def _llamacpp_serves_a_gguf(self) -> ModelSpec:
+        if self.llamacpp is not None and self.backend != "llamacpp":
+            raise ValueError("llamacpp: options need backend: llamacpp")
+        if (self.upstream is not None) != (self.backend == "upstream"):
+            raise ValueError("backend: upstream needs an upstream: block (base_url, model), and only it takes one")
         if self.backend == "builtin":
-            if self.llamacpp is not None:
-                raise ValueError("llamacpp: options need backend: llamacpp")
+            return self
+        if self.backend == "upstream":
+            if self.quantize is not None or self.device != "cpu" or self.chat_template is not None:
+                raise ValueError("backend: upstream runs on its server: drop quantize, device and chat_template")
             return self
         if not sources.is_converted_source(self.path):
             raise ValueError(
@@ -224,9 +243,12 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
     by_name = {e.get("name"): e for e in entries if isinstance(e, dict)}
     for i, raw in enumerate(entries):
         given = _variant_entry(file, i, raw, by_name) if isinstance(raw, dict) and raw.get("base") else raw
-        if not isinstance(given, dict) or "path" not in given:
-            raise PermanentError(f"models config {file}: entry {i} needs at least 'name' and 'path' (or 'base')")
-        entry = {**given, "path": _resolve_path(str(given["path"]), base)}
+        upstream = isinstance(given, dict) and given.get("backend") == "upstream"
+        if not isinstance(given, dict) or ("path" not in given and not upstream):
+            raise PermanentError(
+                f"models config {file}: entry {i} needs at least 'name' and 'path' (or 'base', or backend: upstream)"
+            )
+        entry = given if upstream else {**given, "path": _resolve_path(str(given["path"]), base)}
         try:
             specs.append(ModelSpec(**entry))
         except ValueError as exc:
@@ -241,12 +263,12 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
 def _variant_entry(file: Path, i: int, entry: dict, by_name: dict) -> dict:
     """A variant takes its base's weights, placement and owner; a base must be a plain model."""
     parent = by_name.get(entry["base"])
-    if parent is None or parent.get("base") is not None or "path" not in parent:
+    if parent is None or parent.get("base") is not None or ("path" not in parent and "upstream" not in parent):
         raise PermanentError(
             f"models config {file}: entry {i} ({entry.get('name')!r}) has base {entry['base']!r}, "
             "which must name a plain model (with a 'path') in the same file"
         )
-    inherited = ("path", "dtype", "device", "chat_template", "owner", "quantize", "backend", "llamacpp")
+    inherited = ("path", "dtype", "device", "chat_template", "owner", "quantize", "backend", "llamacpp", "upstream")
     placement = {k: parent[k] for k in inherited if k in parent}
     return {**placement, **entry}
 
@@ -308,6 +330,8 @@ def configured_context_len(spec: ModelSpec) -> int | None:
     """``spec``'s context length from its checkpoint's config files, without loading its
     weights or tokenizer (milliseconds); None when they cannot be read (a hub id not in
     the local cache), until the model is loaded."""
+    if spec.upstream is not None:
+        return spec.upstream.context
     if spec.base is not None or sources.is_converted_source(spec.path):
         return None
     try:
@@ -361,6 +385,10 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
 
     if spec.backend == "llamacpp":
         return load_tokenizer_only(spec, version, cache)
+    if spec.backend == "upstream":
+        from consumers.inference.upstream.engine import upstream_model  # noqa: PLC0415 - it imports this module
+
+        return upstream_model(spec, version)
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
     try:

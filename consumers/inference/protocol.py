@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 from consumers.inference.prefix import PrefixStats
 from consumers.inference.sampling import SamplingParams, TokenLogprob
 from events.fleet import EngineLoad
+from events.models import FailureCode
 
 if TYPE_CHECKING:
     from consumers.inference.models import LoadedModel
@@ -48,6 +49,17 @@ if TYPE_CHECKING:
 #: "lost": the engine process running it died (engine_process.py); the worker gives
 #: the request back, to be continued from its stored chunks, instead of failing it.
 FinishReason = Literal["stop", "length", "deadline", "cancelled", "error", "lost"]
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A prompt as text, for a server that tokenizes it itself (an upstream backend's):
+    chat messages, or a completions prompt; and the answer's text already delivered (a
+    request taken over from a dead worker), to continue from."""
+
+    messages: list[dict] | None = None
+    text: str | None = None
+    resumed: str = ""
 
 
 @dataclass
@@ -65,6 +77,8 @@ class GenRequest:
     #: Looked up in and kept in the prefix cache; False for prompts that are no one's (the
     #: runner's step profile), which must neither count as misses nor push entries out.
     cache: bool = True
+    #: For an engine that takes text (``prompt_ids`` then empty): the prompt as text.
+    text_prompt: TextPrompt | None = None
 
     @property
     def input_ids(self) -> list[int]:
@@ -84,6 +98,8 @@ class StepOutput:
     completion_tokens: int  # total so far
     #: With ``params.logprobs``: one per new token, less an end-of-sequence one; else None.
     logprobs: list[TokenLogprob] | None = None
+    #: Of an "error" the engine can say more of: the failure's code and message for the client.
+    failure: tuple[FailureCode, str] | None = None
 
     @classmethod
     def ended(cls, req: GenRequest, reason: FinishReason) -> StepOutput:

@@ -40,7 +40,14 @@ from consumers.inference import spans
 from consumers.inference.cores import CoreShare, share_or_none, sizing
 from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
 from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
-from consumers.inference.errors import PermanentError, PromptTooLong, RetryableError, UnknownModel
+from consumers.inference.errors import (
+    PermanentError,
+    PromptTooLong,
+    RetryableError,
+    Unavailable,
+    UnknownModel,
+    Unsupported,
+)
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.logprobs import spelled, speller
@@ -49,6 +56,7 @@ from consumers.inference.models import encode_prompt, encode_text, machine, voca
 from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import EngineRunner
 from consumers.inference.sampling import SamplingParams as EngineParams
+from consumers.inference.upstream.engine import UpstreamEngine, upstream_request
 from events import encode, subjects
 from events.fleet import ModelLoad
 from events.models import (
@@ -288,18 +296,22 @@ class InferenceService:
             raise _Refused(
                 "invalid_request", f"logit_bias: token {top} is outside the model's vocabulary ({vocab} tokens)"
             )
-        if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
-            prompt_ids = encode_text(loaded, event.messages[-1].content)
+        if loaded.spec.upstream is not None:  # its server tokenizes: the prompt goes as text
+            gen = upstream_request(event, params, chunks, loaded.spec)
+            resume_ids = gen.resume_ids
         else:
-            prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
-        resume_ids = [t for c in chunks for t in c.token_ids]
-        gen = GenRequest(event.request_id, prompt_ids, params, deadline=event.deadline_at, resume_ids=resume_ids)
-        # One that can never fit is a 400 before anything judges its time (a 429 would
-        # tell its client to retry it).
-        check_prompt(gen, loaded.context_len)
-        if not resume_ids:
-            check_room(gen, loaded.context_len)
-            check_kv(gen, loaded, self.kv_budget)
+            if event.prompt_format == "text":  # POST /v1/completions: the prompt as it is
+                prompt_ids = encode_text(loaded, event.messages[-1].content)
+            else:
+                prompt_ids = encode_prompt(loaded, [m.model_dump() for m in event.messages])
+            resume_ids = [t for c in chunks for t in c.token_ids]
+            gen = GenRequest(event.request_id, prompt_ids, params, deadline=event.deadline_at, resume_ids=resume_ids)
+            # One that can never fit is a 400 before anything judges its time (a 429 would
+            # tell its client to retry it).
+            check_prompt(gen, loaded.context_len)
+            if not resume_ids:
+                check_room(gen, loaded.context_len)
+                check_kv(gen, loaded, self.kv_budget)
         runner = self._runner_for(loaded)
         budget_s = event.deadline_at - event.received_at
         never = too_long_alone("max_tokens", event.model, params.max_tokens, runner.load().alone_step_s, budget_s)
@@ -359,6 +371,12 @@ class InferenceService:
                 )
         return {name: load.model_copy(update={"tokens": tokens.get(name, 0)}) for name, load in out.items()}
 
+    def unavailable(self) -> list[str]:
+        """The models whose upstream's circuit is open: the heartbeat says so, and the
+        gateways refuse them at once and the arena pairs them no more."""
+        engines = [r.engine for r in self.runners.values() if isinstance(r, EngineRunner)]
+        return sorted(e.name for e in engines if isinstance(e, UpstreamEngine) and e.circuit.open)
+
     def cancel(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
         if job:
@@ -397,6 +415,8 @@ class InferenceService:
                     figures=figures,
                     before_step=self._notes(),
                 )
+            elif loaded.spec.upstream is not None:  # no profile: its server is someone's, its streams time it
+                runner = EngineRunner(UpstreamEngine(loaded), self.loop, self.on_outputs)
             elif s.engine_process and self._shareable(loaded):
                 runner = ProcessRunner(
                     loaded,
@@ -561,6 +581,8 @@ class InferenceService:
                 if out.finish_reason == "error"
                 else f"generation ended: {out.finish_reason}"
             )
+            if out.failure is not None:  # the engine says more (an upstream's refusal)
+                code, message = out.failure
             terminal = ChatFailed(**job.ids, code=code, message=message, chunks=job.seq)
         job.closed = True
         self.outbox.put_nowait(("terminal", job, terminal))
@@ -796,6 +818,10 @@ def _failure_of(exc: Exception, request_id: str) -> tuple[FailureCode, str]:
             return "unknown_model", str(exc)
         case PromptTooLong():
             return "prompt_too_long", str(exc)
+        case Unsupported():
+            return "invalid_request", str(exc)
+        case Unavailable():
+            return "model_unavailable", str(exc)
         case PermanentError():
             return "internal_error", str(exc)
     # A bug: fail this request rather than hold it until its deadline.

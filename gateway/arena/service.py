@@ -115,7 +115,8 @@ class ArenaService:
 
     async def start(self, api_key: str | None, address: str | None) -> Battle:
         fleet = self.pipeline.fleet()
-        out = await self.withdrawn()
+        down = {m for m, at in fleet.get("unavailable", {}).items() if not set(fleet["models"].get(m, ())) - set(at)}
+        out = await self.withdrawn() | down
         resident = {m for m, insts in fleet["models"].items() if insts and m not in out}
         models = [m for m in fleet["models"] if m not in out]
         owners = model_owners(self.pipeline.live_beats())

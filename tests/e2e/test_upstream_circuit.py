@@ -1,0 +1,127 @@
+"""An upstream that goes down and comes back: a real `llama-server` behind a proxy in the
+test that can refuse every connection, served by `arena up --models-config` as a
+`backend: upstream` model beside the local stories-260k. Refused connections open the
+circuit: the gateway answers 503 model_unavailable at once and the arena no longer pairs
+the model; once the upstream answers again the worker's half-open probe closes it and
+requests are served again; the audit is clean."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+
+import httpx
+import pytest
+
+from tests.arena_up import ArenaUp, arena
+from tests.e2e.test_upstream import KEY, upstream  # noqa: F401 - the fixture: a real llama-server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+MODEL = "smollm2-flaky"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+class Proxy:
+    """TCP to ``target``, or, while ``refusing``, every connection closed at once."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target, self.refusing = target, False
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.refusing:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                conn.close()  # a reset before the first byte
+                continue
+            server = socket.create_connection(self.target)
+            for a, b in ((conn, server), (server, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def proxied(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, Proxy]]:  # noqa: F811
+    host, port = upstream.removeprefix("http://").removesuffix("/v1").split(":")
+    proxy = Proxy((host, int(port)))
+    tmp = tmp_path_factory.mktemp("circuit")
+    config = tmp / "models.yaml"
+    config.write_text(
+        "models:\n"
+        "  - {name: stories-260k, path: stories260K-hf}\n"
+        f"  - name: {MODEL}\n"
+        "    backend: upstream\n"
+        f"    upstream: {{base_url: 'http://127.0.0.1:{proxy.port}/v1', model: smollm2, api_key_env: TEAM_KEY}}\n"
+    )
+    stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", "stories-260k", env={"TEAM_KEY": KEY})
+    try:
+        yield stack, proxy
+    finally:
+        stack.stop()
+        proxy.close()
+
+
+def until(check, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if (found := check()) is not None:
+            return found
+        time.sleep(0.5)
+    pytest.fail(f"not within {timeout_s} s: {what}")
+
+
+def test_a_failing_upstream_opens_the_circuit_and_a_probe_closes_it(proxied):
+    up, proxy = proxied
+    with httpx.Client(base_url=up.url, timeout=60) as client:
+        assert client.post("/v1/chat/completions", json=BODY).status_code == 200
+
+        proxy.refusing = True
+        failed = client.post("/v1/chat/completions", json=BODY)  # tried again within its deadline, then failed
+        assert failed.status_code in (500, 503), failed.text
+        assert "upstream" in failed.json()["error"]["message"]
+
+        def refused_at_once():
+            t0 = time.monotonic()
+            r = client.post("/v1/chat/completions", json=BODY)
+            fast = time.monotonic() - t0 < 2.0
+            refused = r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable"
+            assert refused or r.status_code == 500, r.text  # refused by the worker, or the gateway
+            return r if refused and fast and r.headers.get("retry-after") else None
+
+        # The worker refuses it at once first; then its heartbeat tells the gateway, which
+        # refuses it before queueing it, saying when to ask again.
+        refused = until(refused_at_once, 60, "503 model_unavailable from the gateway, with Retry-After")
+        assert MODEL in refused.json()["error"]["message"]
+        battle = client.post("/arena/battles")  # one model left to pair
+        assert battle.status_code == 503 and battle.json()["error"]["code"] == "not_enough_models", battle.text
+
+        proxy.refusing = False
+        until(
+            lambda: True if client.post("/v1/chat/completions", json=BODY).status_code == 200 else None,
+            90,
+            "served again after the upstream came back",
+        )
+        assert client.post("/arena/battles").status_code == 201  # the two models pair again
+    audit = arena("audit", "--since", "1h", "--state-dir", str(up.state), "--json", env=up.env)
+    assert audit.returncode == 0 and json.loads(audit.stdout)["ok"], audit.stdout
