@@ -403,9 +403,9 @@ class EngineRunner:
                 self._end_profile_requests()
             times, self._probe_times = self._probe_times, None
             self._release_held()
-        self._probes.probed(time.monotonic(), self._pressure_now)
+        ratio = self._follow(times, started) if len(times) >= probes.PROBE_STEPS else 1.0
+        self._probes.probed(time.monotonic(), self._pressure_now, faster=ratio < 1.0)
         if len(times) >= probes.PROBE_STEPS:
-            self._follow(times, started)
             self._post([])  # an engine process's stats go up with it (heartbeats carry them)
 
     def _probed_enough(self) -> bool:
@@ -414,10 +414,11 @@ class EngineRunner:
             len(times) >= probes.PROBE_STEPS and sum(times) >= probes.PROBE_MIN_S
         )
 
-    def _follow(self, times: list[float], started: float) -> None:
+    def _follow(self, times: list[float], started: float) -> float:
         """A probe's lone step: past probes.RESCALE_AT from the figures' own lone steps,
         every step figure measured before the previous probe is rescaled by as much (those
-        since are requests' own steps, measured as the machine is now); then it joins them."""
+        since are requests' own steps, measured as the machine is now); then it joins them.
+        What it rescaled them by."""
         probe_s = statistics.median(times)
         lone = statistics.median(self._alone_idle) if self._alone_idle else None
         ratio = probes.rescaled(probe_s, lone)
@@ -440,6 +441,7 @@ class EngineRunner:
         self._alone_idle.extend(times)
         self._probes_before = started
         self.measured_at = time.time()
+        return ratio
 
     # ---- the figures kept between processes ---------------------------------------------
 

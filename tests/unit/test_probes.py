@@ -29,6 +29,8 @@ def test_an_idle_engine_probes_often_while_the_cpu_is_contended_and_rarely_when_
     assert clock.due(210.0, idle_since=50.0, pressure=0.02 + probes.CHANGED)  # it changed
     assert clock.due(210.0, idle_since=50.0, pressure=None)  # unknown: as if contended
     assert clock.due(200.0 + probes.QUIET_EVERY_S, idle_since=50.0, pressure=0.02)
+    clock.probed(300.0, 0.02, faster=True)  # faster than the figures: the machine is changing
+    assert clock.due(300.0, idle_since=50.0, pressure=0.02)
 
 
 def test_a_probe_rescales_the_figures_only_past_its_noise():
