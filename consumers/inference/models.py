@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,6 +30,7 @@ from consumers.inference.llamacpp.options import DEFAULT_SLOT_CONTEXT, LlamaCppO
 from consumers.inference.quantize import Quantize, quantize_model
 from consumers.inference.upstream.options import UpstreamOptions
 from events.fleet import VariantDefaults
+from runtime import models_config as config_file
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,9 @@ class ModelSpec(BaseModel):
 
 
 def default_specs(models_dir: str | Path) -> list[ModelSpec]:
-    """The model served when no config file is given: stories260K from ``models_dir``."""
-    return [ModelSpec(name="stories-260k", path=str(Path(models_dir) / "stories260K-hf"))]
+    """The model served when no config file is given: stories260K from ``models_dir``, under
+    the name every process's settings take as the default model then."""
+    return [ModelSpec(name=config_file.FALLBACK_MODEL, path=str(Path(models_dir) / "stories260K-hf"))]
 
 
 def _resolve_path(path: str, models_dir: Path) -> str:
@@ -231,13 +232,9 @@ def load_models_config(path: str | None, models_dir: str | Path) -> list[ModelSp
     base = Path(models_dir)
     file = Path(path)
     try:
-        text = file.read_text()
-    except OSError as exc:
-        raise PermanentError(f"cannot read models config {file}: {exc}") from exc
-    data: Any
-    data = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
-    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
-        raise PermanentError(f"models config {file} must be a mapping with a 'models' list")
+        data = config_file.read(file)
+    except config_file.ConfigError as exc:
+        raise PermanentError(str(exc)) from exc
     specs: list[ModelSpec] = []
     entries = data["models"]
     by_name = {e.get("name"): e for e in entries if isinstance(e, dict)}
