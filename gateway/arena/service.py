@@ -175,17 +175,16 @@ class ArenaService:
             pass
         return next((e for e in await self.pipeline.history(request_id) if isinstance(e, Terminal)), None)
 
-    async def last_turn_terminals(self, battle: Battle) -> Answers:
-        turn = battle.turns[-1]
+    async def turn_terminals(self, turn: BattleTurn) -> Answers:
+        """The turn's two terminal events (None while a side runs), side a's first."""
         return await self.terminal(turn.request_a), await self.terminal(turn.request_b)
 
-    async def last_whole_turn(self, battle: Battle) -> BattleTurn | None:
-        """The last turn both sides answered: where a new turn goes on from (a turn one side
-        did not finish is sent again, and neither side's conversation keeps it)."""
+    async def last_whole_turn(self, battle: Battle) -> tuple[ChatCompleted, ChatCompleted] | None:
+        """The answers of the last turn both sides answered: where a new turn goes on from (a
+        turn one side did not finish is sent again, and neither side's conversation keeps it)."""
         for turn in reversed(battle.turns):
-            terminals = [await self.terminal(request_of(turn, side)) for side in SIDES]
-            if all(isinstance(t, ChatCompleted) for t in terminals):
-                return turn
+            if whole := whole_turns([await self.turn_terminals(turn)]):
+                return whole[0]
         return None
 
     async def open_turn(
@@ -194,19 +193,15 @@ class ArenaService:
         """Admit and publish both sides of the next turn; errors come back without names."""
         if battle.vote is not None:
             raise APIError(409, "this battle has been voted on; start a new one", "battle_closed")
-        if battle.turns and None in await self.last_turn_terminals(battle):
+        if battle.turns and None in await self.turn_terminals(battle.turns[-1]):
             raise APIError(409, "the previous turn is still running", "turn_running")
         n, key = len(battle.turns), await self.secret()
         whole = await self.last_whole_turn(battle)
         sides: list[Side] = []
         try:
-            for side in SIDES:
+            for i, side in enumerate(SIDES):
                 conv = side_conv_id(key, battle.battle_id, side)
-                history = (
-                    messages_through(await self.pipeline.conversation(conv), request_of(whole, side))
-                    if whole is not None
-                    else []
-                )
+                history = messages_through(await self.pipeline.conversation(conv), whole[i].request_id) if whole else []
                 creq = ChatCompletionRequest(
                     model=battle.model(side),
                     messages=[*(m.model_dump() for m in history), {"role": "user", "content": req.prompt}],
@@ -370,7 +365,7 @@ class ArenaService:
 
     async def answers(self, battle: Battle) -> list[Answers]:
         """Each turn's two terminal events (None while a side runs), in turn order."""
-        return [(await self.terminal(t.request_a), await self.terminal(t.request_b)) for t in battle.turns]
+        return [await self.turn_terminals(t) for t in battle.turns]
 
 
 async def close_turn(sides: list[Side]) -> None:
@@ -393,10 +388,6 @@ def unfinished(battle: Battle, last: Answers) -> None:
             f"prompt again (POST /arena/battles/{battle.battle_id}/turns) and vote once both answers are in",
             "turn_incomplete",
         )
-
-
-def request_of(turn: BattleTurn, side: str) -> str:
-    return turn.request_a if side == "a" else turn.request_b
 
 
 def _ending(terminal: Failure) -> str:
