@@ -26,12 +26,21 @@ class ModelSource(_Message):
 
     name: str = Field(description="Served model name.")
     path: str = Field(
-        description="Model directory, .gguf file, 'pkg:...' or hub id (relative: the models directory's)."
+        "",
+        description="Model directory, .gguf file, 'pkg:...' or hub id (relative: the models directory's); "
+        "none for backend upstream.",
     )
     dtype: str = Field("auto", description="float32, bfloat16, float16 or auto.")
     device: str = Field("cpu", description="torch device: 'cpu', 'cuda' or 'cuda:N'.")
     quantize: str | None = Field(None, description="int8 or int4 weight-only quantization; None: float weights.")
-    backend: str = Field("builtin", description="What computes its tokens: 'builtin' or 'llamacpp' (a GGUF).")
+    backend: str = Field(
+        "builtin", description="What computes its tokens: 'builtin', 'llamacpp' (a GGUF) or 'upstream' (a server)."
+    )
+    upstream: dict[str, str | int | float | list[str]] | None = Field(
+        None,
+        description="backend upstream: the models config's upstream: block (base_url, model, api_key_env or "
+        "api_key_file: the name of where the key is, never the key).",
+    )
 
 
 class _Command(_Message):

@@ -43,7 +43,10 @@ async def apply(
             return ModelsAnswer(ok=True, **served(pool), details=tuple(describe(pool, s) for s in pool.specs()))
         case AddModel(spec=source, load=load):
             # A relative path as the models config resolves it; none there and no hub id: said so.
-            spec = ModelSpec(**{**source.model_dump(), "path": resolve_source(source.path, models_dir)})
+            given = source.model_dump(exclude_none=True)
+            if source.backend != "upstream":  # an upstream's path is its URL
+                given["path"] = resolve_source(source.path, models_dir)
+            spec = ModelSpec(**given)
             await pool.add(spec)
             if load:
                 adding = loading if loading is not None else set()
@@ -79,7 +82,9 @@ def describe(pool, spec: ModelSpec) -> ModelDetails:
     if loaded is None:
         return ModelDetails(**out, quantize=spec.quantize, resident=False)
     model = loaded.model
-    if model is None:  # llama.cpp serves it: its GGUF says what the weights are
+    if spec.upstream is not None:  # its server has the weights
+        parameters, dtype = None, f"{spec.upstream.model} (upstream)"
+    elif model is None:  # llama.cpp serves it: its GGUF says what the weights are
         parameters, dtype = loaded.parameters, f"{loaded.weights_type} (llama.cpp)"
     else:
         parameters, dtype = prepack.parameter_count(model), str(model.dtype).removeprefix("torch.")

@@ -54,10 +54,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--backend",
-        choices=("builtin", "llamacpp"),
+        choices=("builtin", "llamacpp", "upstream"),
         default="builtin",
-        help="add/reload: what computes its tokens; llamacpp serves a .gguf or pkg: source (see the models config)",
+        help="add/reload: what computes its tokens; llamacpp serves a .gguf or pkg: source; upstream, an "
+        "OpenAI-compatible server (--base-url, --upstream-model; docs/upstream.md)",
     )
+    p.add_argument("--base-url", help="add --backend upstream: the server's OpenAI API root, e.g. http://gpu-1:8000/v1")
+    p.add_argument("--upstream-model", help="add --backend upstream: the upstream's model id")
+    p.add_argument(
+        "--api-key-env", help="add --backend upstream: the inference workers' environment variable holding its key"
+    )
+    p.add_argument("--api-key-file", help="add --backend upstream: a file holding its key (read by the workers)")
+    p.add_argument("--concurrency", type=int, help="add --backend upstream: requests streamed to it at once")
     p.add_argument(
         "--wait",
         type=float,
@@ -95,6 +103,13 @@ def command(args: argparse.Namespace) -> ModelCommand:
         raise SystemExit(f"arena models {args.op} needs --name")
     if args.op == "remove":
         return RemoveModel(name=args.name)
+    if args.op == "add" and args.backend == "upstream":
+        if not (args.base_url and args.upstream_model):
+            raise SystemExit("arena models add --backend upstream needs --base-url and --upstream-model")
+        options = {"base_url": args.base_url, "model": args.upstream_model, "api_key_env": args.api_key_env}
+        options |= {"api_key_file": args.api_key_file, "concurrency": args.concurrency}
+        upstream = {k: v for k, v in options.items() if v is not None}
+        return AddModel(name=args.name, spec=ModelSource(name=args.name, backend="upstream", upstream=upstream))
     if args.op == "add" and not args.path:
         raise SystemExit("arena models add needs --path")
     source = None

@@ -149,3 +149,35 @@ def test_the_key_appears_in_no_log_event_metric_or_models_list(up):
     assert logs, f"no log files under {up.state}"
     assert not [p for p in logs if KEY in p.read_text(errors="replace")]
     assert KEY not in "".join(up.lines) and KEY not in json.dumps(dict(os.environ))
+
+
+def test_models_add_serves_an_upstream_model_while_serving(up, upstream):
+    """Last in this module: the arena has a third model after it."""
+    added = arena(
+        "models",
+        "add",
+        "--name",
+        "smollm2-added",
+        "--backend",
+        "upstream",
+        "--base-url",
+        upstream,
+        "--upstream-model",
+        "smollm2",
+        "--api-key-env",
+        "TEAM_UPSTREAM_KEY",
+        "--state-dir",
+        str(up.state),
+        env=up.env,
+        timeout=120,
+    )
+    assert added.returncode == 0, added.stdout + added.stderr
+    r = httpx.post(
+        f"{up.url}/v1/chat/completions",
+        json={"model": "smollm2-added", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+    listed = arena("models", "list", "--state-dir", str(up.state), env=up.env)
+    assert "smollm2-added" in listed.stdout and "smollm2 (upstream)" in listed.stdout, listed.stdout
+    assert KEY not in listed.stdout + added.stdout + added.stderr
