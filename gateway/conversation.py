@@ -31,7 +31,7 @@ def conversation_state(events: list[EventBase]) -> Conversation:
     conv = Conversation()
     if last is not None:
         conv.turn_id = last.turn_id + 1
-        conv.messages = [*requested[last.request_id].messages, ChatMessage(role="assistant", content=last.text)]
+        conv.messages = messages_through(events, last.request_id)
     conv.attempt = sum(1 for r in requested.values() if r.turn_id == conv.turn_id and r.request_id in failed)
     return conv
 
