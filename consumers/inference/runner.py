@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import heapq
-import json
 import logging
 import math
-import os
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
 from consumers.inference import probes
+from consumers.inference.figures import FIGURES_EVERY_S, MIN_SAMPLES, StepFigures, estimate_finish
 from consumers.inference.metrics import METRICS, PrefixCounts
 from consumers.inference.protocol import (
     EngineBackend,
@@ -28,13 +25,8 @@ from consumers.inference.protocol import (
 )
 from consumers.inference.sampling import SamplingParams
 from events.fleet import EngineLoad
-from runtime.steps import PEAK_WINDOW_S, PREFILL_WINDOW_S, step_time, stretch
 
 log = logging.getLogger(__name__)
-
-#: Steps measured before a speed is trusted: the first ones after a load run cold (torch
-#: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
-MIN_SAMPLES = 16
 
 #: A starting engine's profile (`EngineRunner(profile=True)`): decode steps it times with
 #: synthetic requests, one alone and one in every slot, before it takes a real request,
@@ -58,70 +50,10 @@ PROFILE_PREFIX = "step-profile-"
 #: up past this, its figure unused (a probe is a few steps: this is a stuck engine).
 PROBE_TIMEOUT_S = 30.0
 
-#: An engine's measured steps are kept in a file (``EngineRunner(figures=...)``), written
-#: at the profile's end and every FIGURES_EVERY_S while it lives; an engine of the same
-#: model, settings and machine starting within FIGURES_MAX_AGE_S of the last write (a
-#: worker restarted after a kill -9 or an OOM) takes them instead of profiling: its
-#: requests waited 3.5-9 s for a profile on a 2-core VM.
-FIGURES_EVERY_S = 30.0
-FIGURES_MAX_AGE_S = 900.0
-
-
-def typical_step(times) -> float:
-    """The step time a request's tokens take on average: the mean of recent decode steps,
-    the slowest tenth left out (a rare outlier, warm-up or a collection, does not move it).
-    Newcomers' prefills are counted apart (`EngineLoad.prefill_share`): they took the
-    median from 56 ms to ~105 ms for a 60M model's requests under arrivals, and a step
-    figure with them in it, grown to a burst's batch, refused most of the burst."""
-    ordered = sorted(times)
-    kept = ordered[: max(1, len(ordered) - len(ordered) // 10)]
-    return sum(kept) / len(kept)
-
 
 def newcomers(outputs: list[StepOutput]) -> int:
     """Requests whose first tokens a step's outputs carry: those it prefilled."""
     return sum(1 for o in outputs if o.new_token_ids and o.completion_tokens == len(o.new_token_ids))
-
-
-def steps_until_slot(running: list[int], waiting: list[int], slots: int) -> int:
-    """Steps until a request queued behind `waiting` gets one of `slots`: each slot frees
-    when its request has used its budget, and the waiting take the slots as they free."""
-    ends = sorted(running)[: max(0, slots)]
-    free = [0] * (slots - len(ends))
-    heap = free + ends
-    heapq.heapify(heap)
-    for budget in waiting:
-        heapq.heappush(heap, heapq.heappop(heap) + budget)
-    return heap[0] if heap else 0
-
-
-def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float | None:
-    """When a request joining an engine now would end, at worst: once a slot is free for
-    it (after the requests running and waiting ahead of it, each at its whole remaining
-    budget), all its `tokens`, at the step time measured for the batch it joins; None
-    until MIN_SAMPLES steps were measured. ``stats``: the engine runner's
-    (:meth:`EngineRunner.stats`), read in this process or sent up by an engine process."""
-    small, full = stats.samples
-    running, waiting, load = stats.engine.running, stats.engine.waiting, stats.load
-    # The steps measured at the batch it joins (those of the other kind while there are none).
-    use_full = (full > 0 or small == 0) if len(running) * 2 >= max_batch else small == 0
-    if (full if use_full else small) < MIN_SAMPLES:
-        return None
-    # The step time at the batch it will run in, extrapolated as the gateway does: at
-    # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
-    size = min(max_batch, len(running) + len(waiting) + 1)
-    step = decode_step(load, size)
-    step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
-    if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
-        step = load.alone_step_s
-    elif running or waiting:  # others' prefills stretch its steps, as the gateway counts them
-        step *= stretch(load.prefill_share, load.measured_at, time.time())
-    return time.time() + (steps_until_slot(list(running), list(waiting), max_batch) + tokens) * step
-
-
-def decode_step(load: EngineLoad, batch: int) -> float | None:
-    """An engine's decode step at `batch`, from its load's figures (`runtime.steps.step_time`)."""
-    return step_time(load.step_s, load.full_step_s, load.full_batch, load.max_batch, batch, load.small_batch)
 
 
 def record_step(model: str, step: StepRecord) -> None:
@@ -175,19 +107,7 @@ class EngineRunner:
         self._handoff_lock = threading.Lock()
         self._handoff: list[StepOutput] = []
         self._posted = False
-        #: Recent decode step times (seconds) at small and at near-full batches: the
-        #: gateway's admission estimates how long a new request would take from them.
-        self._small: deque[float] = deque(maxlen=64)
-        self._full: deque[float] = deque(maxlen=64)
-        self._full_batches: deque[int] = deque(maxlen=64)  # the batch of each of those steps
-        self._small_batches: deque[int] = deque(maxlen=64)
-        #: Steps with one request in the batch: how fast a request goes alone (the median).
-        self._alone: deque[float] = deque(maxlen=64)
-        #: ... and those of the profile's and the idle probes' lone request, the newest.
-        self._alone_idle: deque[float] = deque(maxlen=MIN_SAMPLES)
-        #: When each of _small, _full and _alone's steps ran (monotonic; -inf: kept by an
-        #: earlier process): a probe rescales those that ran before the last probe.
-        self._at: dict[str, deque[float]] = {name: deque(maxlen=64) for name in self._TIMED}
+        self.figures = StepFigures(engine.max_batch_size)
         #: The idle probes (`_probe`): when the next is due, the CPU's pressure, the probe's
         #: step times while it runs, and when the engine last stepped for a request.
         self._probes = probes.ProbeClock()
@@ -196,20 +116,13 @@ class EngineRunner:
         self._probe_times: list[float] | None = None
         self._probing = False
         self._idle_since = -math.inf
-        self._probes_before = -math.inf  # when the last probe began: a rescale's edge
-        #: Recent steps as (monotonic end, seconds, of which newcomers' prefill): the share.
-        self._recent: deque[tuple[float, float, float]] = deque(maxlen=512)
-        #: The busiest batch of the served steps of each recent second, as (monotonic
-        #: second, requests running): a second's entry, whatever the steps' pace.
-        self._busiest: deque[tuple[int, int]] = deque(maxlen=int(PEAK_WINDOW_S) + 2)
-        self.measured_at = 0.0
         #: Set once the profile has ended (at once without one); until then real requests
         #: and cancels wait in `_held`, in their order. The profile's requests in the engine.
         self.profiled = threading.Event()
         self._held: list[GenRequest | str] = []
         self._held_lock = threading.Lock()
         self._profiling: set[str] = set()
-        self._figures = Path(figures) if figures else None
+        self._kept = Path(figures) if figures else None  # the file the figures are kept in
         self._figures_saved = 0.0
         self._probing_on = profile  # the idle probes follow the profile's figures
         if not profile or self._take_figures():
@@ -258,7 +171,7 @@ class EngineRunner:
             self.engine.wait_packed(PROFILE_TIMEOUT_S)  # the profile times the steps it will serve with
             self._profile()
         while not self._stop:
-            if self._figures is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:
+            if self._kept is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:
                 self._keep_figures()
             queue = self.engine.stats()
             if not queue.has_work():
@@ -296,7 +209,7 @@ class EngineRunner:
         if self._profiling:
             outputs = self._profile_outputs(outputs)
         if not own:
-            self._count_batch(batch)
+            self.figures.count_batch(batch)
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting), threads or 0), after)
         if outputs:
             self._post(outputs)
@@ -321,7 +234,7 @@ class EngineRunner:
                         raise TimeoutError(f"not done after {PROFILE_TIMEOUT_S:g} s")
                     if (
                         time.monotonic() - batch_started > PROFILE_FULL_BUDGET_S
-                        and len(self._full if n > 1 else self._alone_idle) >= PROFILE_MIN_FULL_STEPS
+                        and len(self.figures.full if n > 1 else self.figures.alone_idle) >= PROFILE_MIN_FULL_STEPS
                     ):
                         self._end_profile_requests()  # enough steps to judge by
                         break
@@ -341,8 +254,8 @@ class EngineRunner:
             log.warning("step profile given up: %r", exc, extra={"model": self.name})
             self._end_profile_requests()
         self._release_held()
-        self._probes_before = time.monotonic()  # the profile's steps: a probe's to rescale
-        if self._figures is not None:
+        self.figures.probes_before = time.monotonic()  # the profile's steps: a probe's to rescale
+        if self._kept is not None:
             self._keep_figures()
 
     def _release_held(self) -> None:
@@ -419,18 +332,12 @@ class EngineRunner:
         every step figure measured before the previous probe is rescaled by as much (those
         since are requests' own steps, measured as the machine is now); then it joins them.
         What it rescaled them by."""
+        figures = self.figures
         probe_s = statistics.median(times)
-        lone = statistics.median(self._alone_idle) if self._alone_idle else None
+        lone = statistics.median(figures.alone_idle) if figures.alone_idle else None
         ratio = probes.rescaled(probe_s, lone)
         if ratio != 1.0:
-            before = self._probes_before
-            for name in self._TIMED:
-                values, at = getattr(self, name), self._at[name]
-                for i, t in enumerate(at):
-                    if t < before:
-                        values[i] *= ratio
-            for i in range(len(self._alone_idle)):
-                self._alone_idle[i] *= ratio
+            figures.rescale(ratio)
             log.info(
                 "step probe: a step alone takes %.1f ms now, %.1f ms in the figures: they follow (x%.2f)",
                 probe_s * 1000,
@@ -438,55 +345,32 @@ class EngineRunner:
                 ratio,
                 extra={"model": self.name},
             )
-        self._alone_idle.extend(times)
-        self._probes_before = started
-        self.measured_at = time.time()
+        figures.alone_idle.extend(times)
+        figures.probes_before = started
+        figures.measured_at = time.time()
         return ratio
 
-    # ---- the figures kept between processes ---------------------------------------------
-
-    _KEPT = ("_small", "_small_batches", "_full", "_full_batches", "_alone", "_alone_idle")
-    _TIMED = ("_small", "_full", "_alone")  # the steps a probe rescales by when they ran
-
     def _keep_figures(self) -> None:
-        """Write the measured steps to the figures file (atomically: a reader sees the old
-        or the new); the write's time says how fresh they are."""
-        assert self._figures is not None
+        """Write the figures to their file (a read-only directory costs the next start its
+        profile, nothing else: tried once)."""
+        assert self._kept is not None
         self._figures_saved = time.monotonic()
-        kept: dict[str, object] = {name: list(getattr(self, name)) for name in self._KEPT}
-        kept |= {"written_at": time.time(), "measured_at": self.measured_at, "pid": os.getpid()}
         try:
-            self._figures.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._figures.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(kept))
-            tmp.replace(self._figures)
-        except OSError as exc:  # a read-only directory costs the next start its profile, nothing else
+            self.figures.keep(self._kept)
+        except OSError as exc:
             log.warning("step figures not kept (tried once): %r", exc, extra={"model": self.name})
-            self._figures = None
+            self._kept = None
 
     def _take_figures(self) -> bool:
-        """Seed the measured steps from the figures file if one was written within
-        FIGURES_MAX_AGE_S with a full batch's steps in it: the profile is then skipped."""
-        if self._figures is None:
+        """Seed the figures from their file when fresh (`StepFigures.take`): the profile is
+        then skipped, and the first probe rescales them to the machine as it is now."""
+        taken = self.figures.take(self._kept, PROFILE_MIN_FULL_STEPS) if self._kept is not None else None
+        if taken is None:
             return False
-        try:
-            kept = json.loads(self._figures.read_text())
-            age = time.time() - float(kept["written_at"])
-            if age > FIGURES_MAX_AGE_S or len(kept["_full"]) < PROFILE_MIN_FULL_STEPS:
-                return False
-            seeds = {name: [(int if name.endswith("batches") else float)(x) for x in kept[name]] for name in self._KEPT}
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        for name, values in seeds.items():
-            getattr(self, name).extend(values)
-            if name in self._TIMED:
-                self._at[name].extend([-math.inf] * len(values))
-        self._probes_before = time.monotonic()  # the first probe rescales them all
-        self.measured_at = float(kept.get("measured_at") or 0.0)
         log.info(
             "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it",
-            kept.get("pid"),
-            age,
+            taken[1],
+            taken[0],
             extra={"model": self.name},
         )
         return True
@@ -540,83 +424,12 @@ class EngineRunner:
         self.on_outputs(outputs)
 
     def _measure(self, batch: int, took: float, fresh: int = 0, idle: bool = False) -> None:
-        """A step's time: a decode step's (no newcomer in it) at its batch; a step that
-        prefilled `fresh` newcomers counts its time past a decode step's at that batch as
-        prefill, for the share (`_prefill_share`). `idle`: the profile's own step."""
+        """A step's time into the figures (`StepFigures.measure`); a probe's into its own."""
         if self._probe_times is not None:  # a probe's step: its own figure (`_probe`)
             if batch == 1 and not fresh:
                 self._probe_times.append(took)
             return
-        self.measured_at = time.time()
-        prefill = 0.0
-        if fresh:
-            decode = decode_step(self._decode_figures(), batch)
-            prefill = max(0.0, took - decode) if decode is not None else 0.0
-        self._recent.append((time.monotonic(), took, prefill))
-        if fresh:
-            return
-        now = time.monotonic()
-        if batch * 2 >= self.engine.max_batch_size:
-            self._full.append(took)
-            self._full_batches.append(batch)
-            self._at["_full"].append(now)
-        else:
-            self._small.append(took)
-            self._small_batches.append(batch)
-            self._at["_small"].append(now)
-        if batch == 1 and idle:
-            self._alone_idle.append(took)
-        elif batch == 1:
-            self._alone.append(took)
-            self._at["_alone"].append(now)
-
-    def _decode_figures(self) -> EngineLoad:
-        """The decode steps measured, as a load carries them (at small and at near-full
-        batches, of the last 64 each)."""
-        small, full = self._small, self._full
-        return EngineLoad(
-            max_batch=self.engine.max_batch_size,
-            step_s=typical_step(small) if small else None,
-            full_step_s=typical_step(full) if full else None,
-            full_batch=statistics.median_low(self._full_batches) if full else None,
-            small_batch=statistics.median_low(self._small_batches) if small else None,
-        )
-
-    def _alone_step(self) -> float | None:
-        """How fast a request goes alone: the median of the recent steps with one request
-        in the batch (real prompts and answers, the stack's own work beside them), else,
-        until MIN_SAMPLES of those ran, of the profile's lone request. The profile's is a
-        lower bound (a short context, nothing streamed beside it: 51 ms for SmolLM2, whose
-        256-token answer then stepped ~55 ms and ended at 15.04 s in the stack), so it is
-        not preferred once the real ones are measured."""
-        if len(self._alone) >= MIN_SAMPLES:
-            return statistics.median(self._alone)
-        # The profile's lone batch is cut short on a slow machine (PROFILE_FULL_BUDGET_S):
-        # 4 steps then, and each probe adds its own.
-        return statistics.median(self._alone_idle) if len(self._alone_idle) >= PROFILE_MIN_FULL_STEPS else None
-
-    def _prefill_share(self) -> float:
-        """Of the steps in the last PREFILL_WINDOW_S, the share of their time that went to
-        newcomers' prefills: under arrivals, a request's decode steps are stretched by it
-        (`runtime.steps.stretch`: new requests' prompts join its steps)."""
-        since = time.monotonic() - PREFILL_WINDOW_S
-        recent = [(took, prefill) for at, took, prefill in list(self._recent) if at >= since]
-        busy = sum(took for took, _ in recent)
-        return min(1.0, sum(p for _, p in recent) / busy) if busy > 0 else 0.0
-
-    def _count_batch(self, batch: int) -> None:
-        """A served step's batch, into its second's entry (the runner's thread)."""
-        second = int(time.monotonic())
-        if self._busiest and self._busiest[-1][0] == second:
-            self._busiest[-1] = (second, max(batch, self._busiest[-1][1]))
-        else:
-            self._busiest.append((second, batch))
-
-    def _recent_running(self) -> int:
-        """The most requests a served step (not the profile's) ran in the last PEAK_WINDOW_S
-        (to the second)."""
-        since = time.monotonic() - PEAK_WINDOW_S
-        return max((batch for second, batch in list(self._busiest) if second + 1 > since), default=0)
+        self.figures.measure(batch, took, fresh, idle)
 
     def finish_at(self, tokens: int) -> float | None:
         """When a request joining now would end, at worst (:func:`estimate_finish`)."""
@@ -625,19 +438,7 @@ class EngineRunner:
     def stats(self) -> SchedulerStats:
         """The engine's queue, its load and the steps measured (at small and at near-full
         batches, of the last 64 each)."""
-        queue = self.engine.stats()
-        load = self._decode_figures().model_copy(
-            update={
-                "running": len(queue.running),
-                "waiting": len(queue.waiting),
-                "alone_step_s": self._alone_step(),
-                "prefill_share": self._prefill_share(),
-                "recent_running": self._recent_running(),
-                "ends": tuple(sorted(queue.running)),
-                "measured_at": self.measured_at,
-            }
-        )
-        return SchedulerStats(queue, load, (len(self._small), len(self._full)))
+        return self.figures.stats(self.engine.stats(), PROFILE_MIN_FULL_STEPS)
 
     def load(self) -> EngineLoad:
         """What this engine holds and how fast it steps (for heartbeats)."""

@@ -126,5 +126,5 @@ async def test_a_profile_cut_short_beside_a_hog_still_reports_its_step_alone(mon
         load = runner.load()
     finally:
         runner.stop()
-    assert runner_module.PROFILE_MIN_FULL_STEPS <= len(runner._alone_idle) < runner_module.PROFILE_STEPS
+    assert runner_module.PROFILE_MIN_FULL_STEPS <= len(runner.figures.alone_idle) < runner_module.PROFILE_STEPS
     assert load.alone_step_s == pytest.approx(0.06, rel=0.5)

@@ -11,16 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from consumers.inference.figures import FIGURES_MAX_AGE_S, MIN_SAMPLES, steps_until_slot, typical_step
 from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
-from consumers.inference.runner import (
-    MIN_SAMPLES,
-    PROFILE_PREFIX,
-    PROFILE_PROMPT_TOKENS,
-    PROFILE_STEPS,
-    EngineRunner,
-    steps_until_slot,
-    typical_step,
-)
+from consumers.inference.runner import PROFILE_PREFIX, PROFILE_PROMPT_TOKENS, PROFILE_STEPS, EngineRunner
 from consumers.inference.sampling import SamplingParams
 from runtime.steps import MAX_PREFILL_SHARE, PREFILL_WINDOW_S, stretch
 from tests.waiting import until
@@ -84,16 +77,16 @@ def test_estimate_is_the_mean_step_without_the_rare_outliers(runner):
     for took in [0.01] * (MIN_SAMPLES + 2) + [5.0] * 2:
         runner._measure(20, took)
     assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
-    runner._full.clear()
-    runner._small.clear()
+    runner.figures.full.clear()
+    runner.figures.small.clear()
     for _ in range(MIN_SAMPLES):  # 60 % decode-only steps, 40 % with a prefill
         runner._measure(20, 0.07)
         runner._measure(20, 0.07)
         runner._measure(20, 0.07)
         runner._measure(20, 0.15)
         runner._measure(20, 0.15)
-    mean = typical_step(list(runner._full))
-    assert 0.095 < mean < 0.1 and statistics.median(runner._full) == 0.07
+    mean = typical_step(list(runner.figures.full))
+    assert 0.095 < mean < 0.1 and statistics.median(runner.figures.full) == 0.07
     assert runner.finish_at(100) == pytest.approx(time.time() + 100 * mean, abs=0.1)
 
 
@@ -287,7 +280,7 @@ async def test_a_slow_full_batch_profile_stops_at_its_budget_with_enough_steps(m
         runner.stop()
     full = {r.request_id for r in engine.seen if r.request_id.startswith(f"{PROFILE_PREFIX}8-")}
     assert len(full) == 8 and full <= engine.cancelled
-    assert runner_module.PROFILE_MIN_FULL_STEPS <= len(runner._full) < PROFILE_STEPS
+    assert runner_module.PROFILE_MIN_FULL_STEPS <= len(runner.figures.full) < PROFILE_STEPS
     assert took < PROFILE_STEPS * 0.08  # not the 16 full steps
     assert load.full_batch == 8 and load.full_step_s == pytest.approx(0.08, rel=0.5)
     assert [o.completion_tokens for o in delivered if o.request_id == "real"] == [1, 2, 3]
@@ -299,7 +292,6 @@ async def test_a_restarted_engine_takes_the_figures_its_predecessor_kept_instead
     kept (written at its profile's end): it skips the profile, serves at once, and admission
     has the same figures as before. A file older than FIGURES_MAX_AGE_S, or unreadable, is
     not taken: that engine profiles."""
-    from consumers.inference import runner as runner_module
 
     figures = tmp_path / "figures" / "toy.json"
     loop = asyncio.get_running_loop()
@@ -330,7 +322,7 @@ async def test_a_restarted_engine_takes_the_figures_its_predecessor_kept_instead
     )
 
     kept = json.loads(figures.read_text())
-    for stale in (kept | {"written_at": time.time() - runner_module.FIGURES_MAX_AGE_S - 1}, {"_full": "x"}):
+    for stale in (kept | {"written_at": time.time() - FIGURES_MAX_AGE_S - 1}, {"_full": "x"}):
         figures.write_text(json.dumps(stale))
         fresh = SteppingEngine(slots=8, per_row=0.002)
         profiled = EngineRunner(fresh, loop, lambda _: None, profile=True, figures=str(figures))  # type: ignore[arg-type]
@@ -385,7 +377,7 @@ def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, mo
     for _ in range(4):
         runner._measure(20, 0.05)
     load = runner.load()
-    assert load.full_step_s == pytest.approx(0.05) and len(runner._full) == MIN_SAMPLES + 4
+    assert load.full_step_s == pytest.approx(0.05) and len(runner.figures.full) == MIN_SAMPLES + 4
     busy = MIN_SAMPLES * 0.05 + 0.25 + 4 * 0.05
     assert load.prefill_share == pytest.approx(0.20 / busy)
     runner.engine.queue = EngineStats((100,) * 19)  # it joins 19 running: others' prefills stretch its steps
