@@ -82,7 +82,7 @@ class ProbeClock:
     """When an idle engine probes: after `IDLE_S` without a step, every `EVERY_S` while
     the CPU is contended (or the pressure is unknown) or its pressure moved by `CHANGED`
     since the last probe, else every `QUIET_EVERY_S`. Due at once when nothing was
-    measured yet in this process (figures kept by an earlier one: `runner.FIGURES_MAX_AGE_S`)
+    measured yet in this process (figures kept by an earlier one: `figures.FIGURES_MAX_AGE_S`)
     and after a probe that found the machine faster than the figures."""
 
     def __init__(self) -> None:

@@ -459,7 +459,7 @@ class InferenceService:
         return self._core_notes.before_step if self._core_notes else None
 
     def figures_path(self, loaded) -> str | None:
-        """Where ``loaded``'s engine keeps its measured steps (:data:`runner.FIGURES_MAX_AGE_S`):
+        """Where ``loaded``'s engine keeps its measured steps (:data:`figures.FIGURES_MAX_AGE_S`):
         one file per model, engine settings, threads and machine; None without a step
         profile or with ARENA_STEP_FIGURES_DIR empty."""
         s = self.settings
