@@ -31,6 +31,8 @@ class Proxy:
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target, self.refusing = target, False
+        self.busy = 0  # connections still to answer 429 with Retry-After: 1
+        self.drop_after = 0  # the next connection's answer cut after this many bytes (0: not cut)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -45,15 +47,29 @@ class Proxy:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()  # a reset before the first byte
                 continue
+            if self.busy:
+                self.busy -= 1
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 4\r\n\r\nbusy")
+                conn.close()
+                continue
+            cut, self.drop_after = self.drop_after, 0
             server = socket.create_connection(self.target)
-            for a, b in ((conn, server), (server, conn)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, limit in ((conn, server, 0), (server, conn, cut)):
+                threading.Thread(target=self._pump, args=(a, b, limit), daemon=True).start()
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(src: socket.socket, dst: socket.socket, limit: int) -> None:
+        sent = 0
         with suppress(OSError):
-            while data := src.recv(65536):
+            while data := src.recv(65536 if not limit else 64):
                 dst.sendall(data)
+                sent += len(data)
+                if limit and sent >= limit:  # the stream dies mid-answer
+                    for end in (src, dst):
+                        end.shutdown(socket.SHUT_RDWR)
+                        end.close()
+                    return
         with suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -123,5 +139,27 @@ def test_a_failing_upstream_opens_the_circuit_and_a_probe_closes_it(proxied):
             "served again after the upstream came back",
         )
         assert client.post("/arena/battles").status_code == 201  # the two models pair again
+    audit = arena("audit", "--since", "1h", "--state-dir", str(up.state), "--json", env=up.env)
+    assert audit.returncode == 0 and json.loads(audit.stdout)["ok"], audit.stdout
+
+
+def test_a_busy_upstream_is_waited_out_and_a_broken_completion_continued(proxied):
+    up, proxy = proxied
+    with httpx.Client(base_url=up.url, timeout=60) as client:
+        proxy.busy = 2  # 429 with Retry-After: 1, twice, then served
+        r = client.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 200 and proxy.busy == 0, r.text
+
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "stream": True}
+        whole = client.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
+        proxy.drop_after = 1200  # the headers and a few events, then the connection is cut
+        with client.stream("POST", "/v1/completions", json=body) as s:
+            assert s.status_code == 200
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert proxy.drop_after == 0 and not any("error" in e for e in events), events
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        # Continued from the text it had, never repeating it: the answer begins as the
+        # unbroken one does, and its beginning is in it once.
+        assert text.strip() and whole.startswith(text[:8]) and text.count(text[:12]) == 1, (text, whole)
     audit = arena("audit", "--since", "1h", "--state-dir", str(up.state), "--json", env=up.env)
     assert audit.returncode == 0 and json.loads(audit.stdout)["ok"], audit.stdout
