@@ -295,6 +295,7 @@ class Output:
         self.assembler = Assembler()
         self.sub: LiveSub | None = None
         self._reading: asyncio.Task | None = None  # a stream read beside the live subject
+        self._held = False  # chunks are held behind a missing one
 
     @property
     def terminal(self) -> Terminal | None:
@@ -340,6 +341,14 @@ class Output:
         if self._reading is None or self._reading.done():
             self._reading = asyncio.create_task(self._read_into(self.sub))
 
+    def _chase_gap(self) -> None:
+        """A chunk came past one that is missing (lost live, as in a NATS restart): read
+        the stream for it once, now; `QUIET_S` later again if it is still missing."""
+        held = bool(self.assembler.pending)
+        if held and not self._held:
+            self._read_soon()
+        self._held = held
+
     async def _read_into(self, sub: LiveSub | None) -> None:
         events = await self._stored()
         if sub is not None:
@@ -347,13 +356,15 @@ class Output:
 
     async def __aiter__(self) -> AsyncIterator[TokensGenerated]:
         """Quiet is counted from the last chunk delivered, not the last message: chunks
-        held behind a lost one (a NATS restart) are no progress, and the stream is read
-        for it once the request has been quiet that long."""
+        held behind a lost one (a NATS restart) are no progress. The stream is read for
+        the missing one when the gap shows, and again once the request has been quiet
+        that long."""
         asm = self.assembler
         incoming = await self._stored() if self.replay else []
         quiet, progress_at = QUIET_S, time.time()
         while True:
             delivered = self._deliverable(incoming)
+            self._chase_gap()
             for chunk in delivered:
                 yield chunk
             if delivered:

@@ -52,6 +52,7 @@ class LossyPipeline:
             chunks=n,
         )
         self.lost, self.every, self.resend_after = lost, every, resend_after
+        self.stored_late = 0  # how many stream reads miss the lost chunk too
         self.live = LiveSub()
         self.reads = 0
 
@@ -60,6 +61,8 @@ class LossyPipeline:
 
     async def history(self, request_id: str) -> list:
         self.reads += 1
+        if self.reads <= self.stored_late:  # not in the stream yet
+            return [c for c in self.chunks if c.seq != self.lost]
         return list(self.chunks)
 
     async def send(self, terminal: bool) -> None:
@@ -86,6 +89,7 @@ async def read(pipeline: LossyPipeline, within: float) -> list[tuple[int, float]
 async def test_chunks_held_behind_a_lost_one_are_no_progress_and_the_stream_is_read_for_it(monkeypatch):
     monkeypatch.setattr(pipeline_module, "QUIET_S", 0.3)
     lossy = LossyPipeline(n=40, lost=1, every=0.05)  # live messages keep coming, none deliverable
+    lossy.stored_late = 1  # the read when the gap shows misses it too
     sender = asyncio.create_task(lossy.send(terminal=False))
     got = await read(lossy, within=1.5)
     await sender
@@ -111,3 +115,13 @@ async def test_a_slow_stream_read_holds_no_live_chunk_back(monkeypatch):
     await sender
     assert [seq for seq, _ in got] == list(range(30)) and lossy.reads >= 1
     assert got[1][1] < 0.9, got[:3]  # at the resend (~0.4 s), not after the read (1.2 s)
+
+
+async def test_a_gap_is_read_from_the_stream_when_it_shows():
+    """Not `QUIET_S` (2 s) later: the chunk lost live is in the stream already."""
+    lossy = LossyPipeline(n=20, lost=1, every=0.05)
+    sender = asyncio.create_task(lossy.send(terminal=True))
+    got = await read(lossy, within=5.0)
+    await sender
+    assert [seq for seq, _ in got] == list(range(20)) and lossy.reads == 1
+    assert got[1][1] < 0.5, got[:3]  # at the next live chunk's arrival and the read
