@@ -45,12 +45,19 @@ class Judged:
     wait_s: float
     step_s: float
 
-    def needed(self, took_s: float, tokens: int, overhead_s: float, budget_s: float) -> float | None:
+    def needed(
+        self, took_s: float, tokens: int, overhead_s: float, budget_s: float, shared_step_s: float | None = None
+    ) -> float | None:
         """The margin this request needed; None when it says nothing of the margin: its
         estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
         changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
-        one beside it needed 1.15: the steps a request lives through grow with its life)."""
-        work = self.wait_s + tokens * self.step_s
+        one beside it needed 1.15: the steps a request lives through grow with its life).
+        `shared_step_s`: the step the figures give for the batch it really shared, when
+        less than the one it was judged at (the batch admission lets grow to, which a
+        quiet spell never reaches): the margin is what the figures are off by, and a
+        request judged at a batch that never came says nothing of that."""
+        step = self.step_s if shared_step_s is None else min(self.step_s, shared_step_s)
+        work = self.wait_s + tokens * step
         if work < max(MIN_WORK_S, NEAR_EDGE * (budget_s - overhead_s)) or tokens <= 0:
             return None
         return max(0.0, took_s - overhead_s) / work

@@ -12,6 +12,7 @@ its place in the queue when it ends.
 
 from __future__ import annotations
 
+import time
 from contextlib import suppress
 from typing import Any
 
@@ -26,6 +27,7 @@ from gateway.admission.estimate import (
     combine,
     estimate,
     overloaded,
+    step_at,
 )
 from gateway.admission.gate import EarlyGate
 from gateway.admission.recent import FleetAdmissions, Judge
@@ -33,6 +35,7 @@ from gateway.metrics import METRICS
 from gateway.settings import GatewaySettings
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
+from runtime.steps import stretch
 
 #: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
 #: peer alive, the gate sees every request the fleet-wide check would (its own), so
@@ -86,8 +89,8 @@ class Lease:
         self.admission.endings.add(self.model)
         if self.judged is not None:
             admission = self.admission
-            overhead_s = admission.settings.admission_overhead_s
-            needed = CEILING if missed else self.judged.needed(took_s, tokens, overhead_s, budget_s)
+            overhead_s, shared = admission.settings.admission_overhead_s, admission.shared_step(self.model)
+            needed = CEILING if missed else self.judged.needed(took_s, tokens, overhead_s, budget_s, shared)
             admission.calibration.record(self.model, needed)
             self.judged = None  # once
 
@@ -145,6 +148,15 @@ class Admission:
             settings, pipeline, self.recent, self.in_flight, self.calibration, self.endings, self.refusals
         )
         self.background = Background()  # the leases' bookkeeping after a publish
+
+    def shared_step(self, model: str) -> float | None:
+        """The step the workers' figures give now for the busiest batch of the last
+        `PEAK_WINDOW_S`, stretched by newcomers' prefills: at most what a request that
+        ends now shared (`Judged.needed`)."""
+        q = self.pipeline.queue(model)
+        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, q.recent_running)))) is None:
+            return None
+        return step * stretch(q.prefill_share, q.measured_at, time.time())
 
     async def start(self) -> None:
         await self.gate.start()
