@@ -151,6 +151,10 @@ async def connect(url: str, name: str, **options) -> nats.NATS:
     async def back() -> None:
         log.warning("NATS connection back after %.2f s", time.monotonic() - lost_at)
 
+    async def error(exc: Exception) -> None:
+        # One line each: nats-py's default logs every refused reconnect attempt with its traceback.
+        log.warning("NATS: %r", exc)
+
     nc = await nats.connect(
         servers(url),
         name=name,
@@ -158,6 +162,7 @@ async def connect(url: str, name: str, **options) -> nats.NATS:
         reconnect_time_wait=0.5,
         disconnected_cb=lost,
         reconnected_cb=back,
+        error_cb=error,
         **options,
     )
     return nc

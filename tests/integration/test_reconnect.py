@@ -16,7 +16,7 @@ from runtime import jetstream
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-async def test_replies_awaited_on_a_killed_server_fail_at_once_and_publishing_resumes(tmp_path):
+async def test_replies_awaited_on_a_killed_server_fail_at_once_and_publishing_resumes(tmp_path, caplog):
     server = start_nats(tmp_path / "store")
     servers = [server]
     nc = await jetstream.connect(server.url, "test")
@@ -43,9 +43,15 @@ async def test_replies_awaited_on_a_killed_server_fail_at_once_and_publishing_re
             await ack
         failed_after = time.monotonic() - killed
         assert failed_after < 5, failed_after  # not the request's 30 s
+        await asyncio.sleep(0.6)  # a reconnect attempt or two refused meanwhile
         servers.append(start_nats(tmp_path / "store", port=server.port))
         stored = await js.publish("r.1", b"after", timeout=10)  # reconnected by itself
         assert stored.stream == "R"
+        said = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith("NATS connection lost; 2 replies") for m in said), said
+        assert any(m.startswith("NATS connection back after") for m in said), said
+        assert any(m.startswith("NATS: ConnectionRefusedError") for m in said), said
+        assert not [r for r in caplog.records if r.exc_info], "a refused reconnect attempt is one line, no traceback"
         print(f"\n[replies lost] failed {failed_after:.2f} s after the kill")
     finally:
         await nc.close()
