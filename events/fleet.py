@@ -141,6 +141,11 @@ class InferenceBeat(ProcessBeat):
         description="The models `arena models add` is loading now (weights, then a started engine): a gateway "
         "answers a request for one that no worker holds ready 503 model_loading, with Retry-After.",
     )
+    unavailable: tuple[str, ...] = Field(
+        (),
+        description="The upstream models whose server is down here (their circuit is open): a gateway answers "
+        "a request for one that no worker holds available 503 model_unavailable at once; the arena pairs them no more.",
+    )
     resident_bytes: int = Field(0, ge=0, description="Bytes of the resident models' weights.")
     context: dict[str, int] = Field(
         default_factory=dict, description="Per model: the tokens a request may have (prompt and completion)."

@@ -51,7 +51,7 @@ def test_a_beat_of_the_dict_era_decodes_as_its_roles_model_and_writes_the_same_k
     sent = json.loads(encode_beat(beat))
     assert sent.pop("schema_version") == 1
     load = {k: v for k, v in DICT_BEAT["load"]["a"].items() if v is not None}
-    added = {"loading": []}
+    added = {"loading": [], "unavailable": []}
     assert sent == {
         **DICT_BEAT,
         **added,
