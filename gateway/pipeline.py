@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import suppress
@@ -81,10 +82,14 @@ class Pipeline:
         #: cost a JetStream read each), and a bound on reads running at once.
         self._not_in_stream: OrderedDict[str, float] = OrderedDict()
         self._recoveries = asyncio.Semaphore(RECOVERIES_AT_ONCE)
+        #: The requests' live subjects followed now, told when the connection is back.
+        self._following: weakref.WeakSet[LiveSub] = weakref.WeakSet()
 
     async def start(self) -> None:
         options = jetstream.connect_options(self.settings)
-        self.nc = await jetstream.connect(self.settings.nats_url, "arena-gateway", **options)
+        self.nc = await jetstream.connect(
+            self.settings.nats_url, "arena-gateway", reconnected_cb=self._reconnected, **options
+        )
         self.js = jetstream.context(self.nc)
         await jetstream.prepare_topology(self.js, self.settings)
         await self.nc.subscribe(f"{subjects.HEARTBEAT_PREFIX}.>", cb=self._on_beat)
@@ -239,15 +244,23 @@ class Pipeline:
         assert self.nc is not None
         live = LiveSub()
         live.sub = await self.nc.subscribe(subjects.live_subject(request_id), cb=live.put)
+        self._following.add(live)
         return live
+
+    async def _reconnected(self) -> None:
+        """Back on NATS after a loss (its server restarted): what was sent live while this
+        gateway was away is lost to it (workers that reconnected first sent what they had
+        buffered then), and in the stream; every request followed reads it there."""
+        for live in list(self._following):
+            live.reconnected()
 
     def output(self, request_id: str, until: float, *, after_seq: int = -1, replay: bool = False) -> Output:
         return Output(self, request_id, until, after_seq=after_seq, replay=replay)
 
 
-#: What a request's live subject brings: a live message, or the events a stream read
-#: found (`LiveSub.stored`).
-Arrival = Msg | list[EventBase]
+#: What a request's live subject brings: a live message, the events a stream read found
+#: (`LiveSub.stored`), or None: the connection is back after a loss.
+Arrival = Msg | list[EventBase] | None
 
 
 class LiveSub:
@@ -267,6 +280,10 @@ class LiveSub:
     def stored(self, events: list[EventBase]) -> None:
         """A stream read's events, taken in turn with the live messages."""
         self.queue.put_nowait(events)
+
+    def reconnected(self) -> None:
+        """The connection is back after a loss: messages may have been lost (None)."""
+        self.queue.put_nowait(None)
 
     async def next_msg(self, timeout: float) -> Arrival:
         """The next arrival; TimeoutError when none comes within `timeout` seconds."""
@@ -390,6 +407,9 @@ class Output:
         try:
             arrival = await self.sub.next_msg(timeout=timeout)
         except TimeoutError:
+            return []
+        if arrival is None:  # back after a loss: the stream has what was lost
+            self._read_soon()
             return []
         if isinstance(arrival, list):
             return arrival

@@ -11,6 +11,7 @@ import logging
 import ssl
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.js import JetStreamContext
@@ -127,8 +128,11 @@ class ReplyLost(nats.errors.Error):
 _CONTEXTS: weakref.WeakKeyDictionary[nats.NATS, list[JetStreamContext]] = weakref.WeakKeyDictionary()
 
 
-async def connect(url: str, name: str, **options) -> nats.NATS:
-    """The one place a process connects to NATS; `options` from `connect_options`.
+async def connect(
+    url: str, name: str, reconnected_cb: Callable[[], Awaitable[None]] | None = None, **options
+) -> nats.NATS:
+    """The one place a process connects to NATS; `options` from `connect_options`,
+    `reconnected_cb` called when the connection is back after a loss.
 
     When the connection is lost, every reply still awaited on it (a request's, a
     JetStream publish's ack, an async publish's ack) is failed at once with `ReplyLost`
@@ -150,6 +154,8 @@ async def connect(url: str, name: str, **options) -> nats.NATS:
 
     async def back() -> None:
         log.warning("NATS connection back after %.2f s", time.monotonic() - lost_at)
+        if reconnected_cb is not None:
+            await reconnected_cb()
 
     async def error(exc: Exception) -> None:
         # One line each: nats-py's default logs every refused reconnect attempt with its traceback.

@@ -125,3 +125,13 @@ async def test_a_gap_is_read_from_the_stream_when_it_shows():
     await sender
     assert [seq for seq, _ in got] == list(range(20)) and lossy.reads == 1
     assert got[1][1] < 0.5, got[:3]  # at the next live chunk's arrival and the read
+
+
+async def test_a_reconnect_reads_the_stream_at_once():
+    """What was sent live while the gateway was away (its server restarted, a worker back
+    first) is in the stream: read when the connection is back, not `QUIET_S` (2 s) later."""
+    lossy = LossyPipeline(n=3, lost=2, every=0.0)  # the last chunk lost: no gap shows
+    await lossy.send(terminal=False)
+    lossy.live.reconnected()
+    got = await read(lossy, within=1.0)
+    assert [seq for seq, _ in got] == [0, 1, 2] and got[2][1] < 0.5 and lossy.reads == 1
