@@ -52,11 +52,13 @@ class Judged:
         estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
         changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
         one beside it needed 1.15: the steps a request lives through grow with its life).
-        `shared_step_s`: the step the figures give for the batch it really shared, when
-        less than the one it was judged at (the batch admission lets grow to, which a
-        quiet spell never reaches): the margin is what the figures are off by, and a
-        request judged at a batch that never came says nothing of that."""
-        step = self.step_s if shared_step_s is None else min(self.step_s, shared_step_s)
+        `shared_step_s`: the step the figures give now for the batch it really shared
+        (the busiest of its last seconds), in place of the one it was judged at: the
+        margin is what the figures are off by. Against the batch it was judged at, the
+        first requests of a burst (judged beside a few, sharing their steps with the
+        whole burst after) needed up to 1.43x, and a margin learned from them refused at
+        saturation turns the server answered in time."""
+        step = self.step_s if shared_step_s is None else shared_step_s
         work = self.wait_s + tokens * step
         if work < max(MIN_WORK_S, NEAR_EDGE * (budget_s - overhead_s)) or tokens <= 0:
             return None

@@ -180,40 +180,16 @@ def step_at(q: ModelQueue, batch: int) -> float | None:
 STALE_S = 10.0
 
 
-def grown(q: ModelQueue, typical: float, deadline_s: float, overhead_s: float, per_step: float) -> int:
-    """The batch admission lets the fleet grow to: the largest at which a request of the
-    `typical` budget still fits its deadline (each step times `per_step`, the prefills'
-    stretch and the margin), 1 when none does. A request admitted now shares its steps
-    with those admitted after it, and admission keeps letting typical ones in up to this
-    batch: judged at the batch of the moment, the first requests of a burst needed 1.4x
-    their estimate, and the margin learned from them refused at saturation turns that
-    llama-server answered in time."""
-    lo, hi = 1, q.slots
-    while lo < hi:  # step times never shrink as the batch grows: bisect
-        mid = (lo + hi + 1) // 2
-        step = step_at(q, mid)
-        if step is not None and overhead_s + typical * step * per_step <= deadline_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def estimate(
     q: ModelQueue,
     budget: int,
     overhead_s: float,
     margin: float = 1.0,
     now: float | None = None,
-    typical: float | None = None,
-    deadline_s: float | None = None,
 ) -> Estimate:
     """When a request of `budget` tokens would finish. Without step times (nothing
     measured yet, or an idle fleet with stale measurements) only the fixed overhead is
-    counted: the request is let through, unless its deadline is shorter than that.
-    Given the `typical` budget of the requests arriving and the request's `deadline_s`,
-    a request joining running ones is judged at the batch admission lets grow while it
-    runs (`grown`), not only at the batch of the moment."""
+    counted: the request is let through, unless its deadline is shorter than that."""
     probe = Estimate(overhead_s, 0.0)  # what is known without step times: the fixed overhead
     if q.slots <= 0:  # no worker reported a load for the model yet (it has not run)
         return probe
@@ -225,12 +201,9 @@ def estimate(
     prefills = stretch(q.prefill_share, q.measured_at, now or time.time()) if q.requests else 1.0
     if not q.requests:
         margin = 1.0
-    # The batch its tokens will share: the one it joins, the busiest of the last seconds
-    # where that was more (conversations idle between turns; `PEAK_WINDOW_S`), or the
-    # one admission lets it grow to while it runs.
+    # The batch its tokens will share: the one it joins, or the busiest of the last
+    # seconds where that was more (conversations idle between turns; `PEAK_WINDOW_S`).
     batch = min(q.slots, max(q.requests + 1, q.recent_running))
-    if q.requests and typical is not None and deadline_s is not None:
-        batch = max(batch, grown(q, typical, deadline_s, overhead_s, prefills * margin))
     # Alone, a request steps as fast as requests alone do (the median step at batch 1),
     # the figure `never` judges it by: an idle fleet refuses with 429 only what a retry
     # could get, never a request that a 400 would have told to change.

@@ -240,7 +240,7 @@ class EarlyGate:
         if (queued := self.in_flight.get(model, 0) + len(waiting)) >= self.settings.max_queue_per_model:
             METRICS.rejections.labels(reason="overloaded").inc()
             return backstop(model, queued), None
-        if (est := self.estimate(model, tokens, workers, budget_s)).finish_s > budget_s:
+        if (est := self.estimate(model, tokens, workers)).finish_s > budget_s:
             METRICS.rejections.labels(reason="deadline_unreachable").inc()
             self.refusals.say(model, est, tokens, budget_s)
             return overloaded(model, est, budget_s), None
@@ -254,26 +254,16 @@ class EarlyGate:
         """A request this gate let through is counted in the route's queue now."""
         self.unreserved.get(model, {}).pop(member, None)
 
-    def estimate(
-        self, model: str, tokens: int, workers: estimate.ModelQueue | None = None, budget_s: float | None = None
-    ) -> estimate.Estimate:
+    def estimate(self, model: str, tokens: int, workers: estimate.ModelQueue | None = None) -> estimate.Estimate:
         """When the request would finish: the fleet's queue with what was let through
         since its state was read, at the model's learned margin (stricter than the
-        fleet-wide check's: `STRICTER`); given its deadline (`budget_s`), at the batch
-        admission lets grow while it runs (`estimate.grown`)."""
+        fleet-wide check's: `STRICTER`)."""
         workers = workers or self.pipeline.queue(model)
         stream = self.pipeline.stream_state
         n, ahead = self._ahead(model, stream.read_at - VISIBILITY_LAG_S, self.share(model, time.time()))
         queue = estimate.combine(workers, stream, n, ahead, self.recent.mean_budget, self.endings, model)
         margin = self.calibration.margin(model) * STRICTER
-        return estimate.estimate(
-            queue,
-            tokens,
-            self.settings.admission_overhead_s,
-            margin,
-            typical=self.recent.mean_budget,
-            deadline_s=budget_s,
-        )
+        return estimate.estimate(queue, tokens, self.settings.admission_overhead_s, margin)
 
     async def published(self, model: str, member: str) -> None:
         await self._set(model, member, 0, "pub")

@@ -195,9 +195,7 @@ class Admission:
         def judge(stream: StreamState, n: int, ahead: int) -> Estimate | None:
             workers_now = workers or self.pipeline.queue(model)
             queue = combine(workers_now, stream, n, ahead, self.recent.mean_budget, self.endings, model)
-            margin = self.calibration.margin(model)
-            overhead_s, typical = settings.admission_overhead_s, self.recent.mean_budget
-            est = estimate(queue, tokens, overhead_s, margin, typical=typical, deadline_s=budget_s)
+            est = estimate(queue, tokens, settings.admission_overhead_s, self.calibration.margin(model))
             if est.finish_s > budget_s:
                 self.refusals.say(model, est, tokens, budget_s)
                 return est

@@ -305,35 +305,6 @@ def test_a_turn_is_judged_at_the_busiest_batch_of_the_last_window():
     assert estimate(replace(busy, requests=30), 256, 0.5).step_s == pytest.approx(0.03 + 0.383 * 29 / 62)  # now's
 
 
-def test_a_request_is_judged_at_the_batch_admission_lets_grow_while_it_runs():
-    """llama.cpp's steps: 40 ms alone, 100 ms at 32 slots (a line). Typical 64-token turns
-    fit up to the whole 32 (0.5 + 64 x 0.1 = 6.9 s): a turn joining 2 running ones is
-    judged at 32, where the turns admitted after it will take it, and still admitted. At a
-    deadline where typical turns fit only up to 16, it is judged at 16: a 96-token turn
-    that fits beside 2 others but not beside 16 is refused."""
-    from gateway.admission.estimate import grown
-
-    fleet = ModelQueue(32, 2, 2 * 64, 0.04, 0.1, time.time(), full_batch=32, small_batch=1)
-    assert grown(fleet, 64, 15.0, 0.5, 1.0) == 32
-    est = estimate(fleet, 64, 0.5, typical=64, deadline_s=15.0)
-    assert (est.batch, est.step_s) == (32, pytest.approx(0.1))
-    assert est.finish_s == pytest.approx(0.5 + 64 * 0.1)
-    assert estimate(fleet, 64, 0.5).batch == 3  # without the deadline: the batch of the moment
-
-    at_16 = 0.5 + 64 * (0.04 + 0.06 * 15 / 31)  # the deadline typical turns just fit at batch 16
-    assert grown(fleet, 64, at_16, 0.5, 1.0) == 16
-    assert grown(fleet, 64, at_16, 0.5, 1.2) < 16  # the margin and prefills count as they do for the turn
-    long = estimate(fleet, 96, 0.5, typical=64, deadline_s=at_16)
-    assert long.batch == 16 and long.finish_s > at_16
-    assert 0.5 + 96 * step_at(fleet, 3) < at_16  # beside 2 it would have fit
-
-    idle = replace(fleet, requests=0, tokens=0, alone_step_s=0.04)
-    assert estimate(idle, 96, 0.5, typical=64, deadline_s=at_16).batch == 1  # an idle fleet: alone, as `never`
-    assert (
-        grown(replace(fleet, step_s=1.0, full_step_s=1.0), 64, 15.0, 0.5, 1.0) == 1
-    )  # none fits: the batch of the moment
-
-
 def test_a_request_beyond_the_slots_waits_for_the_first_to_end_not_the_mean():
     """llama.cpp's 32 slots full under arrivals, their budgets left spread from 2 to 64: a
     33rd request gets the slot of the one with 2 tokens left, a 34th the next (4); past a

@@ -19,15 +19,17 @@ def test_needed_is_the_real_work_over_the_estimated_one_for_the_tokens_made():
     assert judged.needed(13.1, 64, 0.5, 120.0) is None
 
 
-def test_needed_is_against_the_batch_the_request_shared_when_less_than_the_one_it_was_judged_at():
-    """Judged at the batch admission lets grow to (0.2 s a step there), it shared a quiet
-    spell's smaller batch (0.1 s): its 64 tokens in 7.3 s needed 1.0x the figures, not the
-    0.5x its estimate says, and say nothing of a margin when that work is far from the edge."""
-    judged = Judged(wait_s=0.0, step_s=0.2)
-    assert judged.needed(7.3, 64, 0.5, 15.0) == pytest.approx(6.8 / 12.8)
-    assert judged.needed(7.3, 64, 0.5, 15.0, shared_step_s=0.1) == pytest.approx(6.8 / 6.4)
-    assert judged.needed(7.3, 64, 0.5, 15.0, shared_step_s=0.3) == pytest.approx(6.8 / 12.8)  # never above it
-    assert judged.needed(3.0, 64, 0.5, 15.0, shared_step_s=0.05) is None  # 3.2 s of work: far from the edge
+def test_needed_is_against_the_batch_the_request_shared_not_the_one_it_was_judged_at():
+    """Judged beside a few (0.1 s a step), it shared the whole burst admitted after it
+    (0.2 s a step by the figures): its 64 tokens in 13.3 s needed 1.0x the figures, not
+    the 2x its estimate says. Judged at a batch a quiet spell never reached (0.2 s), its
+    0.1 s steps needed 1.0x too, and far from the edge say nothing of a margin."""
+    judged = Judged(wait_s=0.0, step_s=0.1)
+    assert judged.needed(13.3, 64, 0.5, 15.0) == pytest.approx(12.8 / 6.4)
+    assert judged.needed(13.3, 64, 0.5, 15.0, shared_step_s=0.2) == pytest.approx(12.8 / 12.8)
+    quiet = Judged(wait_s=0.0, step_s=0.2)
+    assert quiet.needed(7.3, 64, 0.5, 15.0, shared_step_s=0.1) == pytest.approx(6.8 / 6.4)
+    assert quiet.needed(3.0, 64, 0.5, 15.0, shared_step_s=0.05) is None  # 3.2 s of work: far from the edge
 
 
 def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p99_within_bounds():
