@@ -125,8 +125,12 @@ class EngineRunner:
         self._kept = Path(figures) if figures else None  # the file the figures are kept in
         self._figures_saved = 0.0
         self._probing_on = profile  # the idle probes follow the profile's figures
-        if not profile or self._take_figures():
+        #: Figures taken from a file: a probe confirms (or rescales) them before any request.
+        self._confirm = False
+        if not profile:
             self.profiled.set()
+        elif self._take_figures():
+            self._confirm = True
         else:
             self._probes.probed(time.monotonic(), None)  # the profile measures now
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
@@ -169,7 +173,10 @@ class EngineRunner:
     def _run(self) -> None:
         if not self.profiled.is_set():
             self.engine.wait_packed(PROFILE_TIMEOUT_S)  # the profile times the steps it will serve with
-            self._profile()
+            if self._confirm:  # kept figures: one probe, to the end, before they judge a request
+                self._probe(give_way=False)
+            else:
+                self._profile()
         while not self._stop:
             if self._kept is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:
                 self._keep_figures()
@@ -292,11 +299,14 @@ class EngineRunner:
         ):
             self._probe()
 
-    def _probe(self) -> None:
+    def _probe(self, give_way: bool = True) -> None:
         """Step one short synthetic request alone for a few decode steps (`_probed_enough`),
         as the profile's lone one (out of the outputs, the metrics and the prefix cache),
         and let the figures follow what they took (`_follow`). Requests that come meanwhile
-        wait at most a step: the probe then ends, its steps unused under PROBE_STEPS."""
+        wait at most a step: the probe then ends, its steps unused under PROBE_STEPS. At
+        start (`give_way` False) the probe confirms figures kept by an earlier process: it
+        runs to its end while requests wait, as they wait for a profile, since a figure
+        measured on a machine busy then (a hog, a build) refused what it now answers."""
         with self._held_lock:
             if self.engine.stats().has_work():
                 return
@@ -305,7 +315,7 @@ class EngineRunner:
         started = time.monotonic()
         try:
             self._profile_batch(1, probes.PROBE_MAX_STEPS)
-            while self._profiling and not self._held and not self._stop and not self._probed_enough():
+            while self._profiling and not (give_way and self._held) and not self._stop and not self._probed_enough():
                 if time.monotonic() - started > PROBE_TIMEOUT_S:
                     raise TimeoutError(f"not done after {PROBE_TIMEOUT_S:g} s")
                 self._step(len(self.engine.stats().running))
@@ -368,7 +378,8 @@ class EngineRunner:
         if taken is None:
             return False
         log.info(
-            "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it",
+            "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it "
+            "once a probe confirms them",
             taken[1],
             taken[0],
             extra={"model": self.name},
