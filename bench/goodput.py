@@ -16,9 +16,13 @@ ends one way:
 - cut: admitted, then ended by the server at its deadline;
 - error: anything else (a 400 included).
 
-Goodput is the turns in time over the level's seconds. The targets run side by side:
-all are started first, then each rate is offered to each in turn, so a busy spell of the
-machine falls on all of them alike. Prints one table row per target and rate (goodput,
+Goodput is the turns in time over the level's seconds. The targets run one after
+another in one run, each alone on the machine (started, offered every rate, stopped):
+started side by side, an idle `arena up` still steps (its engines probe their step times
+while the CPU is contended), and llama.cpp's threads, which spin at each step's barrier,
+slowed bare llama-server 10x beside them (372 ms a token at 4 requests).
+`--together` starts them all first and offers each rate to each in turn. Prints one
+table row per target and rate (goodput,
 counts, P50 / P99 latency of the answers that came back whole) and the load average, and
 writes `goodput.json` under `--out`.
 """
@@ -137,7 +141,9 @@ def load_avg() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def measure(live: dict[str, targets.Target], args: argparse.Namespace) -> list[dict]:
+def measure(live: dict[str, targets.Target], args: argparse.Namespace, before: list[dict]) -> list[dict]:
+    """Each rate offered to each live target in turn; the rows (`before`: the run's rows so
+    far, for the printed ratio to llama-server)."""
     rows: list[dict] = []
     for rate in [float(x) for x in args.rates.split(",") if x]:
         for name, target in live.items():
@@ -149,7 +155,7 @@ def measure(live: dict[str, targets.Target], args: argparse.Namespace) -> list[d
             row = {"rate": rate, "target": name, "load": load, "margin": admission.learned_margin(target)}
             row["tally"] = tally(attempts, args.duration, args.deadline).as_json()
             rows.append(row | {"attempts": [a.as_json() for a in attempts]})
-            print(table(rows).splitlines()[-1], flush=True)
+            print(table(before + rows).splitlines()[-1], flush=True)
     return rows
 
 
@@ -165,6 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=3.0, help="seconds between levels")
     p.add_argument("--parallel", type=int, default=32, help="llama-server's slots, both bare and as the backend")
     p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server's context per slot")
+    p.add_argument("--together", action="store_true", help="start every target first, offer each rate to each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/goodput"))
     return p.parse_args(argv)
@@ -180,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint, name, args.out, source=source, parallel=args.parallel, ctx_per_slot=args.ctx_per_slot
     )
     print(f"[goodput] {time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs, load {load_avg()}", flush=True)
-    with contextlib.ExitStack() as stack:
-        live = admission.start([n for n in args.targets.split(",") if n], setup, stack, args.deadline, "goodput")
-        print(table([]), flush=True)
-        rows = measure(live, args)
+    names = [n for n in args.targets.split(",") if n]
+    rows: list[dict] = []
+    print(table([]), flush=True)
+    for group in [names] if args.together else [[n] for n in names]:
+        with contextlib.ExitStack() as stack:
+            rows += measure(admission.start(group, setup, stack, args.deadline, "goodput"), args, rows)
     return admission.written(args, rows, table(rows), "goodput")
 
 
