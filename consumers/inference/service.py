@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 #: A redelivery that arrives while its first delivery is still being given back (its
 #: engine lost it, a moment ago) comes again after this long, when the first is gone.
 GIVEN_BACK_RETRY_S = 0.5
+#: How long a cancel of a request not held here is remembered: past the longest deadline
+#: a gateway gives (120 s), when the request is refused unrun anyway.
+CALLED_OFF_KEEP_S = 180.0
 #: What steps a model's engine: a thread beside the loop, or a process of its own.
 Runner = EngineRunner | ProcessRunner
 
@@ -146,6 +149,10 @@ class InferenceService:
         self.live = live
         self.recorded = recorded
         self.jobs: dict[str, Job] = {}
+        #: Cancels of requests not held here (yet), by when they came: a battle's other
+        #: side is called off when its pair is refused, often before this worker fetched
+        #: it; it ends as cancelled when it comes, without running.
+        self.called_off: dict[str, float] = {}
         self.holding: dict[int, Msg] = {}  # pulled, not yet jobs (Msg is not hashable)
         self.runners: dict[int, Runner] = {}
         self._core_notes: CoreShare | Literal[False] | None = None  # _notes(); False: none can be made
@@ -236,6 +243,9 @@ class InferenceService:
 
     async def submit(self, event: PromptAccepted, msg) -> None:
         """Make the message a job, or fail it at once; both inside its trace."""
+        if self.called_off.pop(event.request_id, None) is not None:  # called off before it came
+            await self._fail(event, msg, "cancelled", "generation ended: cancelled before it started")
+            return
         span = tracing.start("inference", msg.headers, request_id=event.request_id, model=event.model)
         with tracing.within(span):
             await self._submit(event, msg, span)
@@ -334,6 +344,8 @@ class InferenceService:
             job.seq, job.generated, job.text = len(chunks), len(resume_ids), "".join(c.text for c in chunks)
             METRICS.resumed_tokens.inc(len(resume_ids))
         runner.add(gen)
+        if self.called_off.pop(event.request_id, None) is not None:  # while its model loaded
+            runner.cancel(event.request_id)
 
     async def _delivered(self, rid: str) -> tuple[list[TokensGenerated], Terminal | None]:
         """What earlier workers put in the stream for `rid`: its chunks from seq 0 without
@@ -378,9 +390,15 @@ class InferenceService:
         return sorted(e.name for e in engines if isinstance(e, UpstreamEngine) and e.circuit.open)
 
     def cancel(self, request_id: str) -> None:
-        job = self.jobs.get(request_id)
-        if job:
+        if (job := self.jobs.get(request_id)) is not None:
             job.runner.cancel(request_id)
+            return
+        now = time.monotonic()
+        self.called_off[request_id] = now
+        for rid, at in list(self.called_off.items()):  # oldest first; none outlives a deadline
+            if now - at < CALLED_OFF_KEEP_S:
+                break
+            del self.called_off[rid]
 
     async def warm(self, names: list[str]) -> None:
         """Load ``names`` and start their engines, so that the first request (one handed

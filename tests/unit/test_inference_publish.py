@@ -152,3 +152,18 @@ async def test_a_chunk_whose_ack_was_lost_with_the_connection_is_sent_again_at_o
     await until(lambda: stream.stored == ["r1:tok:0"] and len(stream.live) == 2, timeout=1.0)
     assert msg.settled == []  # the job runs on
     await service.stop()
+
+
+async def test_a_request_cancelled_before_it_was_fetched_ends_cancelled_unrun():
+    """A battle's other side is called off (core NATS) when its pair is refused, often
+    before this worker fetched it: when it comes it ends as cancelled, its message
+    terminated, without a model loaded (the fake service has no pool to load one)."""
+    stream = FakeStream()
+    service = started(stream)
+    service.cancel("r1")
+    msg = FakeMsg()
+    msg.metadata = type("Meta", (), {"num_delivered": 1})()  # type: ignore[attr-defined]
+    await service.submit(accepted("r1"), msg)
+    assert stream.stored == ["r1:terminal"] and msg.settled == ["term"]
+    assert "r1" not in service.called_off and "r1" not in service.jobs
+    await service.stop()
