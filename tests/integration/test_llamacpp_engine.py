@@ -15,6 +15,7 @@ import pytest
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.llamacpp.options import LlamaCppOptions
+from consumers.inference.llamacpp.server import SPIN_COUNT
 from consumers.inference.models import ModelSpec, encode_prompt, load_model, load_tokenizer_only
 from consumers.inference.protocol import GenRequest, StepOutput
 from consumers.inference.runner import MIN_SAMPLES, EngineRunner
@@ -139,11 +140,13 @@ def test_a_deadline_ends_the_request_in_the_server(loaded, binary):
     asyncio.run(_with_runner(loaded, binary, body))
 
 
-def test_the_server_waits_as_openmp_does_by_default_not_as_the_stack(loaded, binary, monkeypatch):
+def test_the_server_spins_briefly_at_its_barriers_not_as_the_stack_waits(loaded, binary, monkeypatch):
     """`arena up` gives its processes OMP_WAIT_POLICY=PASSIVE (for torch); llama.cpp's
-    OpenMP threads would then sleep at every barrier of a step. Its server gets the
-    worker's environment without it."""
+    OpenMP threads would then sleep at every barrier of a step, and with OpenMP's default
+    they spin so long that they collapse beside any other process. Its server gets the
+    worker's environment without the policy, with a short spin (SPIN_COUNT)."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setenv("ARENA_TEST_MARK", "kept")
 
     async def body(runner: EngineRunner, outputs: Outputs) -> None:
@@ -152,6 +155,7 @@ def test_the_server_waits_as_openmp_does_by_default_not_as_the_stack(loaded, bin
             item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
         )
         assert "OMP_WAIT_POLICY" not in environ
+        assert environ["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
         assert environ["ARENA_TEST_MARK"] == "kept"
         runner.add(request(loaded, "r"))
         [end] = await outputs.wait("r")

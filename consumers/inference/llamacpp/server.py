@@ -40,13 +40,24 @@ def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, cont
     ]
 
 
+#: How many times an OpenMP thread of the server spins at a step's barrier before it
+#: sleeps (libgomp's GOMP_SPINCOUNT; its default with no wait policy is 300,000). A step
+#: crosses a barrier after each node of its graph; spinning long, the two threads of a
+#: 2-core machine collapse beside any other runnable process (the stack's own gateway and
+#: worker, a build): 7-27 tok/s at 1 and 8 users at load 4-7 where a spin of 1,000 made
+#: 41-81 and 50-113 (docs/inference.md, "llama.cpp's threads"). A GOMP_SPINCOUNT of the
+#: user's own environment wins (300000: libgomp's default).
+SPIN_COUNT = 1000
+
+
 def server_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The worker's environment without the stack's ``OMP_WAIT_POLICY``. llama.cpp's CPU
-    backend is built with OpenMP, and a step crosses a ``#pragma omp barrier`` after each
-    node of its graph: with the PASSIVE policy `arena up` gives torch's threads, each
-    barrier puts the threads to sleep and wakes them again. OpenMP's default spins a
-    moment first, then sleeps, so an idle server burns nothing either."""
-    return {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
+    """The worker's environment for its server: without the stack's ``OMP_WAIT_POLICY``
+    (`arena up` gives torch's threads PASSIVE: each barrier would put the server's
+    threads to sleep and wake them again), with a short bounded spin (SPIN_COUNT) unless
+    the user's environment sets ``GOMP_SPINCOUNT``."""
+    env = {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
+    env.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+    return env
 
 
 class LlamaServer:
