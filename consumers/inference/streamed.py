@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 IDLE_STEP_S = 0.2
 #: After a step's first token, how long the rest of that server step's tokens may trail it.
 STEP_GATHER_S = 0.002
+#: Tokens of one server step reach their streams within this long of each other: another
+#: stream's first token this soon after a stream's token ended the same step.
+SAME_STEP_S = 0.01
 
 
 @dataclass
@@ -88,9 +91,11 @@ class StreamedEngine:
         self._lock = threading.Lock()  # the two below: changed on the engine's loop, read by stats()
         self._waiting: deque[GenRequest] = deque()
         self._running: dict[str, Stream] = {}
-        #: The server's steps as the streams timed them (`_timed`), until `timed_steps` takes them.
-        self._steps: deque[tuple[int, float, bool]] = deque(maxlen=4096)
-        self._prefill_ended_at = -math.inf  # the last first token's arrival (time.perf_counter())
+        #: The server's steps as the streams timed them (`_timed`), until `timed_steps` takes
+        #: them: (batch, seconds a token, tokens, the stream's last token before, this one).
+        self._steps: deque[tuple[int, float, int, float, float]] = deque(maxlen=4096)
+        #: When first tokens came (time.perf_counter()): each ended a step with a prefill in it.
+        self._first_tokens: deque[float] = deque(maxlen=1024)
         self._stopping = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=thread, daemon=True)
@@ -168,10 +173,19 @@ class StreamedEngine:
         return outputs
 
     def timed_steps(self) -> list[tuple[int, float, bool]]:
-        """The server's steps since the last call, timed by the tokens' arrivals (`_timed`)."""
+        """The server's steps timed by the tokens' arrivals (`_timed`) since the last call,
+        each marked prefill when another stream's first token ended it (its prompt was in
+        that step); those that ended under SAME_STEP_S ago wait for the next call, as a
+        first token of the same step may still be on its way."""
+        now = time.perf_counter()
+        with self._lock:
+            firsts = list(self._first_tokens)
         steps = []
-        while self._steps:
-            steps.append(self._steps.popleft())
+        while self._steps and self._steps[0][4] + SAME_STEP_S <= now:
+            batch, step, tokens, since, until = self._steps.popleft()
+            after = bisect_right(firsts, since + SAME_STEP_S)  # those just after `since` ended its step
+            prefill = after < len(firsts) and firsts[after] <= until + SAME_STEP_S
+            steps.extend([(batch, step, prefill)] * tokens)
         return steps
 
     def wait_packed(self, timeout: float | None = None) -> bool:
@@ -317,20 +331,18 @@ class StreamedEngine:
     def _timed(self, stream: Stream, tokens: int) -> None:
         """The server's decode step as this stream saw it: the time since its last token
         (its first token's wait, queue and prefill, is no step), over the tokens that came,
-        at the batch the server holds now, marked when another stream's prefill was in it
-        (one was waiting for its first token, or got it, since this stream's last token):
-        the runner counts those apart, as the built-in engine's steps with newcomers."""
+        at the batch the server holds now. `timed_steps` marks those another stream's
+        prefill was in, which the runner counts apart, as the built-in engine's steps with
+        newcomers."""
         if not tokens:
             return
         now = time.perf_counter()
-        if stream.last_token_at is None:  # its first token: its prefill ended now
-            self._prefill_ended_at = now
+        if stream.last_token_at is None:  # its first token: a step with its prefill ended now
+            with self._lock:
+                self._first_tokens.append(now)
         else:
             step = (now - stream.last_token_at) / tokens
-            prefill = self._prefill_ended_at > stream.last_token_at or any(
-                s.last_token_at is None for s in self._running.values()
-            )
-            self._steps.extend([(len(self._running), step, prefill)] * tokens)
+            self._steps.append((len(self._running), step, tokens, stream.last_token_at, now))
         stream.last_token_at = now
 
     def _finish(self, stream: Stream, out: StepOutput) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import itertools
 import tarfile
+import threading
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -136,37 +138,38 @@ def test_a_spec_without_llamacpp_options_gets_none():
 
 def test_steps_timed_by_the_streams_are_marked_where_a_prefill_was_in_them(monkeypatch):
     """A stream's time since its last token is a server step; the runner counts it apart
-    (prefill, not decode) when another stream was waiting for its first token meanwhile or
-    got it (its prefill ended) since this stream's last token."""
-    from collections import deque
-    from types import SimpleNamespace
-
+    (prefill, not decode) when another stream's first token ended it (that stream's
+    prompt was in the step), even when that first token came a moment after this
+    stream's token of the same step. A step while another stream merely waits for its
+    first token is a decode step; steps are told only once their step's first tokens
+    would have come."""
     from consumers.inference import streamed as engine_module
+    from consumers.inference.streamed import SAME_STEP_S, StreamedEngine
     from consumers.inference.streamed import Stream as _Stream
-    from consumers.inference.streamed import StreamedEngine
 
     clock = [10.0]
     monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
     params = SamplingParams(temperature=0, max_tokens=8)
+    engine = object.__new__(StreamedEngine)
     a, b = _Stream(GenRequest("a", [1], params)), _Stream(GenRequest("b", [1], params))
-    fake = SimpleNamespace(_running={"a": a}, _steps=deque(), _prefill_ended_at=float("-inf"))
+    engine._lock, engine._steps, engine._first_tokens = threading.Lock(), deque(), deque()
+    engine._running = {"a": a}
 
     def token(stream, at, tokens=1):
         clock[0] = at
-        StreamedEngine._timed(fake, stream, tokens)  # type: ignore[arg-type]
+        StreamedEngine._timed(engine, stream, tokens)
 
     token(a, 10.1)  # a's first token: no step
     token(a, 10.2)  # a decode step alone
-    fake._running["b"] = b  # b sent: its prefill runs in the server's next steps
-    token(a, 10.5)
-    token(b, 10.6)  # b's first token: its prefill ended
-    token(a, 10.65)  # this interval began before b's prefill ended
-    token(a, 10.7, tokens=2)  # two decode steps, b's prefill done
-    steps = list(fake._steps)
-    assert [(n, round(s, 3), p) for n, s, p in steps] == [
-        (1, 0.1, False),
-        (2, 0.3, True),
-        (2, 0.15, True),
-        (2, 0.025, False),
-        (2, 0.025, False),
+    engine._running["b"] = b  # b sent: the server takes it at its next step
+    token(a, 10.5)  # b waited meanwhile: no prefill in this step
+    token(a, 10.6)  # the step b's prompt was in: a's token came first,
+    token(b, 10.6 + SAME_STEP_S / 2)  # b's first token a moment after
+    assert engine.timed_steps() == [(1, pytest.approx(0.1), False), (2, pytest.approx(0.3), False)]
+    token(a, 10.7, tokens=2)  # two decode steps
+    clock[0] = 10.7 + SAME_STEP_S
+    assert engine.timed_steps() == [
+        (2, pytest.approx(0.1), True),
+        (2, pytest.approx(0.05), False),
+        (2, pytest.approx(0.05), False),
     ]
