@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -241,6 +242,33 @@ def arena_llamacpp(setup: Setup) -> Target:
     )
 
 
+def arena_upstream(setup: Setup) -> Target:
+    """`arena up` with the model as an upstream (`backend: upstream`, docs/upstream.md):
+    a bare llama-server started beside it as the `llama-server` target's, fronted by the
+    whole pipeline over its OpenAI API. One process group: the server starts in the
+    background of the shell that then becomes `arena up`, and both stop together."""
+    if not peers.SERVER.is_file():
+        raise NotRunnable(f"no {peers.SERVER}: run `python -m consumers.inference.llamacpp build` (15-55 min)")
+    if not (setup.source.startswith(peers.PKG) or setup.source.lower().endswith(".gguf")):
+        raise NotRunnable("the model was given as a checkpoint directory; llama-server needs its GGUF source")
+    upstream_port, port = free_port(), free_port()
+    server = llama_server_command(setup, peers.source_gguf(setup.source), upstream_port)
+    config = setup.out / "arenaflow-upstream-models.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f"models:\n  - name: {setup.model_name}\n    backend: upstream\n"
+        f"    upstream: {{base_url: 'http://127.0.0.1:{upstream_port}/v1', model: {setup.model_name}, "
+        f"concurrency: {setup.parallel}, context: {setup.ctx_per_slot}}}\n"
+    )
+    state = (setup.out / "state" / "arenaflow-upstream").resolve()
+    up = [*_arena_command(), "up", "--port", str(port), "--models-config", str(config.resolve())]
+    up += ["--default-model", setup.model_name, "--state-dir", str(state)]
+    cmd = ["bash", "-c", f"{shlex.join(server)} & exec {shlex.join(up)}"]
+    log = setup.out / "logs" / "arenaflow-upstream.log"
+    proc = ServerProcess("arenaflow-upstream", cmd, f"http://127.0.0.1:{port}/readyz", log, env=setup.env())
+    return Target("arenaflow-upstream", proc, setup.model_name, f"http://127.0.0.1:{port}")
+
+
 def llama_server_command(setup: Setup, gguf: Path, port: int) -> list[str]:
     """llama.cpp's server on every core, one slot per user of the highest load, continuous
     batching: the command line the llama.cpp backend starts its server with."""
@@ -284,6 +312,7 @@ BUILDERS = {
     "llama-server": llama_server,
     # The same llama-server as the llama.cpp backend of `arena up` (the whole pipeline in front).
     "arenaflow-llamacpp": arena_llamacpp,
+    "arenaflow-upstream": arena_upstream,
     "llama-server-bf16": lambda s: llama_server(s, "bf16"),
 }
 
