@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench import peers
 from bench.procs import ServerProcess
-from consumers.inference.llamacpp.server import command
+from consumers.inference.llamacpp.server import SPIN_COUNT, command
 from runtime.net import free_port
 
 # `transformers serve` needs accelerate, which the project does not depend on; the
@@ -246,7 +246,9 @@ def arena_upstream(setup: Setup) -> Target:
     """`arena up` with the model as an upstream (`backend: upstream`, docs/upstream.md):
     a bare llama-server started beside it as the `llama-server` target's, fronted by the
     whole pipeline over its OpenAI API. One process group: the server starts in the
-    background of the shell that then becomes `arena up`, and both stop together."""
+    background of the shell that then becomes `arena up`, and both stop together. The
+    server shares its cores with the stack, so it spins as briefly at its barriers as the
+    llama.cpp backend's own (`SPIN_COUNT`; docs/upstream.md says why)."""
     if not peers.SERVER.is_file():
         raise NotRunnable(f"no {peers.SERVER}: run `python -m consumers.inference.llamacpp build` (15-55 min)")
     if not (setup.source.startswith(peers.PKG) or setup.source.lower().endswith(".gguf")):
@@ -263,7 +265,7 @@ def arena_upstream(setup: Setup) -> Target:
     state = (setup.out / "state" / "arenaflow-upstream").resolve()
     up = [*_arena_command(), "up", "--port", str(port), "--models-config", str(config.resolve())]
     up += ["--default-model", setup.model_name, "--state-dir", str(state)]
-    cmd = ["bash", "-c", f"{shlex.join(server)} & exec {shlex.join(up)}"]
+    cmd = ["bash", "-c", f"GOMP_SPINCOUNT={SPIN_COUNT} {shlex.join(server)} & exec {shlex.join(up)}"]
     log = setup.out / "logs" / "arenaflow-upstream.log"
     proc = ServerProcess("arenaflow-upstream", cmd, f"http://127.0.0.1:{port}/readyz", log, env=setup.env())
     return Target("arenaflow-upstream", proc, setup.model_name, f"http://127.0.0.1:{port}")
