@@ -202,6 +202,27 @@ def test_secrets_are_referenced_never_inlined_and_each_role_has_its_own_nats_use
     assert container(docs, "gateway") and "ARENA_API_KEYS" in env_of(container(docs, "gateway"))
 
 
+def test_upstream_keys_come_from_an_optional_secret_mounted_read_only_in_inference_alone(docs):
+    """An upstream model's key (docs/upstream.md) is a file of the Secret
+    arena-upstream-keys, named in the models config as `api_key_file`: mounted read-only
+    where the worker's user can read it, in the inference pods only; optional, so the
+    manifests apply without one."""
+    specs = pod_specs(docs)
+    mounting = {
+        where
+        for where, spec in specs.items()
+        for v in spec.get("volumes", [])
+        if v.get("secret", {}).get("secretName") == "arena-upstream-keys"
+    }
+    assert mounting == {"Deployment/inference"}
+    spec = specs["Deployment/inference"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == "upstream-keys"]
+    assert volume["secret"]["optional"] is True
+    assert volume["secret"]["defaultMode"] & 0o040 and not volume["secret"]["defaultMode"] & 0o007  # group only
+    [mount] = [m for m in container(docs, "inference")["volumeMounts"] if m["name"] == "upstream-keys"]
+    assert mount == {"name": "upstream-keys", "mountPath": "/run/secrets/arena-upstream", "readOnly": True}
+
+
 def test_each_role_that_uses_redis_connects_as_its_own_redis_user_and_no_other_gets_redis(docs):
     with_redis = set()
     for where, spec in pod_specs(docs).items():
