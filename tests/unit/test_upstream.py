@@ -100,6 +100,17 @@ def test_what_the_entry_says_it_lacks_is_refused_naming_the_field():
         check_served(options, "up", resumed)
 
 
+def test_a_chat_answer_is_continued_as_a_final_assistant_message_where_the_entry_says_so():
+    prompt = TextPrompt(messages=[{"role": "user", "content": "Hi"}], resumed="Hello the")
+    resumed = GenRequest("r", [], SamplingParams(), text_prompt=prompt)
+    check_served(UpstreamOptions(**ENTRY, continue_chat=True), "up", resumed)  # not refused: it continues
+    body = request_body(UpstreamOptions(**ENTRY, continue_chat=True), resumed, "Hello the")
+    assert body["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    fresh = request_body(UpstreamOptions(**ENTRY, continue_chat=True), resumed, "")
+    assert fresh["messages"] == [{"role": "user", "content": "Hi"}] and "continue_final_message" not in fresh
+
+
 def test_streamed_log_probabilities_are_spelled_as_sent():
     pieces = Pieces()
     chat = {
