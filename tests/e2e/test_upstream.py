@@ -137,18 +137,25 @@ def test_what_the_upstream_refuses_is_a_clear_400(up):
 
 
 def test_the_key_appears_in_no_log_event_metric_or_models_list(up):
+    assert_key_nowhere(up, KEY, UPSTREAM)
+
+
+def assert_key_nowhere(up: ArenaUp, key: str, model: str) -> None:
+    """A battle with ``model`` fought and voted on, then ``key`` looked for in `arena models
+    list`, the gateway's /metrics, the battle's events, every log file of the run and what
+    `arena up` printed: found nowhere."""
     bid = battle_and_vote(up.url)
     listed = arena("models", "list", "--state-dir", str(up.state), env=up.env)
-    assert listed.returncode == 0 and UPSTREAM in listed.stdout, listed.stderr
-    assert KEY not in listed.stdout + listed.stderr
-    assert KEY not in httpx.get(f"{up.url}/metrics", timeout=30).text
+    assert listed.returncode == 0 and model in listed.stdout, listed.stderr
+    assert key not in listed.stdout + listed.stderr
+    assert key not in httpx.get(f"{up.url}/metrics", timeout=30).text
     events = arena("replay", "--battle-id", bid, "--state-dir", str(up.state), "--json", env=up.env)
-    assert events.returncode == 0 and UPSTREAM in events.stdout, events.stderr
-    assert KEY not in events.stdout
+    assert events.returncode == 0 and model in events.stdout, events.stderr
+    assert key not in events.stdout
     logs = [p for p in Path(up.state).rglob("*") if p.is_file() and p.suffix in (".log", ".jsonl", ".txt", ".json")]
     assert logs, f"no log files under {up.state}"
-    assert not [p for p in logs if KEY in p.read_text(errors="replace")]
-    assert KEY not in "".join(up.lines) and KEY not in json.dumps(dict(os.environ))
+    assert not [p for p in logs if key in p.read_text(errors="replace")]
+    assert key not in "".join(up.lines) and key not in json.dumps(dict(os.environ))
 
 
 def test_models_add_serves_an_upstream_model_while_serving(up, upstream):
