@@ -10,10 +10,11 @@ import pytest
 from consumers.inference.errors import PermanentError, Unsupported
 from consumers.inference.logprobs import Pieces, spelled, speller
 from consumers.inference.models import ModelSpec, load_models_config
-from consumers.inference.protocol import GenRequest, TextPrompt
+from consumers.inference.protocol import GenRequest, StepOutput, TextPrompt
 from consumers.inference.sampling import SamplingParams
+from consumers.inference.streamed import StreamedEngine
 from consumers.inference.upstream.circuit import Circuit
-from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after
+from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after, upstream_model
 from consumers.inference.upstream.options import UpstreamOptions
 
 pytestmark = pytest.mark.timeout(30)
@@ -160,3 +161,20 @@ def test_the_circuit_opens_after_failures_and_a_half_open_probe_closes_it():
     assert circuit.allow()
     circuit.succeeded()
     assert not circuit.open and circuit.allow() and circuit.allow()
+
+
+def test_a_streams_last_output_is_work_until_a_step_takes_it(tmp_path):
+    """A stream that fails at once (a 500) leaves no stream running, only its output: the
+    runner must step it out, not idle with it queued until the next request comes."""
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - {name: up, backend: upstream, upstream: {base_url: 'http://h/v1', model: m}}\n")
+    [spec] = load_models_config(str(config), tmp_path)
+    engine = StreamedEngine(upstream_model(spec, 1), 1, "test-streams")
+    try:
+        assert not engine.stats().has_work()
+        engine._outputs.put(StepOutput.ended(GenRequest("r", [], SamplingParams()), "error"))
+        assert engine.stats().has_work()
+        [out] = engine.step()
+        assert out.finished and out.finish_reason == "error" and not engine.stats().has_work()
+    finally:
+        engine.close()
