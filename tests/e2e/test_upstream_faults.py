@@ -57,6 +57,14 @@ def faulty(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, FaultyPro
         proxy.close()
 
 
+@pytest.fixture(autouse=True)
+def passing(faulty) -> None:
+    """Each test starts with the proxy passing everything: a failed test's faults not left queued."""
+    proxy = faulty[1]
+    proxy.faults.clear()
+    proxy.pace_s, proxy.retry_after, proxy.refusing = 0.0, "1", False
+
+
 def chat(model: str, content: str, **fields) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **fields}
 
@@ -139,12 +147,9 @@ def test_a_retry_after_too_long_to_wait_is_a_clear_429_and_no_failure(faulty):
     up, proxy = faulty
     busy = worker_metric(up, "arena_upstream_busy_total", CONTINUES)
     proxy.retry_after = "120"  # past MAX_RETRY_AFTER_S (30 s) and the request's deadline
-    try:
-        proxy.fail_next("busy")
-        t0 = time.monotonic()
-        r = post(up, chat(CONTINUES, "Hi", max_tokens=4))
-    finally:
-        proxy.retry_after = "1"
+    proxy.fail_next("busy")
+    t0 = time.monotonic()
+    r = post(up, chat(CONTINUES, "Hi", max_tokens=4))
     assert time.monotonic() - t0 < 10
     error = r.json()["error"]
     assert r.status_code == 429 and error["code"] == "overloaded" and "busy" in error["message"], r.text
@@ -192,6 +197,8 @@ def test_a_chat_stream_cut_mid_answer_is_continued_or_ends_with_a_clear_error(fa
     [*_, before] = again["messages"]
     assert before["role"] == "assistant" and before["content"] and again["continue_final_message"] is True
     assert continued.text.startswith(before["content"]) and len(continued.text) > len(before["content"])
+    # Not echoed: llama-server sends the message's text again unless it is told continue_final_message.
+    assert not continued.text.removeprefix(before["content"]).startswith(before["content"]), continued.text
     text, terminal = stored(up, continued.request_id)
     assert terminal.type == "chat.completed" and text == terminal.text == continued.text
 
@@ -231,10 +238,8 @@ def test_an_idempotent_retry_never_calls_the_upstream_twice(faulty):
             second = await client.post("/v1/chat/completions", json=body, headers=headers)
             return [await first, second]
 
-    try:
-        first, second = asyncio.run(twice())
-    finally:
-        proxy.pace_s = 0.0
+    first, second = asyncio.run(twice())
+    proxy.pace_s = 0.0
     third = post(up, body, headers=headers)  # after the first ended
     answers = [r.json() for r in (first, second, third)]
     assert all(r.status_code == 200 for r in (first, second, third)), answers
@@ -270,10 +275,9 @@ def test_kill_9_of_the_worker_mid_answer_continues_from_the_stored_chunks(faulty
             await asyncio.gather(*tasks)
             return seen
 
-    try:
-        cont, plain, text = asyncio.run(run())
-    finally:
-        proxy.pace_s = 0.0
+    t0 = time.monotonic()
+    cont, plain, text = asyncio.run(run())
+    print(f"\n[kill -9, upstream] 3 answers ended {time.monotonic() - t0:.1f} s after they were sent")
     assert victim not in up.inference_pids()
 
     # chat, continue_chat: the stored chunks sent on as a final assistant message, the
@@ -282,6 +286,7 @@ def test_kill_9_of_the_worker_mid_answer_continues_from_the_stored_chunks(faulty
     [again] = [c.body for c in proxy.calls_with(mark) if c.body.get("continue_final_message")]
     prefix = again["messages"][-1]["content"]
     assert prefix and cont.text.startswith(prefix) and len(cont.text) > len(prefix)
+    assert not cont.text.removeprefix(prefix).startswith(prefix), cont.text  # not echoed
     stored_text, terminal = stored(up, cont.request_id)
     assert terminal.type == "chat.completed" and stored_text == terminal.text == cont.text
     assert terminal.usage.completion_tokens <= 40
