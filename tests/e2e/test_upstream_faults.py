@@ -214,11 +214,13 @@ def test_a_chat_stream_cut_mid_answer_is_continued_or_ends_with_a_clear_error(fa
 def test_a_malformed_event_ends_the_answer_with_a_clear_error(faulty):
     up, proxy = faulty
     mark = uuid.uuid4().hex[:6]
+    failures = worker_metric(up, "arena_upstream_failures_total", CONTINUES)
     proxy.fail_next("malformed")  # 3 events, then `data: {"choices": ...` cut short
     r = post(up, chat(CONTINUES, f"Hi ({mark})", max_tokens=16, ignore_eos=True))
     error = r.json()["error"]
     assert r.status_code == 500 and "sent what cannot be read" in error["message"], r.text
     assert len(proxy.calls_with(mark)) == 1  # garbage is not asked for again
+    assert worker_metric(up, "arena_upstream_failures_total", CONTINUES) == failures + 1  # a failure for the circuit
     text, terminal = stored(up, r.headers["x-request-id"])
     assert terminal.type == "chat.failed" and '"x' not in text
     audit_clean(up)
@@ -292,7 +294,9 @@ def test_kill_9_of_the_worker_mid_answer_continues_from_the_stored_chunks(faulty
     assert terminal.usage.completion_tokens <= 40
 
     # chat, no continue_chat: a clear error after what was sent, nothing more.
-    assert plain.status == 200 and plain.error is not None and "cannot be continued" in plain.error["message"], plain
+    error = plain.error
+    assert plain.status == 200 and error is not None and "cannot continue a chat answer" in error["message"], plain
+    assert error["code"] == "internal_error"  # not the client's 400
     stored_text, terminal = stored(up, plain.request_id)
     assert terminal.type == "chat.failed" and stored_text == plain.text and plain.text
 

@@ -97,8 +97,9 @@ def test_what_the_entry_says_it_lacks_is_refused_naming_the_field():
     with pytest.raises(Unsupported, match=r"^prompt: .* serves chat only"):
         check_served(options, "up", text)
     resumed = GenRequest("r", [], SamplingParams(), text_prompt=TextPrompt(messages=[], resumed="Hel"))
-    with pytest.raises(Unsupported, match="cannot be continued"):
+    with pytest.raises(PermanentError, match="cannot continue a chat answer") as refused:
         check_served(options, "up", resumed)
+    assert not isinstance(refused.value, Unsupported)  # not the client's 400: its worker died
 
 
 def test_a_chat_answer_is_continued_as_a_final_assistant_message_where_the_entry_says_so():

@@ -24,8 +24,9 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
-from consumers.inference.errors import Unavailable, Unsupported
+from consumers.inference.errors import PermanentError, Unavailable, Unsupported
 from consumers.inference.logprobs import Pieces
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import LoadedModel, ModelSpec
@@ -91,8 +92,10 @@ def check_served(options: UpstreamOptions, name: str, req: GenRequest) -> None:
         if field in options.unsupported:
             raise Unsupported(field, name)
     if req.text_prompt.resumed and endpoint == "chat" and not options.continue_chat:
-        raise Unsupported(
-            "messages", name, "a chat answer its upstream began cannot be continued (its entry sets no continue_chat)"
+        # Not the client's fault (no 400): the worker that was answering it died.
+        raise PermanentError(
+            f"the worker answering it stopped mid-answer, and the upstream of {name} cannot continue a chat "
+            "answer (its entry sets no continue_chat)"
         )
 
 
@@ -247,6 +250,9 @@ class UpstreamEngine(StreamedEngine):
                     wait = retry_after(exc.retry_after, tries)
                     if wait > MAX_RETRY_AFTER_S or not self._time_left(stream.req, wait):
                         raise
+                except orjson.JSONDecodeError:  # an event that is no JSON: failing, though it answers
+                    self._told("it sent an event that is not JSON")
+                    raise
                 except (aiohttp.ClientError, OSError) as exc:
                     self._told(f"{type(exc).__name__}")
                     if stream.ended or (stream.generated and not self.continuable(stream.req)) or self.circuit.open:
