@@ -27,13 +27,17 @@ class Stream:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None, out: Stream | None = None
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    headers: dict | None = None,
+    out: Stream | None = None,
+    path: str = "/v1/chat/completions",
 ) -> Stream:
-    """One streamed request; ``out`` (filled as chunks arrive) lets a caller watch it in flight."""
+    """One streamed request (chat, or ``path`` /v1/completions); ``out`` (filled as chunks
+    arrive) lets a caller watch it in flight."""
     out = out if out is not None else Stream()
-    async with client.stream(
-        "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers or {}
-    ) as r:
+    async with client.stream("POST", f"{url}{path}", json={**body, "stream": True}, headers=headers or {}) as r:
         out.status, out.content_type = r.status_code, r.headers.get("content-type", "")
         out.request_id = r.headers.get("x-request-id", "")
         if r.status_code != 200:
@@ -50,8 +54,8 @@ async def stream_one(
             if "error" in data:
                 out.error = data["error"]
             for choice in data.get("choices", []):
-                if choice["delta"].get("content"):
-                    out.text += choice["delta"]["content"]
+                if text := choice["delta"].get("content") if "delta" in choice else choice.get("text"):
+                    out.text += text
                     out.chunk_times.append(time.monotonic())
     return out
 

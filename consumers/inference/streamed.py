@@ -204,6 +204,10 @@ class StreamedEngine:
                 s.req.params.max_tokens - len(s.req.resume_ids) - s.generated for s in self._running.values()
             )
             waiting = tuple(r.params.max_tokens - len(r.resume_ids) for r in self._waiting)
+        if not running and not self._outputs.empty():
+            # A stream's last output the runner has not stepped yet (one that failed at
+            # once: a 500, a refusal): work, else it waits in the queue for the next request.
+            running = (0,)
         return EngineStats(running, waiting)
 
     def close(self) -> None:

@@ -67,6 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", help="add --backend upstream: a file holding its key (read by the workers)")
     p.add_argument("--concurrency", type=int, help="add --backend upstream: requests streamed to it at once")
     p.add_argument(
+        "--continue-chat",
+        action="store_true",
+        default=None,
+        help="add --backend upstream: it continues a chat's final assistant message (llama-server, vLLM)",
+    )
+    p.add_argument(
         "--wait",
         type=float,
         default=600.0,
@@ -108,6 +114,7 @@ def command(args: argparse.Namespace) -> ModelCommand:
             raise SystemExit("arena models add --backend upstream needs --base-url and --upstream-model")
         options = {"base_url": args.base_url, "model": args.upstream_model, "api_key_env": args.api_key_env}
         options |= {"api_key_file": args.api_key_file, "concurrency": args.concurrency}
+        options["continue_chat"] = args.continue_chat
         upstream = {k: v for k, v in options.items() if v is not None}
         return AddModel(name=args.name, spec=ModelSource(name=args.name, backend="upstream", upstream=upstream))
     if args.op == "add" and not args.path:

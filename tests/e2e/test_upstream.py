@@ -9,14 +9,17 @@ The binary must be built (`python -m consumers.inference.llamacpp build`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import nats
 import openai
 import pytest
 
@@ -24,8 +27,11 @@ from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.server import command
 from consumers.inference.settings import InferenceSettings
 from consumers.inference.sources import gguf_file
+from runtime import jetstream
 from runtime.net import free_port
+from runtime.stream import read_events
 from tests.arena_up import ArenaUp, arena, battle_and_vote
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -137,18 +143,40 @@ def test_what_the_upstream_refuses_is_a_clear_400(up):
 
 
 def test_the_key_appears_in_no_log_event_metric_or_models_list(up):
+    assert_key_nowhere(up, KEY, UPSTREAM)
+
+
+def assert_key_nowhere(up: ArenaUp, key: str, model: str) -> None:
+    """A battle with ``model`` fought and voted on, then ``key`` looked for in `arena models
+    list`, every process's /metrics, the battle's events and every event stored in the last
+    hour, every log file of the run and what `arena up` printed: found nowhere."""
+    # Served once, and every model held by a worker as the gateway sees it: a battle
+    # started at once after `arena up` is ready finds none resident yet (503).
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    assert httpx.post(f"{up.url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    wait_for(
+        lambda: all(m["resident_on"] for m in httpx.get(f"{up.url}/v1/models", timeout=10).json()["data"]),
+        30,
+        "every model resident",
+    )
     bid = battle_and_vote(up.url)
     listed = arena("models", "list", "--state-dir", str(up.state), env=up.env)
-    assert listed.returncode == 0 and UPSTREAM in listed.stdout, listed.stderr
-    assert KEY not in listed.stdout + listed.stderr
-    assert KEY not in httpx.get(f"{up.url}/metrics", timeout=30).text
+    assert listed.returncode == 0 and model in listed.stdout, listed.stderr
+    assert key not in listed.stdout + listed.stderr
+    assert key not in httpx.get(f"{up.url}/metrics", timeout=30).text
+    targets = json.loads((up.state / "prometheus" / "targets.json").read_text())
+    scraped = [httpx.get(f"http://{t['targets'][0]}/metrics", timeout=30).text for t in targets]
+    assert any("arena_upstream_circuit_open" in text for text in scraped)  # the workers' among them
+    assert not [t for t, text in zip(targets, scraped, strict=True) if key in text]
+    stored = asyncio.run(stored_json(up.nats_url))
+    assert model in stored and key not in stored
     events = arena("replay", "--battle-id", bid, "--state-dir", str(up.state), "--json", env=up.env)
-    assert events.returncode == 0 and UPSTREAM in events.stdout, events.stderr
-    assert KEY not in events.stdout
+    assert events.returncode == 0 and model in events.stdout, events.stderr
+    assert key not in events.stdout
     logs = [p for p in Path(up.state).rglob("*") if p.is_file() and p.suffix in (".log", ".jsonl", ".txt", ".json")]
     assert logs, f"no log files under {up.state}"
-    assert not [p for p in logs if KEY in p.read_text(errors="replace")]
-    assert KEY not in "".join(up.lines) and KEY not in json.dumps(dict(os.environ))
+    assert not [p for p in logs if key in p.read_text(errors="replace")]
+    assert key not in "".join(up.lines) and key not in json.dumps(dict(os.environ))
 
 
 def test_models_add_serves_an_upstream_model_while_serving(up, upstream):
@@ -181,3 +209,13 @@ def test_models_add_serves_an_upstream_model_while_serving(up, upstream):
     listed = arena("models", "list", "--state-dir", str(up.state), env=up.env)
     assert "smollm2-added" in listed.stdout and "smollm2 (upstream)" in listed.stdout, listed.stdout
     assert KEY not in listed.stdout + added.stdout + added.stderr
+
+
+async def stored_json(nats_url: str) -> str:
+    """Every event stored in the last hour, as JSON."""
+    nc = await nats.connect(jetstream.servers(nats_url))
+    try:
+        events = await read_events(nc.jetstream(), "arena.>", since=datetime.now(UTC) - timedelta(hours=1))
+    finally:
+        await nc.close()
+    return "\n".join(e.model_dump_json() for e in events)

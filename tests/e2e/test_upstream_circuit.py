@@ -1,5 +1,5 @@
-"""An upstream that goes down and comes back: a real `llama-server` behind a proxy in the
-test that can refuse every connection, served by `arena up --models-config` as a
+"""An upstream that goes down and comes back: a real `llama-server` behind the proxy of
+tests/upstream_proxy.py, which can refuse every connection, served by `arena up --models-config` as a
 `backend: upstream` model beside the local stories-260k. Refused connections open the
 circuit: the gateway answers 503 model_unavailable at once and the arena no longer pairs
 the model; once the upstream answers again the worker's half-open probe closes it and
@@ -8,17 +8,15 @@ requests are served again; the audit is clean."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import suppress
 
 import httpx
 import pytest
 
 from tests.arena_up import ArenaUp, arena
 from tests.e2e.test_upstream import KEY, upstream  # noqa: F401 - the fixture: a real llama-server
+from tests.upstream_proxy import FaultyProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -26,61 +24,9 @@ MODEL = "smollm2-flaky"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
-class Proxy:
-    """TCP to ``target``, or, while ``refusing``, every connection closed at once."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target, self.refusing = target, False
-        self.busy = 0  # connections still to answer 429 with Retry-After: 1
-        self.drop_after = 0  # the next connection's answer cut after this many bytes (0: not cut)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if self.refusing:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                conn.close()  # a reset before the first byte
-                continue
-            if self.busy:
-                self.busy -= 1
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 4\r\n\r\nbusy")
-                conn.close()
-                continue
-            cut, self.drop_after = self.drop_after, 0
-            server = socket.create_connection(self.target)
-            for a, b, limit in ((conn, server, 0), (server, conn, cut)):
-                threading.Thread(target=self._pump, args=(a, b, limit), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, limit: int) -> None:
-        sent = 0
-        with suppress(OSError):
-            while data := src.recv(65536 if not limit else 64):
-                dst.sendall(data)
-                sent += len(data)
-                if limit and sent >= limit:  # the stream dies mid-answer
-                    for end in (src, dst):
-                        end.shutdown(socket.SHUT_RDWR)
-                        end.close()
-                    return
-        with suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
-def proxied(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, Proxy]]:  # noqa: F811
-    host, port = upstream.removeprefix("http://").removesuffix("/v1").split(":")
-    proxy = Proxy((host, int(port)))
+def proxied(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, FaultyProxy]]:  # noqa: F811
+    proxy = FaultyProxy(upstream.removesuffix("/v1"))
     tmp = tmp_path_factory.mktemp("circuit")
     config = tmp / "models.yaml"
     config.write_text(
@@ -88,7 +34,7 @@ def proxied(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, Proxy]]:
         "  - {name: stories-260k, path: stories260K-hf}\n"
         f"  - name: {MODEL}\n"
         "    backend: upstream\n"
-        f"    upstream: {{base_url: 'http://127.0.0.1:{proxy.port}/v1', model: smollm2, api_key_env: TEAM_KEY}}\n"
+        f"    upstream: {{base_url: '{proxy.url}/v1', model: smollm2, api_key_env: TEAM_KEY}}\n"
     )
     stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", "stories-260k", env={"TEAM_KEY": KEY})
     try:
@@ -146,17 +92,17 @@ def test_a_failing_upstream_opens_the_circuit_and_a_probe_closes_it(proxied):
 def test_a_busy_upstream_is_waited_out_and_a_broken_completion_continued(proxied):
     up, proxy = proxied
     with httpx.Client(base_url=up.url, timeout=60) as client:
-        proxy.busy = 2  # 429 with Retry-After: 1, twice, then served
+        proxy.fail_next("busy", "busy")  # 429 with Retry-After: 1, twice, then served
         r = client.post("/v1/chat/completions", json=BODY)
-        assert r.status_code == 200 and proxy.busy == 0, r.text
+        assert r.status_code == 200 and not proxy.faults, r.text
 
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "stream": True}
         whole = client.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
-        proxy.drop_after = 1200  # the headers and a few events, then the connection is cut
+        proxy.fail_next("drop")  # a few events, then the connection is cut
         with client.stream("POST", "/v1/completions", json=body) as s:
             assert s.status_code == 200
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert proxy.drop_after == 0 and not any("error" in e for e in events), events
+        assert not proxy.faults and not any("error" in e for e in events), events
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
         # Continued from the text it had, never repeating it: the answer begins as the
         # unbroken one does, and its beginning is in it once.

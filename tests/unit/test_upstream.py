@@ -10,10 +10,11 @@ import pytest
 from consumers.inference.errors import PermanentError, Unsupported
 from consumers.inference.logprobs import Pieces, spelled, speller
 from consumers.inference.models import ModelSpec, load_models_config
-from consumers.inference.protocol import GenRequest, TextPrompt
+from consumers.inference.protocol import GenRequest, StepOutput, TextPrompt
 from consumers.inference.sampling import SamplingParams
+from consumers.inference.streamed import StreamedEngine
 from consumers.inference.upstream.circuit import Circuit
-from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after
+from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after, upstream_model
 from consumers.inference.upstream.options import UpstreamOptions
 
 pytestmark = pytest.mark.timeout(30)
@@ -96,8 +97,20 @@ def test_what_the_entry_says_it_lacks_is_refused_naming_the_field():
     with pytest.raises(Unsupported, match=r"^prompt: .* serves chat only"):
         check_served(options, "up", text)
     resumed = GenRequest("r", [], SamplingParams(), text_prompt=TextPrompt(messages=[], resumed="Hel"))
-    with pytest.raises(Unsupported, match="cannot be continued"):
+    with pytest.raises(PermanentError, match="cannot continue a chat answer") as refused:
         check_served(options, "up", resumed)
+    assert not isinstance(refused.value, Unsupported)  # not the client's 400: its worker died
+
+
+def test_a_chat_answer_is_continued_as_a_final_assistant_message_where_the_entry_says_so():
+    prompt = TextPrompt(messages=[{"role": "user", "content": "Hi"}], resumed="Hello the")
+    resumed = GenRequest("r", [], SamplingParams(), text_prompt=prompt)
+    check_served(UpstreamOptions(**ENTRY, continue_chat=True), "up", resumed)  # not refused: it continues
+    body = request_body(UpstreamOptions(**ENTRY, continue_chat=True), resumed, "Hello the")
+    assert body["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    fresh = request_body(UpstreamOptions(**ENTRY, continue_chat=True), resumed, "")
+    assert fresh["messages"] == [{"role": "user", "content": "Hi"}] and "continue_final_message" not in fresh
 
 
 def test_streamed_log_probabilities_are_spelled_as_sent():
@@ -149,3 +162,20 @@ def test_the_circuit_opens_after_failures_and_a_half_open_probe_closes_it():
     assert circuit.allow()
     circuit.succeeded()
     assert not circuit.open and circuit.allow() and circuit.allow()
+
+
+def test_a_streams_last_output_is_work_until_a_step_takes_it(tmp_path):
+    """A stream that fails at once (a 500) leaves no stream running, only its output: the
+    runner must step it out, not idle with it queued until the next request comes."""
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - {name: up, backend: upstream, upstream: {base_url: 'http://h/v1', model: m}}\n")
+    [spec] = load_models_config(str(config), tmp_path)
+    engine = StreamedEngine(upstream_model(spec, 1), 1, "test-streams")
+    try:
+        assert not engine.stats().has_work()
+        engine._outputs.put(StepOutput.ended(GenRequest("r", [], SamplingParams()), "error"))
+        assert engine.stats().has_work()
+        [out] = engine.step()
+        assert out.finished and out.finish_reason == "error" and not engine.stats().has_work()
+    finally:
+        engine.close()

@@ -10,8 +10,10 @@ step times admission learns from and the terminal's usage are as for a local mod
 
 A connection refused or broken before the first token, and a 429 or 503 (after its
 `Retry-After`), are tried again while the deadline allows; a completions stream that
-breaks mid-answer is continued from the text it gave (the prompt and the partial answer);
-a chat stream cannot be, and ends with a clear error.
+breaks mid-answer is continued from the text it gave (the prompt and the partial answer),
+a chat stream where the entry says its upstream continues a final assistant message
+(`continue_chat`: the partial answer sent as that message); any other ends with a clear
+error. A request taken over from a dead worker is continued alike, from its stored chunks.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
-from consumers.inference.errors import Unavailable, Unsupported
+from consumers.inference.errors import PermanentError, Unavailable, Unsupported
 from consumers.inference.logprobs import Pieces
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import LoadedModel, ModelSpec
@@ -88,8 +91,12 @@ def check_served(options: UpstreamOptions, name: str, req: GenRequest) -> None:
     for field in set_fields(req.params):
         if field in options.unsupported:
             raise Unsupported(field, name)
-    if req.text_prompt.resumed and endpoint == "chat":
-        raise Unsupported("messages", name, "a chat answer its upstream began cannot be continued")
+    if req.text_prompt.resumed and endpoint == "chat" and not options.continue_chat:
+        # Not the client's fault (no 400): the worker that was answering it died.
+        raise PermanentError(
+            f"the worker answering it stopped mid-answer, and the upstream of {name} cannot continue a chat "
+            "answer (its entry sets no continue_chat)"
+        )
 
 
 def set_fields(p: SamplingParams) -> list[str]:
@@ -110,7 +117,8 @@ def set_fields(p: SamplingParams) -> list[str]:
 
 def request_body(options: UpstreamOptions, req: GenRequest, continued: str) -> dict[str, Any]:
     """The OpenAI request of ``req``, streamed with its usage; ``continued``: the answer's
-    text so far, which a completions prompt ends with (the upstream continues it)."""
+    text so far, which a completions prompt ends with, or a chat's final assistant message
+    is (the upstream continues it)."""
     assert req.text_prompt is not None
     p = req.params
     body: dict[str, Any] = {
@@ -136,6 +144,11 @@ def request_body(options: UpstreamOptions, req: GenRequest, continued: str) -> d
         body |= {"logprobs": True, "top_logprobs": p.logprobs} if chat else {"logprobs": max(1, p.logprobs)}
     if chat:
         body["messages"] = req.text_prompt.messages
+        if continued:
+            # llama-server continues a final assistant message by itself; vLLM and SGLang
+            # when told (llama-server takes their fields too).
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": continued}]
+            body |= {"continue_final_message": True, "add_generation_prompt": False}
     else:
         body["prompt"] = (req.text_prompt.text or "") + continued
     return body
@@ -220,7 +233,7 @@ class UpstreamEngine(StreamedEngine):
     async def _read(self, stream: Stream) -> None:
         """The stream, tried again while the deadline allows where that is safe: a refused
         or broken connection before the first token, a 429 or 503 after its Retry-After, a
-        completions stream broken mid-answer (continued from its text)."""
+        stream broken mid-answer that its upstream can continue (`continuable`)."""
         tries = 0
         try:
             while True:
@@ -237,10 +250,12 @@ class UpstreamEngine(StreamedEngine):
                     wait = retry_after(exc.retry_after, tries)
                     if wait > MAX_RETRY_AFTER_S or not self._time_left(stream.req, wait):
                         raise
+                except orjson.JSONDecodeError:  # an event that is no JSON: failing, though it answers
+                    self._told("it sent an event that is not JSON")
+                    raise
                 except (aiohttp.ClientError, OSError) as exc:
                     self._told(f"{type(exc).__name__}")
-                    chat = stream.req.text_prompt is not None and stream.req.text_prompt.messages is not None
-                    if stream.ended or (stream.generated and chat) or self.circuit.open:
+                    if stream.ended or (stream.generated and not self.continuable(stream.req)) or self.circuit.open:
                         raise
                     wait = RETRY_BACKOFF_S[min(tries, len(RETRY_BACKOFF_S) - 1)]
                     if not self._time_left(stream.req, wait):
@@ -255,6 +270,11 @@ class UpstreamEngine(StreamedEngine):
                 await asyncio.sleep(wait)
         finally:
             self.circuit.released()  # a probe that said nothing either way (cancelled, its deadline)
+
+    def continuable(self, req: GenRequest) -> bool:
+        """Whether the upstream can continue a partial answer of ``req``: a completions
+        prompt always can; a chat where the entry says so (`continue_chat`)."""
+        return req.text_prompt is None or req.text_prompt.messages is None or self.options.continue_chat
 
     def _told(self, failure: str | None) -> None:
         """The circuit told of a try's outcome (None: the upstream answered), and the metrics."""

@@ -56,6 +56,12 @@ class UpstreamOptions(BaseModel):
     context: int = Field(
         DEFAULT_CONTEXT, ge=16, description="Tokens (prompt and completion) the upstream's model takes."
     )
+    continue_chat: bool = Field(
+        False,
+        description="The upstream continues a chat's final assistant message (llama-server; vLLM and SGLang with "
+        "continue_final_message): a chat answer broken off mid-stream, or whose worker died, is continued from "
+        "its text, sent as that message. Otherwise such an answer ends with a clear error.",
+    )
 
     @field_validator("base_url")
     @classmethod
