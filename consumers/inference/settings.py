@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from consumers.inference.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
+from consumers.inference.runners.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
 from runtime import models_config as config_file
 from runtime.settings import REPO, CommonSettings
 

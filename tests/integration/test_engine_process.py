@@ -23,14 +23,15 @@ import torch
 from prometheus_client import REGISTRY
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from consumers.inference import engine_process, prepack
-from consumers.inference import service as service_module
-from consumers.inference.engine import GenRequest
+from consumers.inference.engine import prepack
+from consumers.inference.engine.batch import GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import RetryableError
 from consumers.inference.metrics import LoadCollector
 from consumers.inference.models import ModelSpec, load_model, weights_nbytes
-from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import process as engine_process
+from consumers.inference.runners.thread import PROFILE_PREFIX, EngineRunner
+from consumers.inference.worker import service as service_module
 from events import decode
 from tests.conftest import STORIES
 from tests.conftest import STORY_PROMPTS as PROMPTS
@@ -358,7 +359,7 @@ async def test_an_engine_process_that_cannot_start_is_not_restarted_in_a_loop(mo
 CONSUMER = textwrap.dedent(
     """
     import asyncio, sys
-    from consumers.inference.engine_process import ProcessRunner
+    from consumers.inference.runners.process import ProcessRunner
     from consumers.inference.models import ModelSpec, load_model, weights_nbytes
 
     async def main():

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
+from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
+from consumers.inference.engine.kvcache import bytes_per_token
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
-from consumers.inference.kvcache import bytes_per_token
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 

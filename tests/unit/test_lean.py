@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from consumers.inference import lean
-from consumers.inference.engine import BatchEngine, GenRequest
-from consumers.inference.kvcache import KVSlab
+from consumers.inference.engine import lean
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.kvcache import KVSlab
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 from tests.unit.test_engine import PROMPTS, STORIES, ids, run, tokens
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process

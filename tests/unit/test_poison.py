@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.inference import engine as engine_module
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine import batch as engine_module
+from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 from tests.conftest import STORIES
 from tests.unit.test_engine import PROMPTS, ids, run, tokens
 

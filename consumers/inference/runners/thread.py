@@ -12,8 +12,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
-from consumers.inference import probes
-from consumers.inference.figures import FIGURES_EVERY_S, MIN_SAMPLES, StepFigures, estimate_finish
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.metrics import METRICS, PrefixCounts
 from consumers.inference.protocol import (
     EngineBackend,
@@ -23,7 +22,8 @@ from consumers.inference.protocol import (
     StepOutput,
     StepRecord,
 )
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import probes
+from consumers.inference.runners.figures import FIGURES_EVERY_S, MIN_SAMPLES, StepFigures, estimate_finish
 from events.fleet import EngineLoad
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ PROFILE_FULL_BUDGET_S = 3.0
 PROFILE_MIN_FULL_STEPS = 4
 
 PROFILE_PREFIX = "step-profile-"
-#: An idle engine's probe (`EngineRunner._probe`, consumers/inference/probes.py) is given
+#: An idle engine's probe (`EngineRunner._probe`, consumers/inference/runners/probes.py) is given
 #: up past this, its figure unused (a probe is a few steps: this is a stuck engine).
 PROBE_TIMEOUT_S = 30.0
 
@@ -282,7 +282,7 @@ class EngineRunner:
             self.profiled.set()
         self._wake.set()
 
-    # ---- the idle probes (consumers/inference/probes.py) -------------------------------
+    # ---- the idle probes (consumers/inference/runners/probes.py) -------------------------------
 
     def _idle(self) -> None:
         """Nothing to step: wait for a request, and probe when one is due (and the

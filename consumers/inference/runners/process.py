@@ -48,8 +48,8 @@ from typing import Any
 import psutil
 import torch
 
-from consumers.inference import cores, forks, prepack
-from consumers.inference.engine import BatchEngine, check_prompt
+from consumers.inference.engine import prepack
+from consumers.inference.engine.batch import BatchEngine, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
 from consumers.inference.models import LoadedModel
@@ -67,7 +67,8 @@ from consumers.inference.protocol import (
     StepRecord,
     StopEngine,
 )
-from consumers.inference.runner import EngineRunner, estimate_finish, record_step
+from consumers.inference.runners import cores, forks
+from consumers.inference.runners.thread import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
 from runtime import children, heap, logs
 

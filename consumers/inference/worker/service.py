@@ -36,10 +36,9 @@ from typing import Any, Literal
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
-from consumers.inference import spans
-from consumers.inference.cores import CoreShare, share_or_none, sizing
-from consumers.inference.engine import BatchEngine, check_kv, check_prompt, check_room, kv_room
-from consumers.inference.engine_process import START_TIMEOUT_S, ProcessRunner, shm_room
+from consumers.inference.engine.batch import BatchEngine, check_kv, check_prompt, check_room, kv_room
+from consumers.inference.engine.logprobs import spelled, speller
+from consumers.inference.engine.sampling import SamplingParams as EngineParams
 from consumers.inference.errors import (
     PermanentError,
     PromptTooLong,
@@ -50,13 +49,14 @@ from consumers.inference.errors import (
 )
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
-from consumers.inference.logprobs import spelled, speller
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import encode_prompt, encode_text, machine, vocab_size, weights_nbytes
 from consumers.inference.protocol import GenRequest, StepOutput
-from consumers.inference.runner import EngineRunner
-from consumers.inference.sampling import SamplingParams as EngineParams
+from consumers.inference.runners.cores import CoreShare, share_or_none, sizing
+from consumers.inference.runners.process import START_TIMEOUT_S, ProcessRunner, shm_room
+from consumers.inference.runners.thread import EngineRunner
 from consumers.inference.upstream.engine import UpstreamEngine, upstream_request
+from consumers.inference.worker import spans
 from events import encode, subjects
 from events.fleet import ModelLoad
 from events.models import (
@@ -855,6 +855,6 @@ def engine_code() -> str:
     import transformers  # noqa: PLC0415
 
     digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
-    for source in sorted(Path(__file__).parent.rglob("*.py")):
+    for source in sorted(Path(__file__).parents[1].rglob("*.py")):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]

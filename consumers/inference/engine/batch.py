@@ -5,7 +5,7 @@ The engine is synchronous and single-threaded by design: the consumer drives
 :meth:`BatchEngine.add` / :meth:`BatchEngine.cancel`; the event loop never runs torch.
 
 Batch layout. Running sequences are left-padded to a common length ``T`` in a
-preallocated KV cache written in place (:class:`~consumers.inference.kvcache.KVSlab`:
+preallocated KV cache written in place (:class:`~consumers.inference.engine.kvcache.KVSlab`:
 ``[rows, heads, columns, head_dim]`` per layer, a ``mask`` marking real tokens), and
 each sequence keeps its own absolute position, passed as ``position_ids`` (so padding
 never shifts RoPE). Newcomers are prefilled as their own padded batch and written into
@@ -35,14 +35,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from consumers.inference import lean as lean_decode
-from consumers.inference import packed, prepack
-from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
-from consumers.inference.kvcache import KV, KVSlab, bytes_per_token
-from consumers.inference.models import LoadedModel
-from consumers.inference.prefix import Hit, PrefixCache
-from consumers.inference.protocol import EngineStats, FinishReason, GenRequest, StepOutput
-from consumers.inference.sampling import (
+from consumers.inference.engine import lean as lean_decode
+from consumers.inference.engine import packed, prepack
+from consumers.inference.engine.kvcache import KV, KVSlab, bytes_per_token
+from consumers.inference.engine.prefix import Hit, PrefixCache
+from consumers.inference.engine.sampling import (
     TextTracker,
     TokenLogprob,
     draw_uniforms,
@@ -50,6 +47,9 @@ from consumers.inference.sampling import (
     pick_tokens,
     token_logprobs,
 )
+from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
+from consumers.inference.models import LoadedModel
+from consumers.inference.protocol import EngineStats, FinishReason, GenRequest, StepOutput
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -134,7 +134,7 @@ class BatchEngine:
     one that could never fit before it is queued).
 
     ``prefix_cache_bytes`` > 0: finished sequences' keys and values are kept (up to that
-    many bytes, :mod:`~consumers.inference.prefix`), and a new request whose prompt
+    many bytes, :mod:`~consumers.inference.engine.prefix`), and a new request whose prompt
     starts with one's tokens prefills only the rest: in the running batch's packed pass
     where there is one (its new tokens attend over the cached keys and values there), else
     in a pass of its own. A request resumed from another worker's chunks prefills cold.
