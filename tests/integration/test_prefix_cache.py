@@ -15,6 +15,7 @@ from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
 from consumers.inference.pool import ModelPool
+from consumers.inference.runners.factory import RunnerFactory
 from consumers.inference.runners.thread import EngineRunner
 from consumers.inference.settings import InferenceSettings
 from consumers.inference.worker.service import InferenceService
@@ -93,9 +94,9 @@ async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
     weights) gets a new engine with nothing cached, and the old one goes with its model."""
     pool = ModelPool([ModelSpec(name="stories-260k", path=str(STORIES))], budget_bytes=1 << 30)
     service = InferenceService(InferenceSettings(engine_process=False, prefix_cache_mb=1), pool, publish=None)
-    service.loop = asyncio.get_running_loop()
+    service.runners.factory = RunnerFactory(service.engine_config, asyncio.get_running_loop(), service.on_outputs)
     async with pool.use("stories-260k") as old:
-        first = service._runner_for(old)
+        first = service.runners.get(old)
         assert isinstance(first, EngineRunner) and first.engine.prefix is not None
         assert first.engine.prefix.budget_bytes == 1 << 20
         first.engine.prefix.store(list(range(40)), "kv", 100)
@@ -103,7 +104,7 @@ async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
     assert service.prune_runners() == [first]
     first.stop()
     async with pool.use("stories-260k") as new:
-        second = service._runner_for(new)
+        second = service.runners.get(new)
         assert second is not first and second.engine.prefix is not None
         assert second.engine.prefix.stats.entries == 0
     second.stop()

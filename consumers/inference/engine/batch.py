@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from consumers.inference.config import EngineConfig
 from consumers.inference.engine import lean as lean_decode
 from consumers.inference.engine import packed, prepack
 from consumers.inference.engine.kvcache import KV, KVSlab, bytes_per_token
@@ -206,6 +207,19 @@ class BatchEngine:
         self._token_bytes = bytes_per_token(self._model) if kv_budget_bytes is not None else 0
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._hits: dict[str, Hit] = {}  # admitted requests' prefix hits, until their prefill
+
+    @classmethod
+    def configured(cls, loaded: LoadedModel, config: EngineConfig, **kwargs: Any) -> BatchEngine:
+        """An engine for ``loaded`` as the worker's :class:`EngineConfig` says; ``kwargs``:
+        the rest of :meth:`__init__`'s (an engine process packs in the background)."""
+        return cls(
+            loaded,
+            config.mode,
+            config.max_batch_size,
+            kv_budget_bytes=config.kv_budget_bytes,
+            prefix_cache_bytes=config.prefix_cache_bytes,
+            **kwargs,
+        )
 
     def _pack(self, packing: prepack.Packing) -> None:
         """On a thread: pack the linear layers while the engine steps, then put them in

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.metrics import METRICS, PrefixCounts
+from consumers.inference.models import LoadedModel
 from consumers.inference.protocol import (
     EngineBackend,
     EngineStats,
@@ -75,7 +76,8 @@ class EngineRunner:
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
     step (default: the worker's metrics, :func:`record_step`) but the profile's own;
     ``before_step()`` is called before each and returns the torch threads it takes, if it
-    sets them (cores.py).
+    sets them (cores.py). ``available()``: False while the engine refuses every request
+    (an upstream's open circuit; default: always available).
     ``profile``: first time decode steps at one request and at every slot (:meth:`_profile`);
     requests added meanwhile wait for it (`profiled`). ``figures``: the file its measured
     steps are kept in (see FIGURES_EVERY_S); a fresh one there stands for the profile."""
@@ -90,8 +92,10 @@ class EngineRunner:
         profile: bool = False,
         figures: str | None = None,
         before_step: Callable[[], int | None] | None = None,
+        available: Callable[[], bool] | None = None,
     ):
         self.engine = engine
+        self._available = available
         self.before_step = before_step
         self.max_wait_s = max_wait_s
         self._first_wait: float | None = None
@@ -137,8 +141,15 @@ class EngineRunner:
         self._thread.start()
 
     @property
-    def loaded(self):
+    def loaded(self) -> LoadedModel:
         return self.engine.loaded
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Ready once its profile ended (a llama-server's waits for it to come up)."""
+        return self.profiled.wait(timeout)
+
+    def available(self) -> bool:
+        return self._available() if self._available is not None else True
 
     def add(self, req: GenRequest) -> None:
         self._apply(req)
