@@ -34,7 +34,7 @@ import numpy as np
 
 from consumers.filter.classifier import LinearClassifier
 from consumers.filter.encoder import WEIGHTS_CACHE, Batcher, file_digest
-from consumers.filter.interface import ClassifierScore
+from consumers.filter.interface import Classifier, ClassifierScore
 
 __all__ = [
     "EMBED_FORMAT",
@@ -171,7 +171,7 @@ def base_artifact(path: Path, meta: dict[str, Any]) -> Path:
     return path.parent / meta["base"]["artifact"]
 
 
-def load_summed(path: Path, arrays: Any, meta: dict[str, Any], base: object, threads: int = 1) -> SummedClassifier:
+def load_summed(path: Path, arrays: Any, meta: dict[str, Any], base: Classifier, threads: int = 1) -> SummedClassifier:
     """The summed stage from its opened artifact: ``base``, the stage loaded from the character
     artifact it names (:func:`base_artifact`; checked: the version it was trained with), and the
     frozen model from the model cache (checked by hash). The loader reads ``base``, as it reads
