@@ -69,7 +69,7 @@ def decode_speed(
     ``one_prompt``: every row the first prompt (rows of one length: no padding mask);
     ``lean=False``: every step through transformers' forward (consumers/inference/engine/lean.py)."""
     engine = BatchEngine(loaded, "continuous", max_batch_size=rows, lean=lean)
-    engine._eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
+    engine.sampler.eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
     for i in range(rows):
         chat = [{"role": "user", "content": PROMPTS[0 if one_prompt else i % len(PROMPTS)]}]
         engine.add(GenRequest(f"r{i}", encode_prompt(loaded, chat), SamplingParams(temperature=0, max_tokens=tokens)))

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 from prometheus_client import REGISTRY
 
-from consumers.inference.engine import batch as engine_module
+from consumers.inference.engine import sequences as engine_module
 from consumers.inference.engine.batch import BatchEngine
 from consumers.inference.models import ModelSpec
 from consumers.inference.pool import ModelPool

@@ -160,13 +160,13 @@ def test_cache_shrinks_when_long_rows_leave(loaded):
     engine.add(GenRequest("long-prompt", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0, max_tokens=2)))
     engine.add(GenRequest("short-prompt", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=30)))
     engine.step()
-    wide = engine._kv.width
+    wide = engine.batch.kv.width
     engine.step()  # long-prompt finishes; its padding columns go
     engine.step()
     assert engine.running == 1
-    assert engine._kv.width == len(ids(loaded, PROMPTS[3])) + 2
-    assert engine._kv.width < wide
-    assert engine._kv.window(0)[0].shape[2] == engine._kv.mask.shape[1] == engine._kv.width
+    assert engine.batch.kv.width == len(ids(loaded, PROMPTS[3])) + 2
+    assert engine.batch.kv.width < wide
+    assert engine.batch.kv.window(0)[0].shape[2] == engine.batch.kv.mask.shape[1] == engine.batch.kv.width
 
 
 def test_expired_waiting_request_finishes_without_compute(loaded):
@@ -438,7 +438,7 @@ def test_the_kv_budget_holds_back_newcomers_and_changes_no_token(loaded):
         for out in engine.step():
             outs.setdefault(out.request_id, []).append(out)
         most = max(most, engine.running)
-        rows = engine._seqs
+        rows = engine.batch.seqs
         assert len(rows) * max((len(s.req.prompt_ids) + s.max_tokens for s in rows), default=0) * per_token <= budget
     assert 1 < most < len(reqs)  # batched, but not all eight at once as without a budget
     assert {rid: tokens(o) for rid, o in outs.items()} == {rid: tokens(o) for rid, o in unbounded.items()}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.inference.engine import batch as engine_module
+from consumers.inference.engine import sequences as engine_module
 from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, load_model
@@ -95,11 +95,11 @@ def test_forward_pass_that_raises_is_bisected_to_the_poison_row(loaded, referenc
     # decode: its fourth decode step does (position LONG+3), after it streamed tokens.
     limit = LONG - 1 if fails_in == "prefill" else LONG + 3
     engine = BatchEngine(loaded, mode, max_batch_size=9)
-    engine._model = _forward_failing(loaded.model, lambda _ids, pos: bool((pos >= limit).any()))
+    engine.batch.model = _forward_failing(loaded.model, lambda _ids, pos: bool((pos >= limit).any()))
     outs = run(engine, {0: [*healthy(loaded), poison_request(loaded)]})
     check(outs, reference)
     assert len(tokens(outs["poison"])) == (0 if fails_in == "prefill" else 4)
-    assert not engine.has_work() and engine._active == {}
+    assert not engine.has_work() and engine.scheduler.active == {}
 
 
 def test_non_finite_logits_end_only_their_row(loaded, reference, monkeypatch):
@@ -113,7 +113,7 @@ def test_non_finite_logits_end_only_their_row(loaded, reference, monkeypatch):
         out.logits[bad] = math.nan
         return out
 
-    engine._model = forward
+    engine.batch.model = forward
     outs = run(engine, {0: healthy(loaded), 2: [poison_request(loaded)]})
     check(outs, reference)
     assert len(tokens(outs["poison"])) == 3  # from prefill and decodes at positions LONG, LONG + 1
