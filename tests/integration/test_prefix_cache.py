@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.running import RunningBatch
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
 from consumers.inference.pool import ModelPool
@@ -139,13 +140,13 @@ def test_a_request_kept_out_of_the_cache_neither_counts_nor_stores(loaded):
 def _counting_extends(monkeypatch) -> list[str]:
     """The requests whose prefix hits were prefilled in passes of their own."""
     extends: list[str] = []
-    extend = BatchEngine._extend
+    extend = RunningBatch._extend
 
     def counted(self, seq):
         extends.append(seq.req.request_id)
         return extend(self, seq)
 
-    monkeypatch.setattr(BatchEngine, "_extend", counted)
+    monkeypatch.setattr(RunningBatch, "_extend", counted)
     return extends
 
 
@@ -170,7 +171,7 @@ def test_a_failed_packed_pass_prefills_its_hits_apart(loaded, monkeypatch):
     def broken(self, seqs):
         raise RuntimeError("simulated failure of the packed pass")
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", broken)
     cached = BatchEngine(loaded, "continuous", pack=True, prefix_cache_bytes=BUDGET)
     warm, _ = converse(loaded, lambda turn: cached, SEEDED, 3)
     assert warm == cold

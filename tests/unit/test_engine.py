@@ -10,6 +10,7 @@ import torch
 
 from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
 from consumers.inference.engine.kvcache import bytes_per_token
+from consumers.inference.engine.running import RunningBatch
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
 from consumers.inference.models import ModelSpec, load_model
@@ -286,7 +287,7 @@ def test_forward_error_fails_requests_not_engine(loaded, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    monkeypatch.setattr(engine, "_model", boom)
+    monkeypatch.setattr(engine.batch, "model", boom)
     [out] = engine.step()
     assert (out.request_id, out.finish_reason) == ("ok", "error")
     assert not engine.has_work()
@@ -340,13 +341,13 @@ def test_a_resumed_request_that_was_already_complete_finishes_without_compute(lo
 def _counting_packed(monkeypatch) -> list[int]:
     """Count the engine's packed passes (decode and newcomers' prefill in one)."""
     calls: list[int] = []
-    real = BatchEngine._packed_forward
+    real = RunningBatch._packed_forward
 
     def counted(self, seqs):
         calls.append(len(seqs))
         return real(self, seqs)
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", counted)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", counted)
     return calls
 
 
@@ -390,7 +391,7 @@ def test_a_failed_packed_pass_is_run_again_as_two(loaded, monkeypatch):
         failures.append(len(seqs))
         raise RuntimeError("simulated failure of the packed pass")
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", broken)
     outs = run(BatchEngine(loaded, "continuous", max_batch_size=4, pack=True), arrivals)
     assert failures
     assert {r: tokens(o) for r, o in outs.items()} == expected

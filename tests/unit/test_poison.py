@@ -145,12 +145,12 @@ def test_a_step_that_raises_outside_the_model_still_ends_every_request(loaded, m
     engine.step()
     engine.add(GenRequest("newcomer", ids(loaded, PROMPTS[1]), SamplingParams(temperature=0)))
     engine.add(GenRequest("queued", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0)))
-    monkeypatch.setattr(engine, "max_batch_size", 2)
+    monkeypatch.setattr(engine.scheduler, "max_batch_size", 2)
 
     def broken_merge(*args):
         raise RuntimeError("bookkeeping bug")
 
-    monkeypatch.setattr(engine, "_merge", broken_merge)  # newcomers join through it after either pass
+    monkeypatch.setattr(engine.batch, "_merge", broken_merge)  # newcomers join through it after either pass
     with pytest.raises(RuntimeError):
         engine.step()  # "newcomer" was admitted, prefilled, then lost with the step
     outs = {o.request_id: o for o in engine.fail_all()}
