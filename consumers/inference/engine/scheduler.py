@@ -7,6 +7,7 @@ engine's stepping thread."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -126,3 +127,26 @@ class Scheduler:
             self.waiting = deque()
             self.cancelled.clear()
         return active
+
+
+class BatchHold:
+    """The static mode's hold, applied by the runner that steps an engine: how long a
+    micro-batch waits to fill before it starts (``max_wait_s``; 0: none, as in continuous
+    mode), counted from when its first request began to wait."""
+
+    def __init__(self, max_wait_s: float, max_batch_size: int) -> None:
+        self.max_wait_s = max_wait_s
+        self.max_batch_size = max_batch_size
+        self._first: float | None = None
+
+    def seconds(self, running: int, waiting: int) -> float:
+        """Seconds to wait for a fuller micro-batch before starting one (0: start now)."""
+        if not self.max_wait_s or running or not waiting or waiting >= self.max_batch_size:
+            self._first = None
+            return 0.0
+        now = time.monotonic()
+        self._first = self._first or now
+        return max(0.0, self.max_wait_s - (now - self._first))
+
+    def reset(self) -> None:
+        self._first = None
