@@ -1,5 +1,5 @@
 """A decode step's attention on a CPU: one query a row over its cached keys and values,
-computed the ways a step can (consumers/inference/packed.py). Prints µs a call, the
+computed the ways a step can (consumers/inference/engine/packed.py). Prints µs a call, the
 median of ``--repeat`` timings of ``--calls`` calls; asserts nothing.
 
     python -m bench.attention                                  # SmolLM2-135M's shapes, bfloat16
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from consumers.inference.packed import one_query_attention
+from consumers.inference.engine.packed import one_query_attention
 
 
 def timed(call, calls: int, repeat: int) -> float:

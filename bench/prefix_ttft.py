@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import LoadedModel, ModelSpec, encode_prompt, load_model
-from consumers.inference.sampling import SamplingParams
 from consumers.inference.settings import InferenceSettings
 
 QUESTIONS = [

@@ -95,7 +95,7 @@ def thread_shares(env: dict, replicas: int) -> dict:
     delivery and NATS (torch's default takes them all, and then every process fights for
     them), unless ARENA_TORCH_THREADS says otherwise; and its share of every core for a
     step while no other engine of the machine steps (ARENA_TORCH_THREADS_ALONE,
-    consumers/inference/cores.py: a model served alone). Where the share is one thread
+    consumers/inference/runners/cores.py: a model served alone). Where the share is one thread
     (2 cores a replica) a shared step runs no parallel region, so the threads of a step
     alone may spin between its products (libgomp's bounded spin: a second thread waking
     ~200 times a step serves no faster); otherwise torch's OpenMP threads wait passively

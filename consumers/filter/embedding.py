@@ -34,9 +34,18 @@ import numpy as np
 
 from consumers.filter.classifier import LinearClassifier
 from consumers.filter.encoder import WEIGHTS_CACHE, Batcher, file_digest
-from consumers.filter.interface import ClassifierScore
+from consumers.filter.interface import Classifier, ClassifierScore
 
-__all__ = ["EMBED_FORMAT", "FrozenEmbedder", "SummedClassifier", "clip", "load_summed", "model_path", "tokenizer_path"]
+__all__ = [
+    "EMBED_FORMAT",
+    "FrozenEmbedder",
+    "SummedClassifier",
+    "base_artifact",
+    "clip",
+    "load_summed",
+    "model_path",
+    "tokenizer_path",
+]
 
 EMBED_FORMAT = "arenaflow-prompt-embed-sum/1"
 # Tokens of the one window embedded, [CLS] and [SEP] included: a longer prompt keeps its head and tail.
@@ -157,12 +166,16 @@ class SummedClassifier:
         return ClassifierScore(prob, tuple(parts[:explain]), z)
 
 
-def load_summed(path: Path, arrays: Any, meta: dict[str, Any], threads: int = 1) -> SummedClassifier:
-    """The summed stage from its opened artifact: the character artifact it names (beside it, the
-    version it was trained with) and the frozen model from the model cache (checked by hash)."""
-    from consumers.filter.loader import load_stage  # noqa: PLC0415 - loader imports this module: not at the top
+def base_artifact(path: Path, meta: dict[str, Any]) -> Path:
+    """The character artifact a summed stage's artifact (at ``path``) names, beside it."""
+    return path.parent / meta["base"]["artifact"]
 
-    base = load_stage(path.parent / meta["base"]["artifact"])
+
+def load_summed(path: Path, arrays: Any, meta: dict[str, Any], base: Classifier, threads: int = 1) -> SummedClassifier:
+    """The summed stage from its opened artifact: ``base``, the stage loaded from the character
+    artifact it names (:func:`base_artifact`; checked: the version it was trained with), and the
+    frozen model from the model cache (checked by hash). The loader reads ``base``, as it reads
+    every stage, so this module does not import it back."""
     if not isinstance(base, LinearClassifier) or base.version != meta["base"]["version"]:
         raise ValueError(
             f"{path}: sums {meta['base']['version']}, {meta['base']['artifact']} is {base.version};"

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from consumers.filter.classifier import ARTIFACT_FORMAT, load_linear
-from consumers.filter.embedding import EMBED_FORMAT, load_summed
+from consumers.filter.embedding import EMBED_FORMAT, base_artifact, load_summed
 from consumers.filter.ensemble import ENSEMBLE_FORMAT, Ensemble, Member
 from consumers.filter.interface import Classifier
 from consumers.filter.words import WORDS_FORMAT, load_words
@@ -44,7 +44,8 @@ def load_stage(path: str | Path, attack_label: str | None = None) -> Classifier:
         if meta.get("format") == WORDS_FORMAT:
             return load_words(z, meta)
         if meta.get("format") == EMBED_FORMAT:
-            return load_summed(path, z, meta)  # onnxruntime imported only here
+            base = load_stage(base_artifact(path, meta))
+            return load_summed(path, z, meta, base)  # onnxruntime imported only here
         if meta.get("format") != ARTIFACT_FORMAT:
             raise ValueError(f"{path}: not a prompt classifier artifact (format {meta.get('format')!r})")
         return load_linear(z, meta)

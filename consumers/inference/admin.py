@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from consumers.inference import prepack
+from consumers.inference.engine import prepack
 from consumers.inference.models import ModelSpec, resolve_source
 from events.admin import (
     AddModel,

@@ -3,7 +3,7 @@
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
-from consumers.inference.prefix import PrefixStats
+from consumers.inference.engine.prefix import PrefixStats
 
 _TIME = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30)
 
@@ -79,7 +79,7 @@ METRICS = InferenceMetrics()
 
 
 class PrefixCounts:
-    """An engine's prefix-cache totals (:class:`~consumers.inference.prefix.PrefixStats`,
+    """An engine's prefix-cache totals (:class:`~consumers.inference.engine.prefix.PrefixStats`,
     read after its steps, or sent up by its engine process) into the counters: what grew
     since the last reading. A new engine process starts from zero, and so does this."""
 

@@ -24,10 +24,11 @@ from huggingface_hub import try_to_load_from_cache
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from consumers.inference import prepack, sources
+from consumers.inference import sources
+from consumers.inference.engine import prepack
+from consumers.inference.engine.quantize import Quantize, quantize_model
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp.options import DEFAULT_SLOT_CONTEXT, LlamaCppOptions
-from consumers.inference.quantize import Quantize, quantize_model
 from consumers.inference.upstream.options import UpstreamOptions
 from events.fleet import VariantDefaults
 from runtime import models_config as config_file

@@ -18,6 +18,7 @@ All methods must be called from one event loop; state is only touched between aw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -28,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from consumers.inference.errors import PermanentError, PoolExhausted, UnknownModel
-from consumers.inference.models import LoadedModel, ModelSpec, configured_context_len, load_model
+from consumers.inference.catalog import Catalog
+from consumers.inference.errors import PermanentError, PoolExhausted
+from consumers.inference.models import LoadedModel, ModelSpec, load_model
 from runtime import heap
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,17 @@ class PoolStats:
     resident_bytes: int
 
 
+@dataclass
+class PoolCounts:
+    """The pool's counters so far (what :class:`PoolStats` reports of them)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
+
+
 class ModelPool:
     """LRU cache of :class:`LoadedModel` objects keyed by served name."""
 
@@ -61,11 +74,7 @@ class ModelPool:
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-        self._specs: dict[str, ModelSpec] = {}
-        self._contexts: dict[str, int] = {}  # per plain model: from its config, then as loaded
-        for spec in specs:
-            self._register(spec)
-            self._read_context(spec)
+        self.catalog = Catalog(specs)  # what it serves: specs, variants, context lengths
         self.budget_bytes = budget_bytes
         self._loader = loader
         self._wait_timeout = wait_timeout
@@ -81,8 +90,7 @@ class ModelPool:
         self._reserved = 0  # bytes promised to loads in flight
         self._released: list[asyncio.Future[None]] = []  # loads waiting for room
         self._awaiting: dict[str, int] = {}  # borrowers waiting on a load; protects it from eviction
-        self._hits = self._misses = self._evictions = self._loads = 0
-        self._load_seconds = 0.0
+        self.counts = PoolCounts()
 
     @property
     def loader(self) -> Loader:
@@ -104,21 +112,18 @@ class ModelPool:
     async def acquire(self, name: str) -> LoadedModel:
         """Pin and return ``name``'s current version; pair with :meth:`release`."""
         counted = False
-        base = self._specs[name].base if name in self._specs else None
-        if base:
-            name = base  # a variant borrows its base's weights
+        name = self.catalog.spec(name).base or name  # a variant borrows its base's weights
         while True:
-            if name not in self._specs:
-                raise UnknownModel(name, sorted(self._specs))
+            self.catalog.spec(name)  # removed meanwhile: UnknownModel
             loaded = self._resident.get(name)
             if loaded is not None:
                 if not counted:
-                    self._hits += 1
+                    self.counts.hits += 1
                 self._resident.move_to_end(name)
                 self._pin(loaded)
                 return loaded
             if not counted:
-                self._misses += 1
+                self.counts.misses += 1
                 counted = True
             task = self._loading.get(name)
             if task is None:
@@ -162,12 +167,12 @@ class ModelPool:
         out = []
         for name in self._resident:
             out.append(name)
-            out += [s.name for s in self._specs.values() if s.base == name]
+            out += self.catalog.variants(name)
         return out
 
     def resident_model(self, name: str) -> LoadedModel | None:
         """``name``'s resident weights (a variant's are its base's), or None."""
-        spec = self._specs.get(name)
+        spec = self.catalog.specs.get(name)
         return self._resident.get(spec.base or name) if spec is not None else None
 
     def holds(self, loaded: LoadedModel) -> bool:
@@ -176,23 +181,14 @@ class ModelPool:
 
     @property
     def stats(self) -> PoolStats:
-        return PoolStats(
-            hits=self._hits,
-            misses=self._misses,
-            evictions=self._evictions,
-            loads=self._loads,
-            load_seconds=self._load_seconds,
-            resident_bytes=self._used_bytes(),
-        )
+        return PoolStats(**dataclasses.asdict(self.counts), resident_bytes=self._used_bytes())
 
     def specs(self) -> list[ModelSpec]:
-        return list(self._specs.values())
+        return list(self.catalog.specs.values())
 
     def contexts(self) -> dict[str, int]:
-        """Each model's context length in tokens (prompt and completion), where known: as
-        loaded, else as its checkpoint's config says; a variant's is its base's."""
-        known = ((spec.name, self._contexts.get(spec.base or spec.name)) for spec in self._specs.values())
-        return {name: n for name, n in known if n is not None}
+        """Each model's context length in tokens, where known (Catalog.context_lengths)."""
+        return self.catalog.context_lengths()
 
     # ---- management ----------------------------------------------------------------
 
@@ -204,8 +200,8 @@ class ModelPool:
 
     async def add(self, spec: ModelSpec) -> None:
         """Register a new model name (loaded lazily, on first use)."""
-        self._register(spec)
-        await asyncio.to_thread(self._read_context, spec)
+        self.catalog.register(spec)
+        await asyncio.to_thread(self.catalog.read_context, spec)
 
     async def reload(self, name: str, spec: ModelSpec | None = None) -> LoadedModel:
         """Load a new version of ``name`` (optionally from a new spec) and swap it in.
@@ -213,12 +209,11 @@ class ModelPool:
         Borrowers of the old version keep it until they release it. Room is made for
         the new version next to the old one, which is then retired.
         """
-        if name not in self._specs:
-            raise UnknownModel(name, sorted(self._specs))
+        self.catalog.spec(name)
         if spec is not None:
             if spec.name != name:
                 raise ValueError(f"reload of {name!r} got a spec named {spec.name!r}")
-            self._specs[name] = spec
+            self.catalog.specs[name] = spec
         await self._settle(name)
         new = await asyncio.shield(self._start_load(name, self._versions.get(name, 0) + 1))
         log.info("model %s swapped to v%d", name, new.version)
@@ -226,16 +221,15 @@ class ModelPool:
 
     async def remove(self, name: str) -> None:
         """Unregister ``name``; its model is dropped once no one borrows it."""
-        if name not in self._specs:
-            raise UnknownModel(name, sorted(self._specs))
-        if variants := sorted(s.name for s in self._specs.values() if s.base == name):
+        self.catalog.spec(name)
+        if variants := sorted(self.catalog.variants(name)):
             raise ValueError(
                 f"model {name!r} is the base of {', '.join(variants)}, which would stop working: "
                 f"remove {'them' if len(variants) > 1 else 'it'} first"
             )
         await self._settle(name)
-        del self._specs[name]
-        self._contexts.pop(name, None)
+        del self.catalog.specs[name]
+        self.catalog.contexts.pop(name, None)
         old = self._resident.pop(name, None)
         if old is not None:
             self._retire(old)
@@ -246,17 +240,6 @@ class ModelPool:
             with suppress(Exception):
                 await asyncio.shield(task)
 
-    def _read_context(self, spec: ModelSpec) -> None:
-        if spec.name not in self._contexts and (n := configured_context_len(spec)) is not None:
-            self._contexts[spec.name] = n
-
-    def _register(self, spec: ModelSpec) -> None:
-        if spec.name in self._specs:
-            raise ValueError(
-                f"model {spec.name!r} is already configured; to replace it: arena models reload --name {spec.name}"
-            )
-        self._specs[spec.name] = spec
-
     # ---- loading and eviction ------------------------------------------------------
 
     def _start_load(self, name: str, version: int) -> asyncio.Task[LoadedModel]:
@@ -266,7 +249,7 @@ class ModelPool:
         return task
 
     async def _load(self, name: str, version: int) -> LoadedModel:
-        spec = self._specs[name]
+        spec = self.catalog.specs[name]
         need = self._estimate_bytes(spec)
         try:
             await self._make_room(need, name)
@@ -278,16 +261,16 @@ class ModelPool:
                 raise PoolExhausted(f"out of device memory loading {name}: {exc}") from exc
             finally:
                 self._reserved -= need
-                self._loads += 1
-                self._load_seconds += time.perf_counter() - t0
+                self.counts.loads += 1
+                self.counts.load_seconds += time.perf_counter() - t0
         finally:
             self._loading.pop(name, None)
             self._notify()
-        if name not in self._specs:  # removed while loading
+        if name not in self.catalog.specs:  # removed while loading
             return loaded
         self._versions[name] = max(version, self._versions.get(name, 0))
         self._sizes[name] = loaded.nbytes
-        self._contexts[name] = loaded.context_len
+        self.catalog.contexts[name] = loaded.context_len
         old = self._resident.pop(name, None)
         if old is not None:
             self._retire(old)
@@ -352,7 +335,7 @@ class ModelPool:
 
     def _evict(self, name: str) -> None:
         loaded = self._resident.pop(name)
-        self._evictions += 1
+        self.counts.evictions += 1
         log.info("evicted model %s v%d (%d bytes)", name, loaded.version, loaded.nbytes)
         del loaded
         self._free_device_memory()

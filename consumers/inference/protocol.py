@@ -3,10 +3,10 @@ engine-process pipe (as vLLM's ``EngineCoreRequest`` / ``EngineCoreOutputs`` /
 ``SchedulerStats``).
 
 **An engine backend** (:class:`EngineBackend`) generates for many requests of one model.
-The built-in :class:`~consumers.inference.engine.BatchEngine` is one; another (llama.cpp,
+The built-in :class:`~consumers.inference.engine.batch.BatchEngine` is one; another (llama.cpp,
 say: ``consumers/inference/llamacpp/engine.py``) plugs in by implementing these members, and the runners (a thread,
-:class:`~consumers.inference.runner.EngineRunner`, or a child process,
-:class:`~consumers.inference.engine_process.ProcessRunner`) drive it unchanged:
+:class:`~consumers.inference.runners.thread.EngineRunner`, or a child process,
+:class:`~consumers.inference.runners.process.ProcessRunner`) drive it unchanged:
 
 - ``add(req)``: queue a :class:`GenRequest`; thread-safe. Raise ``PromptTooLong`` or
   ``PermanentError`` (``consumers.inference.errors``) for one that can never run.
@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
-from consumers.inference.prefix import PrefixStats
-from consumers.inference.sampling import SamplingParams, TokenLogprob
+from consumers.inference.engine.prefix import PrefixStats
+from consumers.inference.engine.sampling import SamplingParams, TokenLogprob
 from events.fleet import EngineLoad
 from events.models import FailureCode
 

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from consumers.inference.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
+from consumers.inference.config import EngineConfig
+from consumers.inference.runners.cores import DEFAULT_DIR as DEFAULT_CORES_DIR
 from runtime import models_config as config_file
 from runtime.settings import REPO, CommonSettings
 
@@ -108,3 +109,21 @@ class InferenceSettings(CommonSettings):
         description="Step each model's engine in a child process (its own GIL), not in a thread beside the loop; "
         "false: on a thread of the worker (no second Python runtime, ~0.4 GB less).",
     )
+
+    def engine_config(self) -> EngineConfig:
+        """The engines' configuration, built once from these settings (config.py)."""
+        return EngineConfig(
+            mode=self.engine,
+            max_batch_size=self.max_batch_size,
+            max_wait_s=self.max_wait_ms / 1000 if self.engine == "static" else 0.0,
+            kv_budget_bytes=int(self.kv_cache_mb * 2**20),
+            prefix_cache_bytes=int(self.prefix_cache_mb * (1 << 20)),
+            in_process=self.engine_process,
+            step_profile=self.step_profile,
+            step_figures_dir=self.step_figures_dir,
+            torch_threads=self.torch_threads,
+            torch_threads_alone=self.torch_threads_alone,
+            cores_dir=self.cores_dir,
+            llama_cpp_dir=self.llama_cpp_dir,
+            llama_cpp_threads=self.llama_cpp_threads,
+        )

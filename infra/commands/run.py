@@ -1,7 +1,7 @@
 """`arena run ROLE`: one process of the topology (settings from ARENA_* variables).
 
 An inference worker forks its engine fork server from itself once it has imported torch
-and transformers, before it starts anything (consumers.inference.forks.start_forked): the
+and transformers, before it starts anything (consumers.inference.runners.forks.start_forked): the
 worker, the server and the engine processes share those pages. A worker whose models all
 run on llama.cpp (`backend: llamacpp`) has no engine process, and no fork server.
 
@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-from consumers.inference import forks
+from consumers.inference.runners import forks
 from consumers.inference.settings import InferenceSettings
 from events import topology
 from runtime import heap, logs

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from consumers.inference.engine_process import ENGINE_NICE
+from consumers.inference.runners.process import ENGINE_NICE
 from events.models import DEFAULT_MAX_TOKENS
 from tests.arena_up import ArenaUp
 
@@ -214,7 +214,7 @@ def battle_turns(url: str, until: float, turns: Turns) -> None:
 
 
 #: How long the load runs beside the hog, and how long the hog runs before it: an idle
-#: engine probes every 2 s while the CPU is contended (consumers/inference/probes.py).
+#: engine probes every 2 s while the CPU is contended (consumers/inference/runners/probes.py).
 LOAD_S = 60.0
 SETTLE_S = 5.0
 

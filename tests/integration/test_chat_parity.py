@@ -15,9 +15,9 @@ import statistics
 import pytest
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
-from consumers.inference.sampling import SamplingParams
 from consumers.inference.settings import InferenceSettings
 from tests.unit.test_engine import run, tokens
 

@@ -23,14 +23,16 @@ import torch
 from prometheus_client import REGISTRY
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from consumers.inference import engine_process, prepack
-from consumers.inference import service as service_module
-from consumers.inference.engine import GenRequest
+from consumers.inference.config import EngineConfig
+from consumers.inference.engine import prepack
+from consumers.inference.engine.batch import GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import RetryableError
 from consumers.inference.metrics import LoadCollector
 from consumers.inference.models import ModelSpec, load_model, weights_nbytes
-from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import factory as factory_module
+from consumers.inference.runners import process as engine_process
+from consumers.inference.runners.thread import PROFILE_PREFIX, EngineRunner
 from events import decode
 from tests.conftest import STORIES
 from tests.conftest import STORY_PROMPTS as PROMPTS
@@ -285,7 +287,7 @@ async def test_a_killed_engine_process_gives_back_what_it_held_and_is_started_ag
 async def test_a_model_with_no_room_in_dev_shm_runs_its_engine_on_a_thread(nats_server, monkeypatch, caplog):
     """An engine process reads the weights from /dev/shm; where it is too small for them
     (a container's 64 MB), the model is served by an engine thread and the log says why."""
-    monkeypatch.setattr(service_module, "shm_room", lambda nbytes: False)
+    monkeypatch.setattr(factory_module, "shm_room", lambda nbytes: False)
     worker, nc = await start(nats_server, engine_process=True)
     try:
         await request(worker.js, "small-shm", PROMPTS[0], healthy_params(0))
@@ -330,7 +332,8 @@ async def test_an_engine_process_that_cannot_start_is_not_restarted_in_a_loop(mo
     loaded = load_model(ModelSpec(name=MODEL, path=str(STORIES)))
     failed: list = []
     # An engine of no rows cannot be built: the child fails as it starts, every time.
-    runner = engine_process.ProcessRunner(loaded, "continuous", 0, asyncio.get_running_loop(), failed.extend)
+    config = EngineConfig(max_batch_size=0)
+    runner = engine_process.ProcessRunner(loaded, config, asyncio.get_running_loop(), failed.extend)
     try:
         first = runner.pid
         end = time.monotonic() + 60
@@ -358,12 +361,14 @@ async def test_an_engine_process_that_cannot_start_is_not_restarted_in_a_loop(mo
 CONSUMER = textwrap.dedent(
     """
     import asyncio, sys
-    from consumers.inference.engine_process import ProcessRunner
+    from consumers.inference.config import EngineConfig
+    from consumers.inference.runners.process import ProcessRunner
     from consumers.inference.models import ModelSpec, load_model, weights_nbytes
 
     async def main():
         loaded = load_model(ModelSpec(name="m", path=sys.argv[1]))
-        runner = ProcessRunner(loaded, "continuous", 4, asyncio.get_running_loop(), lambda outs: None, threads=1)
+        config = EngineConfig(max_batch_size=4, torch_threads=1)
+        runner = ProcessRunner(loaded, config, asyncio.get_running_loop(), lambda outs: None)
         await asyncio.to_thread(runner.ready.wait, 120)
         print(runner.pid, flush=True)
         await asyncio.sleep(300)

@@ -1,4 +1,4 @@
-"""Threads sized to the load, in a real engine process (consumers/inference/cores.py): a
+"""Threads sized to the load, in a real engine process (consumers/inference/runners/cores.py): a
 SmolLM2-135M engine (bfloat16, as `arena up` serves it) steps on both threads while it is
 the only engine of the machine stepping, on its one-thread share while another process
 notes steps in the same directory, and on both again once that one stops; stories260K
@@ -16,11 +16,12 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from consumers.inference.cores import WINDOW_S
-from consumers.inference.engine import GenRequest
-from consumers.inference.engine_process import ProcessRunner
+from consumers.inference.config import EngineConfig
+from consumers.inference.engine.batch import GenRequest
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners.cores import WINDOW_S
+from consumers.inference.runners.process import ProcessRunner
 from consumers.inference.settings import InferenceSettings
 from tests.conftest import STORIES
 from tests.unit.test_cores import OTHER_ENGINE
@@ -52,9 +53,8 @@ def finished_into(done: dict):
 def sized_runner(loaded, done: dict, cores_dir) -> ProcessRunner:
     """An engine process as `arena up` sizes it on 2 cores: one thread shared, two alone."""
     loop = asyncio.get_running_loop()
-    return ProcessRunner(
-        loaded, "continuous", 4, loop, finished_into(done), threads=1, alone_threads=2, cores_dir=str(cores_dir)
-    )
+    config = EngineConfig(max_batch_size=4, torch_threads=1, torch_threads_alone=2, cores_dir=str(cores_dir))
+    return ProcessRunner(loaded, config, loop, finished_into(done))
 
 
 async def test_an_engine_alone_steps_on_both_threads_and_on_its_share_beside_another(tmp_path):

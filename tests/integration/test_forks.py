@@ -25,7 +25,7 @@ SPARE = textwrap.dedent(
     import json, os, socket, sys, time
     import psutil
     import consumers.inference.app  # what a spare imports before it waits
-    from consumers.inference import forks
+    from consumers.inference.runners import forks
 
     held = socket.socket()  # a socket it was handed, as a spare holds the role's /metrics sockets
     held.bind(("127.0.0.1", 0))
@@ -112,7 +112,7 @@ def test_a_process_running_threads_starts_its_fork_server_as_a_new_interpreter()
     script = textwrap.dedent(
         """
         import threading, time, psutil
-        from consumers.inference import forks
+        from consumers.inference.runners import forks
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
         forks.start_forked()
         forks.wait_ready()

@@ -12,12 +12,12 @@ from functools import partial
 import pytest
 from prometheus_client import REGISTRY
 
-from consumers.inference import engine as engine_module
-from consumers.inference.engine import BatchEngine
+from consumers.inference.engine import sequences as engine_module
+from consumers.inference.engine.batch import BatchEngine
 from consumers.inference.models import ModelSpec
 from consumers.inference.pool import ModelPool
-from consumers.inference.service import InferenceService
 from consumers.inference.settings import InferenceSettings
+from consumers.inference.worker.service import InferenceService
 from events import decode, subjects, topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams, TokensGenerated
 from infra.audit import audit

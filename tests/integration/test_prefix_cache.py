@@ -11,13 +11,15 @@ import asyncio
 
 import pytest
 
-from consumers.inference.engine import BatchEngine, GenRequest
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.running import RunningBatch
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, encode_prompt, load_model
 from consumers.inference.pool import ModelPool
-from consumers.inference.runner import EngineRunner
-from consumers.inference.sampling import SamplingParams
-from consumers.inference.service import InferenceService
+from consumers.inference.runners.factory import RunnerFactory
+from consumers.inference.runners.thread import EngineRunner
 from consumers.inference.settings import InferenceSettings
+from consumers.inference.worker.service import InferenceService
 from tests.conftest import STORIES, STORY_PROMPTS
 from tests.unit.test_engine import run, tokens
 
@@ -93,9 +95,9 @@ async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
     weights) gets a new engine with nothing cached, and the old one goes with its model."""
     pool = ModelPool([ModelSpec(name="stories-260k", path=str(STORIES))], budget_bytes=1 << 30)
     service = InferenceService(InferenceSettings(engine_process=False, prefix_cache_mb=1), pool, publish=None)
-    service.loop = asyncio.get_running_loop()
+    service.runners.factory = RunnerFactory(service.engine_config, asyncio.get_running_loop(), service.on_outputs)
     async with pool.use("stories-260k") as old:
-        first = service._runner_for(old)
+        first = service.runners.get(old)
         assert isinstance(first, EngineRunner) and first.engine.prefix is not None
         assert first.engine.prefix.budget_bytes == 1 << 20
         first.engine.prefix.store(list(range(40)), "kv", 100)
@@ -103,7 +105,7 @@ async def test_a_reloaded_or_evicted_model_starts_with_an_empty_cache():
     assert service.prune_runners() == [first]
     first.stop()
     async with pool.use("stories-260k") as new:
-        second = service._runner_for(new)
+        second = service.runners.get(new)
         assert second is not first and second.engine.prefix is not None
         assert second.engine.prefix.stats.entries == 0
     second.stop()
@@ -138,13 +140,13 @@ def test_a_request_kept_out_of_the_cache_neither_counts_nor_stores(loaded):
 def _counting_extends(monkeypatch) -> list[str]:
     """The requests whose prefix hits were prefilled in passes of their own."""
     extends: list[str] = []
-    extend = BatchEngine._extend
+    extend = RunningBatch._extend
 
     def counted(self, seq):
         extends.append(seq.req.request_id)
         return extend(self, seq)
 
-    monkeypatch.setattr(BatchEngine, "_extend", counted)
+    monkeypatch.setattr(RunningBatch, "_extend", counted)
     return extends
 
 
@@ -169,7 +171,7 @@ def test_a_failed_packed_pass_prefills_its_hits_apart(loaded, monkeypatch):
     def broken(self, seqs):
         raise RuntimeError("simulated failure of the packed pass")
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", broken)
     cached = BatchEngine(loaded, "continuous", pack=True, prefix_cache_bytes=BUDGET)
     warm, _ = converse(loaded, lambda turn: cached, SEEDED, 3)
     assert warm == cold

@@ -1,4 +1,4 @@
-"""Threads sized to the load (consumers/inference/cores.py): an engine takes `alone` threads
+"""Threads sized to the load (consumers/inference/runners/cores.py): an engine takes `alone` threads
 while no other engine of the machine noted a step within the window, its share otherwise.
 Real files in a real directory; the other engine is a real process where it matters."""
 
@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from consumers.inference.cores import CoreShare, alone_threads, share_or_none
+from consumers.inference.runners.cores import CoreShare, alone_threads, share_or_none
 
 WINDOW = 0.3
 
@@ -54,7 +54,7 @@ def test_notes_only_where_threads_do_not_change(tmp_path):
 OTHER_ENGINE = textwrap.dedent(
     """
     import sys, time
-    from consumers.inference.cores import CoreShare
+    from consumers.inference.runners.cores import CoreShare
     share = CoreShare(sys.argv[1], 0, 0)
     end = time.monotonic() + float(sys.argv[2])
     print("stepping", flush=True)

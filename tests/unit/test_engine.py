@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
+from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput, check_kv, check_room, kv_room
+from consumers.inference.engine.kvcache import bytes_per_token
+from consumers.inference.engine.running import RunningBatch
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
-from consumers.inference.kvcache import bytes_per_token
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 
@@ -160,13 +161,13 @@ def test_cache_shrinks_when_long_rows_leave(loaded):
     engine.add(GenRequest("long-prompt", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0, max_tokens=2)))
     engine.add(GenRequest("short-prompt", ids(loaded, PROMPTS[3]), SamplingParams(temperature=0, max_tokens=30)))
     engine.step()
-    wide = engine._kv.width
+    wide = engine.batch.kv.width
     engine.step()  # long-prompt finishes; its padding columns go
     engine.step()
     assert engine.running == 1
-    assert engine._kv.width == len(ids(loaded, PROMPTS[3])) + 2
-    assert engine._kv.width < wide
-    assert engine._kv.window(0)[0].shape[2] == engine._kv.mask.shape[1] == engine._kv.width
+    assert engine.batch.kv.width == len(ids(loaded, PROMPTS[3])) + 2
+    assert engine.batch.kv.width < wide
+    assert engine.batch.kv.window(0)[0].shape[2] == engine.batch.kv.mask.shape[1] == engine.batch.kv.width
 
 
 def test_expired_waiting_request_finishes_without_compute(loaded):
@@ -286,7 +287,7 @@ def test_forward_error_fails_requests_not_engine(loaded, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    monkeypatch.setattr(engine, "_model", boom)
+    monkeypatch.setattr(engine.batch, "model", boom)
     [out] = engine.step()
     assert (out.request_id, out.finish_reason) == ("ok", "error")
     assert not engine.has_work()
@@ -340,13 +341,13 @@ def test_a_resumed_request_that_was_already_complete_finishes_without_compute(lo
 def _counting_packed(monkeypatch) -> list[int]:
     """Count the engine's packed passes (decode and newcomers' prefill in one)."""
     calls: list[int] = []
-    real = BatchEngine._packed_forward
+    real = RunningBatch._packed_forward
 
     def counted(self, seqs):
         calls.append(len(seqs))
         return real(self, seqs)
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", counted)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", counted)
     return calls
 
 
@@ -390,7 +391,7 @@ def test_a_failed_packed_pass_is_run_again_as_two(loaded, monkeypatch):
         failures.append(len(seqs))
         raise RuntimeError("simulated failure of the packed pass")
 
-    monkeypatch.setattr(BatchEngine, "_packed_forward", broken)
+    monkeypatch.setattr(RunningBatch, "_packed_forward", broken)
     outs = run(BatchEngine(loaded, "continuous", max_batch_size=4, pack=True), arrivals)
     assert failures
     assert {r: tokens(o) for r, o in outs.items()} == expected
@@ -438,7 +439,7 @@ def test_the_kv_budget_holds_back_newcomers_and_changes_no_token(loaded):
         for out in engine.step():
             outs.setdefault(out.request_id, []).append(out)
         most = max(most, engine.running)
-        rows = engine._seqs
+        rows = engine.batch.seqs
         assert len(rows) * max((len(s.req.prompt_ids) + s.max_tokens for s in rows), default=0) * per_token <= budget
     assert 1 < most < len(reqs)  # batched, but not all eight at once as without a budget
     assert {rid: tokens(o) for rid, o in outs.items()} == {rid: tokens(o) for rid, o in unbounded.items()}

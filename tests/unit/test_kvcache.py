@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from consumers.inference import kvcache
-from consumers.inference.kvcache import KVSlab
+from consumers.inference.engine import kvcache
+from consumers.inference.engine.kvcache import KVSlab
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from consumers.inference import lean
-from consumers.inference.engine import BatchEngine, GenRequest
-from consumers.inference.kvcache import KVSlab
+from consumers.inference.engine import lean
+from consumers.inference.engine.batch import BatchEngine, GenRequest
+from consumers.inference.engine.kvcache import KVSlab
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 from tests.unit.test_engine import PROMPTS, STORIES, ids, run, tokens
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
@@ -77,7 +77,7 @@ def test_its_logits_are_transformers_to_the_bit_and_write_the_same_column(loaded
         engine.add(req)
     engine.step()  # the prefill: three rows of different lengths, left-padded
     engine.step()
-    kv = engine._kv
+    kv = engine.batch.kv
     twin = KVSlab(kv.max_rows)
     twin.reset(
         [
@@ -87,12 +87,12 @@ def test_its_logits_are_transformers_to_the_bit_and_write_the_same_column(loaded
         kv.mask.clone(),
     )
     assert not bool(kv.mask.all())  # the shorter rows are padded
-    seqs = engine._seqs
+    seqs = engine.batch.seqs
     ids_ = torch.tensor([[s.tokens[-1]] for s in seqs])
     pos = torch.tensor([[s.next_pos] for s in seqs])
     with torch.inference_mode():
         cache, mask = kv.step_inputs()
-        expected = engine._forward(ids_, mask, pos, cache)
+        expected = engine.batch.forward(ids_, mask, pos, cache)
         _, twin_mask = twin.step_inputs()
         got = lean.decode_step(loaded.model, ids_, twin_mask, pos, twin)
     assert torch.equal(got, expected)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp import build
 from consumers.inference.llamacpp.engine import completion_body, token_logprobs
@@ -22,7 +23,6 @@ from consumers.inference.llamacpp.options import LlamaCppOptions
 from consumers.inference.llamacpp.server import command
 from consumers.inference.models import ModelSpec, load_models_config
 from consumers.inference.protocol import GenRequest
-from consumers.inference.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

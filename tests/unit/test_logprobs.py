@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from consumers.inference.logprobs import spelled, speller
-from consumers.inference.sampling import TokenLogprob
+from consumers.inference.engine.logprobs import spelled, speller
+from consumers.inference.engine.sampling import TokenLogprob
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared/models/stories260K-hf"
 TEXT = "Once upon a time, a café served crème brûlée — 日本 too."

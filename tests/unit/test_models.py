@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference import models, prepack
+from consumers.inference import models
+from consumers.inference.engine import prepack
 from consumers.inference.errors import PermanentError
 from consumers.inference.models import (
     FALLBACK_TEMPLATE,

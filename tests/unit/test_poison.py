@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.inference import engine as engine_module
-from consumers.inference.engine import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine import sequences as engine_module
+from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.sampling import SamplingParams
 from tests.conftest import STORIES
 from tests.unit.test_engine import PROMPTS, ids, run, tokens
 
@@ -95,11 +95,11 @@ def test_forward_pass_that_raises_is_bisected_to_the_poison_row(loaded, referenc
     # decode: its fourth decode step does (position LONG+3), after it streamed tokens.
     limit = LONG - 1 if fails_in == "prefill" else LONG + 3
     engine = BatchEngine(loaded, mode, max_batch_size=9)
-    engine._model = _forward_failing(loaded.model, lambda _ids, pos: bool((pos >= limit).any()))
+    engine.batch.model = _forward_failing(loaded.model, lambda _ids, pos: bool((pos >= limit).any()))
     outs = run(engine, {0: [*healthy(loaded), poison_request(loaded)]})
     check(outs, reference)
     assert len(tokens(outs["poison"])) == (0 if fails_in == "prefill" else 4)
-    assert not engine.has_work() and engine._active == {}
+    assert not engine.has_work() and engine.scheduler.active == {}
 
 
 def test_non_finite_logits_end_only_their_row(loaded, reference, monkeypatch):
@@ -113,7 +113,7 @@ def test_non_finite_logits_end_only_their_row(loaded, reference, monkeypatch):
         out.logits[bad] = math.nan
         return out
 
-    engine._model = forward
+    engine.batch.model = forward
     outs = run(engine, {0: healthy(loaded), 2: [poison_request(loaded)]})
     check(outs, reference)
     assert len(tokens(outs["poison"])) == 3  # from prefill and decodes at positions LONG, LONG + 1
@@ -145,12 +145,12 @@ def test_a_step_that_raises_outside_the_model_still_ends_every_request(loaded, m
     engine.step()
     engine.add(GenRequest("newcomer", ids(loaded, PROMPTS[1]), SamplingParams(temperature=0)))
     engine.add(GenRequest("queued", ids(loaded, PROMPTS[2]), SamplingParams(temperature=0)))
-    monkeypatch.setattr(engine, "max_batch_size", 2)
+    monkeypatch.setattr(engine.scheduler, "max_batch_size", 2)
 
     def broken_merge(*args):
         raise RuntimeError("bookkeeping bug")
 
-    monkeypatch.setattr(engine, "_merge", broken_merge)  # newcomers join through it after either pass
+    monkeypatch.setattr(engine.batch, "_merge", broken_merge)  # newcomers join through it after either pass
     with pytest.raises(RuntimeError):
         engine.step()  # "newcomer" was admitted, prefilled, then lost with the step
     outs = {o.request_id: o for o in engine.fail_all()}

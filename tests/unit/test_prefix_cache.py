@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
+from consumers.inference.engine.prefix import PrefixCache, PrefixStats, block_hashes, common_prefix
 from consumers.inference.metrics import PrefixCounts
-from consumers.inference.prefix import PrefixCache, PrefixStats, block_hashes, common_prefix
 
 B = 4  # a small block keeps the sequences short
 

@@ -1,4 +1,4 @@
-"""bfloat16 linear layers packed in oneDNN's layout at load (consumers/inference/prepack.py):
+"""bfloat16 linear layers packed in oneDNN's layout at load (consumers/inference/engine/prepack.py):
 the same products as `F.linear`, every linear layer swapped, a tied lm_head's embedding
 kept, the parameter count unchanged. On a CPU without native bfloat16 the model is left
 as it is. A float32 vocabulary head computed weight first: the same products, the same
@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consumers.inference import engine_process, models, prepack
-from consumers.inference.engine import BatchEngine
+from consumers.inference import models
+from consumers.inference.engine import prepack
+from consumers.inference.engine.batch import BatchEngine
+from consumers.inference.engine.quantize import MAX_ROWS, QuantLinear
 from consumers.inference.models import ModelSpec, load_model
-from consumers.inference.quantize import MAX_ROWS, QuantLinear
+from consumers.inference.runners import process as engine_process
 from tests.conftest import STORIES
 
 NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

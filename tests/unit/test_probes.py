@@ -1,5 +1,5 @@
 """When an idle engine re-measures its step alone, and what that does to its figures
-(consumers/inference/probes.py; the runner's probes on a stand-in engine)."""
+(consumers/inference/runners/probes.py; the runner's probes on a stand-in engine)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from consumers.inference import probes
-from consumers.inference.probes import Pressure, ProbeClock, rescaled
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.protocol import GenRequest
-from consumers.inference.runner import PROFILE_PREFIX, EngineRunner
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import probes
+from consumers.inference.runners.probes import Pressure, ProbeClock, rescaled
+from consumers.inference.runners.thread import PROFILE_PREFIX, EngineRunner
 from tests.unit.test_runner import SteppingEngine
 from tests.waiting import until
 
@@ -116,7 +116,7 @@ async def test_a_profile_cut_short_beside_a_hog_still_reports_its_step_alone(mon
     short like the full one (PROFILE_FULL_BUDGET_S), and the few steps it has are the step
     alone until probes add theirs (a missing step alone let the small-batch figure judge
     an idle fleet: 429 "estimated 145.9 s" for the README's request)."""
-    from consumers.inference import runner as runner_module
+    from consumers.inference.runners import thread as runner_module
 
     monkeypatch.setattr(runner_module, "PROFILE_FULL_BUDGET_S", 0.2)
     engine = SteppingEngine(slots=8, per_row=0.06)  # 16 lone steps: ~1 s

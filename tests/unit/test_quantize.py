@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from consumers.inference.engine.quantize import MAX_ROWS, QuantLinear, quantize_model
 from consumers.inference.errors import PermanentError
 from consumers.inference.models import ModelSpec, load_model, load_models_config
-from consumers.inference.quantize import MAX_ROWS, QuantLinear, quantize_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from consumers.inference.figures import FIGURES_MAX_AGE_S, MIN_SAMPLES, steps_until_slot, typical_step
+from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
-from consumers.inference.runner import PROFILE_PREFIX, PROFILE_PROMPT_TOKENS, PROFILE_STEPS, EngineRunner
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners.figures import FIGURES_MAX_AGE_S, MIN_SAMPLES, steps_until_slot, typical_step
+from consumers.inference.runners.thread import PROFILE_PREFIX, PROFILE_PROMPT_TOKENS, PROFILE_STEPS, EngineRunner
 from runtime.steps import MAX_PREFILL_SHARE, PREFILL_WINDOW_S, stretch
 from tests.waiting import until
 
@@ -260,7 +260,7 @@ async def test_a_slow_full_batch_profile_stops_at_its_budget_with_enough_steps(m
     for PROFILE_STEPS long steps (18 s for SmolLM2 in float32 on an AVX2 EPYC): past
     PROFILE_FULL_BUDGET_S, once it has PROFILE_MIN_FULL_STEPS steps, its requests are
     cancelled and a real request held meanwhile is served; the full batch's figure is kept."""
-    from consumers.inference import runner as runner_module
+    from consumers.inference.runners import thread as runner_module
 
     monkeypatch.setattr(runner_module, "PROFILE_FULL_BUDGET_S", 0.2)
     delivered: list = []
@@ -366,7 +366,7 @@ def test_a_step_with_newcomers_counts_as_prefill_not_as_a_decode_step(runner, mo
     batch, it refused most of the burst); its time past a decode step at its batch is the
     prefill share of the last PREFILL_WINDOW_S, which stretches a request's steps and is
     gone once arrivals stop."""
-    from consumers.inference import runner as runner_module
+    from consumers.inference.runners import thread as runner_module
 
     clock = [1000.0]
     monkeypatch.setattr(runner_module.time, "monotonic", lambda: clock[0])
@@ -425,7 +425,7 @@ def test_the_busiest_batch_of_the_last_window_is_reported_beside_the_batch_of_no
     """Conversations idle between turns: a turn arriving while 3 of 8 users are reading is
     going to share its steps with 8. The runner reports the most requests its served steps
     ran at once in the last PEAK_WINDOW_S, and forgets them after it."""
-    from consumers.inference import runner as runner_module
+    from consumers.inference.runners import thread as runner_module
     from runtime.steps import PEAK_WINDOW_S
 
     engine = Stepping([8] * 5 + [3] * 5)

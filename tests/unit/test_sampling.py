@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from consumers.inference.sampling import (
+from consumers.inference.engine.sampling import (
     CDF_BLOCK,
     NUCLEUS_CANDIDATES,
     SamplingParams,

@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consumers.inference.engine import check_prompt
+from consumers.inference.engine.batch import check_prompt
+from consumers.inference.engine.sampling import SamplingParams, TokenLogprob
 from consumers.inference.llamacpp.options import LlamaCppOptions
 from consumers.inference.llamacpp.server import LlamaServer, command
 from consumers.inference.models import LoadedModel
 from consumers.inference.protocol import FinishReason, GenRequest, StepOutput
-from consumers.inference.sampling import SamplingParams, TokenLogprob
 from consumers.inference.sources import gguf_file
 from consumers.inference.streamed import Post, Stream, StreamedEngine
 

@@ -32,8 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from consumers.inference import prepack
-from consumers.inference.kvcache import KVSlab
+from consumers.inference.engine import prepack
+from consumers.inference.engine.kvcache import KVSlab
 
 ARENA_ATTENTION = "arena_sdpa"
 

@@ -9,12 +9,10 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from contextlib import suppress
-from pathlib import Path
 
-from consumers.inference import probes
-from consumers.inference.figures import FIGURES_EVERY_S, MIN_SAMPLES, StepFigures, estimate_finish
+from consumers.inference.engine.scheduler import BatchHold
 from consumers.inference.metrics import METRICS, PrefixCounts
+from consumers.inference.models import LoadedModel
 from consumers.inference.protocol import (
     EngineBackend,
     EngineStats,
@@ -23,7 +21,11 @@ from consumers.inference.protocol import (
     StepOutput,
     StepRecord,
 )
-from consumers.inference.sampling import SamplingParams
+from consumers.inference.runners import probes
+from consumers.inference.runners.figures import MIN_SAMPLES, StepFigures, estimate_finish
+from consumers.inference.runners.handoff import Handoff
+from consumers.inference.runners.kept import KeptFigures, follow, probed_enough
+from consumers.inference.runners.synthetic import SyntheticRequests
 from events.fleet import EngineLoad
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ PROFILE_FULL_BUDGET_S = 3.0
 PROFILE_MIN_FULL_STEPS = 4
 
 PROFILE_PREFIX = "step-profile-"
-#: An idle engine's probe (`EngineRunner._probe`, consumers/inference/probes.py) is given
+#: An idle engine's probe (`EngineRunner._probe`, consumers/inference/runners/probes.py) is given
 #: up past this, its figure unused (a probe is a few steps: this is a stuck engine).
 PROBE_TIMEOUT_S = 30.0
 
@@ -75,7 +77,8 @@ class EngineRunner:
     it starts (0: none, as in continuous mode). ``on_step(record, stats)`` is told of every
     step (default: the worker's metrics, :func:`record_step`) but the profile's own;
     ``before_step()`` is called before each and returns the torch threads it takes, if it
-    sets them (cores.py).
+    sets them (cores.py). ``available()``: False while the engine refuses every request
+    (an upstream's open circuit; default: always available).
     ``profile``: first time decode steps at one request and at every slot (:meth:`_profile`);
     requests added meanwhile wait for it (`profiled`). ``figures``: the file its measured
     steps are kept in (see FIGURES_EVERY_S); a fresh one there stands for the profile."""
@@ -90,23 +93,21 @@ class EngineRunner:
         profile: bool = False,
         figures: str | None = None,
         before_step: Callable[[], int | None] | None = None,
+        available: Callable[[], bool] | None = None,
     ):
         self.engine = engine
+        self._available = available
         self.before_step = before_step
         self.max_wait_s = max_wait_s
-        self._first_wait: float | None = None
+        self._hold = BatchHold(max_wait_s, engine.max_batch_size)
         self.loop = loop
         self.on_outputs = on_outputs
+        self._handoff = Handoff(loop, on_outputs)  # outputs on their way to the loop
         self.name = engine.loaded.spec.name
         self.prefix_counts = PrefixCounts(self.name)
         self.on_step = on_step or self._record
         self._wake = threading.Event()
         self._stop = False
-        # Outputs on their way to the loop: one wake-up carries every step's outputs that
-        # piled up before the loop ran it (a wake-up is a syscall and a GIL hand-off).
-        self._handoff_lock = threading.Lock()
-        self._handoff: list[StepOutput] = []
-        self._posted = False
         self.figures = StepFigures(engine.max_batch_size)
         #: The idle probes (`_probe`): when the next is due, the CPU's pressure, the probe's
         #: step times while it runs, and when the engine last stepped for a request.
@@ -121,15 +122,14 @@ class EngineRunner:
         self.profiled = threading.Event()
         self._held: list[GenRequest | str] = []
         self._held_lock = threading.Lock()
-        self._profiling: set[str] = set()
-        self._kept = Path(figures) if figures else None  # the file the figures are kept in
-        self._figures_saved = 0.0
+        self._profiling = SyntheticRequests(PROFILE_PREFIX, PROFILE_PROMPT_TOKENS)
+        self._kept = KeptFigures(self.figures, figures, self.name)  # the file the figures are kept in
         self._probing_on = profile  # the idle probes follow the profile's figures
         #: Figures taken from a file: a probe confirms (or rescales) them before any request.
         self._confirm = False
         if not profile:
             self.profiled.set()
-        elif self._take_figures():
+        elif self._kept.take(PROFILE_MIN_FULL_STEPS):
             self._confirm = True
         else:
             self._probes.probed(time.monotonic(), None)  # the profile measures now
@@ -137,8 +137,15 @@ class EngineRunner:
         self._thread.start()
 
     @property
-    def loaded(self):
+    def loaded(self) -> LoadedModel:
         return self.engine.loaded
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Ready once its profile ended (a llama-server's waits for it to come up)."""
+        return self.profiled.wait(timeout)
+
+    def available(self) -> bool:
+        return self._available() if self._available is not None else True
 
     def add(self, req: GenRequest) -> None:
         self._apply(req)
@@ -160,16 +167,6 @@ class EngineRunner:
                 self.engine.add(command)
         self._wake.set()
 
-    def _hold_for_batch(self, queue: EngineStats) -> float:
-        """Static mode: seconds to wait for a fuller micro-batch before starting one."""
-        waiting = len(queue.waiting)
-        if not self.max_wait_s or queue.running or not waiting or waiting >= self.engine.max_batch_size:
-            self._first_wait = None
-            return 0.0
-        now = time.monotonic()
-        self._first_wait = self._first_wait or now
-        return max(0.0, self.max_wait_s - (now - self._first_wait))
-
     def _run(self) -> None:
         if not self.profiled.is_set():
             self.engine.wait_packed(PROFILE_TIMEOUT_S)  # the profile times the steps it will serve with
@@ -178,18 +175,18 @@ class EngineRunner:
             else:
                 self._profile()
         while not self._stop:
-            if self._kept is not None and time.monotonic() - self._figures_saved >= FIGURES_EVERY_S:
-                self._keep_figures()
+            if self._kept.due(time.monotonic()):
+                self._kept.keep()
             queue = self.engine.stats()
             if not queue.has_work():
                 self._idle()
                 continue
-            hold = self._hold_for_batch(queue)
+            hold = self._hold.seconds(len(queue.running), len(queue.waiting))
             if hold > 0:
                 self._wake.wait(hold)
                 self._wake.clear()
                 continue
-            self._first_wait = None
+            self._hold.reset()
             self._step(len(queue.running))
             self._idle_since = time.monotonic()
 
@@ -214,7 +211,7 @@ class EngineRunner:
                     self._measure(mean_batch, statistics.fmean(s for _, s in part), int(prefill), idle=own)
         after = self.engine.stats()
         if self._profiling:
-            outputs = self._profile_outputs(outputs)
+            outputs = self._profiling.strip(outputs)
         if not own:
             self.figures.count_batch(batch)
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting), threads or 0), after)
@@ -228,13 +225,13 @@ class EngineRunner:
         PROFILE_STEPS steps together (their end of sequence barred), for `n` of one and of
         every slot (that one cut short past PROFILE_FULL_BUDGET_S), timed as any step
         (`_measure`: the prefill step, at batch 0 before it, is not); their outputs are
-        dropped (`_profile_outputs`). Then the requests held
+        dropped (`SyntheticRequests.strip`). Then the requests held
         meanwhile go in, in their order. A profile that fails or outlasts
         PROFILE_TIMEOUT_S is given up (logged): the engine serves all the same."""
         started = time.monotonic()
         try:
             for n in (1, self.engine.max_batch_size):
-                self._profile_batch(n)
+                self._profiling.add(self.engine, n, PROFILE_STEPS)
                 batch_started = time.monotonic()
                 while self._profiling and not self._stop:
                     if time.monotonic() - started > PROFILE_TIMEOUT_S:
@@ -243,7 +240,7 @@ class EngineRunner:
                         time.monotonic() - batch_started > PROFILE_FULL_BUDGET_S
                         and len(self.figures.full if n > 1 else self.figures.alone_idle) >= PROFILE_MIN_FULL_STEPS
                     ):
-                        self._end_profile_requests()  # enough steps to judge by
+                        self._profiling.end(self.engine)  # enough steps to judge by
                         break
                     self._step(len(self.engine.stats().running))
                 load = self.load()
@@ -259,11 +256,10 @@ class EngineRunner:
                 )
         except Exception as exc:  # noqa: BLE001 - the engine must serve without its figures
             log.warning("step profile given up: %r", exc, extra={"model": self.name})
-            self._end_profile_requests()
+            self._profiling.end(self.engine)
         self._release_held()
         self.figures.probes_before = time.monotonic()  # the profile's steps: a probe's to rescale
-        if self._kept is not None:
-            self._keep_figures()
+        self._kept.keep()
 
     def _release_held(self) -> None:
         """The requests and cancels held while the profile or a probe ran go in, in order."""
@@ -282,7 +278,7 @@ class EngineRunner:
             self.profiled.set()
         self._wake.set()
 
-    # ---- the idle probes (consumers/inference/probes.py) -------------------------------
+    # ---- the idle probes (consumers/inference/runners/probes.py) -------------------------------
 
     def _idle(self) -> None:
         """Nothing to step: wait for a request, and probe when one is due (and the
@@ -300,9 +296,9 @@ class EngineRunner:
             self._probe()
 
     def _probe(self, give_way: bool = True) -> None:
-        """Step one short synthetic request alone for a few decode steps (`_probed_enough`),
+        """Step one short synthetic request alone for a few decode steps (`kept.probed_enough`),
         as the profile's lone one (out of the outputs, the metrics and the prefix cache),
-        and let the figures follow what they took (`_follow`). Requests that come meanwhile
+        and let the figures follow what they took (`kept.follow`). Requests that come meanwhile
         wait at most a step: the probe then ends, its steps unused under PROBE_STEPS. At
         start (`give_way` False) the probe confirms figures kept by an earlier process: it
         runs to its end while requests wait, as they wait for a profile, since a figure
@@ -314,8 +310,13 @@ class EngineRunner:
         self._probe_times = []
         started = time.monotonic()
         try:
-            self._profile_batch(1, probes.PROBE_MAX_STEPS)
-            while self._profiling and not (give_way and self._held) and not self._stop and not self._probed_enough():
+            self._profiling.add(self.engine, 1, probes.PROBE_MAX_STEPS)
+            while (
+                self._profiling
+                and not (give_way and self._held)
+                and not self._stop
+                and not probed_enough(self._probe_times or [])
+            ):
                 if time.monotonic() - started > PROBE_TIMEOUT_S:
                     raise TimeoutError(f"not done after {PROBE_TIMEOUT_S:g} s")
                 self._step(len(self.engine.stats().running))
@@ -323,97 +324,13 @@ class EngineRunner:
             log.warning("step probe given up: %r", exc, extra={"model": self.name})
         finally:
             if self._profiling:
-                self._end_profile_requests()
+                self._profiling.end(self.engine)
             times, self._probe_times = self._probe_times, None
             self._release_held()
-        ratio = self._follow(times, started) if len(times) >= probes.PROBE_STEPS else 1.0
+        ratio = follow(self.figures, times, started, self.name) if len(times) >= probes.PROBE_STEPS else 1.0
         self._probes.probed(time.monotonic(), self._pressure_now, faster=ratio < 1.0)
         if len(times) >= probes.PROBE_STEPS:
             self._post([])  # an engine process's stats go up with it (heartbeats carry them)
-
-    def _probed_enough(self) -> bool:
-        times = self._probe_times or []
-        return len(times) >= probes.PROBE_MAX_STEPS or (
-            len(times) >= probes.PROBE_STEPS and sum(times) >= probes.PROBE_MIN_S
-        )
-
-    def _follow(self, times: list[float], started: float) -> float:
-        """A probe's lone step: past probes.RESCALE_AT from the figures' own lone steps,
-        every step figure measured before the previous probe is rescaled by as much (those
-        since are requests' own steps, measured as the machine is now); then it joins them.
-        What it rescaled them by."""
-        figures = self.figures
-        probe_s = statistics.median(times)
-        lone = statistics.median(figures.alone_idle) if figures.alone_idle else None
-        ratio = probes.rescaled(probe_s, lone)
-        if ratio != 1.0:
-            figures.rescale(ratio)
-            log.info(
-                "step probe: a step alone takes %.1f ms now, %.1f ms in the figures: they follow (x%.2f)",
-                probe_s * 1000,
-                (lone or 0.0) * 1000,
-                ratio,
-                extra={"model": self.name},
-            )
-        figures.alone_idle.extend(times)
-        figures.probes_before = started
-        figures.measured_at = time.time()
-        return ratio
-
-    def _keep_figures(self) -> None:
-        """Write the figures to their file (a read-only directory costs the next start its
-        profile, nothing else: tried once)."""
-        assert self._kept is not None
-        self._figures_saved = time.monotonic()
-        try:
-            self.figures.keep(self._kept)
-        except OSError as exc:
-            log.warning("step figures not kept (tried once): %r", exc, extra={"model": self.name})
-            self._kept = None
-
-    def _take_figures(self) -> bool:
-        """Seed the figures from their file when fresh (`StepFigures.take`): the profile is
-        then skipped, and the first probe rescales them to the machine as it is now."""
-        taken = self.figures.take(self._kept, PROFILE_MIN_FULL_STEPS) if self._kept is not None else None
-        if taken is None:
-            return False
-        log.info(
-            "step profile skipped: the steps process %s measured (kept %.0f s ago) stand for it "
-            "once a probe confirms them",
-            taken[1],
-            taken[0],
-            extra={"model": self.name},
-        )
-        return True
-
-    def _end_profile_requests(self) -> None:
-        """Cancel the profile's requests still running; their last outputs are dropped."""
-        for rid in self._profiling:
-            self.engine.cancel(rid)
-        with suppress(Exception):
-            self._profile_outputs(self.engine.step())
-        self._profiling.clear()
-
-    def _profile_batch(self, n: int, steps: int = PROFILE_STEPS) -> None:
-        loaded = self.engine.loaded
-        prompt = loaded.tokenizer.encode("Tell me about the weather in the mountains", add_special_tokens=False)
-        params = SamplingParams(
-            temperature=0,
-            max_tokens=steps + 1,
-            logit_bias=tuple((eos, -100.0) for eos in loaded.eos_ids),
-        )
-        ids = [f"{PROFILE_PREFIX}{n}-{i}-{time.monotonic_ns()}" for i in range(n)]
-        self._profiling.update(ids)
-        for rid in ids:
-            self.engine.add(GenRequest(rid, prompt[:PROFILE_PROMPT_TOKENS], params, cache=False))
-
-    def _profile_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """The step's outputs less the profile's (whose finished ones leave `_profiling`)."""
-        mine = {o.request_id for o in outputs if o.request_id in self._profiling}
-        if not mine:
-            return outputs
-        self._profiling -= {o.request_id for o in outputs if o.request_id in mine and o.finished}
-        return [o for o in outputs if o.request_id not in mine]
 
     def _record(self, step: StepRecord, stats: EngineStats) -> None:
         """The default ``on_step``: the step and the prefix cache's counts in this process's metrics."""
@@ -421,18 +338,7 @@ class EngineRunner:
         self.prefix_counts.update(stats.prefix)
 
     def _post(self, outputs: list[StepOutput]) -> None:
-        with self._handoff_lock:
-            self._handoff += outputs
-            if self._posted:
-                return
-            self._posted = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        """On the loop: every output posted since the last delivery, in step order."""
-        with self._handoff_lock:
-            outputs, self._handoff, self._posted = self._handoff, [], False
-        self.on_outputs(outputs)
+        self._handoff.post(outputs)
 
     def _measure(self, batch: int, took: float, fresh: int = 0, idle: bool = False) -> None:
         """A step's time into the figures (`StepFigures.measure`); a probe's into its own."""

@@ -29,7 +29,11 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 #: What the fork server imports before it forks anything.
-PRELOAD = ["consumers.inference.fork_guard", "consumers.inference.engine_process", "consumers.inference.fork_freeze"]
+PRELOAD = [
+    "consumers.inference.runners.fork_guard",
+    "consumers.inference.runners.process",
+    "consumers.inference.runners.fork_freeze",
+]
 #: Where engine processes write their logs when not where the fork server's stdout and
 #: stderr go: a promoted warm spare's (infra.commands.run.promoted) started its fork server
 #: while it wrote to the spare's log, and writes to the worker's from then on.

@@ -13,7 +13,7 @@ and the same dtypes, so its logits are bitwise those of the forward it replaces 
 compare them): RMSNorm in float32 and back, the rotary embedding by the model's own
 ``rotary_emb`` (scaling types included), keys and values written into the slab's next
 column as ``_SlabLayer.update`` writes them, attention by
-:func:`~consumers.inference.packed.one_query_attention` as ``arena_attention`` runs it
+:func:`~consumers.inference.engine.packed.one_query_attention` as ``arena_attention`` runs it
 for one query, the projections by the model's own modules (packed, float16 or
 quantized: their ``forward``, without ``__call__``'s hooks).
 
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from transformers.models.llama import modeling_llama as llama
 
-from consumers.inference.kvcache import KVSlab
-from consumers.inference.packed import PACKABLE, one_query_attention
+from consumers.inference.engine.kvcache import KVSlab
+from consumers.inference.engine.packed import PACKABLE, one_query_attention
 
 
 def supported(model: Any) -> bool:

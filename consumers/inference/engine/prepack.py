@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from consumers.inference.quantize import QuantLinear
+from consumers.inference.engine.quantize import QuantLinear
 
 #: The rows oneDNN's reorder is told to expect (a decode step's few; any count runs).
 BATCH_HINT = 1

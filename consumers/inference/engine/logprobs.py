@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from consumers.inference.sampling import TokenLogprob
+from consumers.inference.engine.sampling import TokenLogprob
 from events.models import TokenLogprob as TokenLogprobEvent
 from events.models import TopLogprob
 

@@ -9,7 +9,7 @@ Python objects. What the Python documentation advises for a parent that forks
 
 import gc
 
-from consumers.inference import fork_guard
+from consumers.inference.runners import fork_guard
 
 fork_guard.done.set()
 fork_guard.watcher.join()

@@ -48,8 +48,9 @@ from typing import Any
 import psutil
 import torch
 
-from consumers.inference import cores, forks, prepack
-from consumers.inference.engine import BatchEngine, check_prompt
+from consumers.inference.config import EngineConfig
+from consumers.inference.engine import prepack
+from consumers.inference.engine.batch import BatchEngine, check_prompt
 from consumers.inference.errors import PermanentError, RetryableError
 from consumers.inference.metrics import PrefixCounts
 from consumers.inference.models import LoadedModel
@@ -67,7 +68,8 @@ from consumers.inference.protocol import (
     StepRecord,
     StopEngine,
 )
-from consumers.inference.runner import EngineRunner, estimate_finish, record_step
+from consumers.inference.runners import cores, forks
+from consumers.inference.runners.thread import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad
 from runtime import children, heap, logs
 
@@ -97,40 +99,39 @@ class _Immediate:
 PROCESS_NAME = "arena-engine"
 
 
-def _child(
-    loaded: LoadedModel,
-    mode: str,
-    max_batch: int,
-    max_wait_s: float,
-    threads: int,
-    options: dict[str, Any],
-    conn: Any,
-    consumer: int,
-    profile: bool = False,
-    log_level: str = "INFO",
-    figures: str | None = None,
-    log_file: str | None = None,
-    alone_threads: int = 0,
-    cores_dir: str | None = None,
-) -> None:
-    """The engine process: step whatever comes down the pipe until it closes; its logs go
-    to ``log_file`` when given (else where the fork server's go: the worker's). A step takes
-    ``threads``, or ``alone_threads`` while no other engine of the machine steps (noted in
-    ``cores_dir``: cores.py)."""
+@dataclass(frozen=True, slots=True)
+class ChildArgs:
+    """What an engine process is started with (pickled to it by the fork server)."""
+
+    loaded: LoadedModel
+    config: EngineConfig
+    figures: str | None  # its runner's kept step figures (EngineRunner)
+    consumer: int  # the worker's pid: gone already, the child ends at once
+    log_level: str  # the worker's
+    log_file: str | None  # where its logs go (None: where the fork server's go, the worker's)
+
+
+def _child(args: ChildArgs, conn: Any) -> None:
+    """The engine process: step whatever comes down the pipe until it closes. A step takes
+    the config's ``torch_threads``, or ``torch_threads_alone`` while no other engine of the
+    machine steps (noted in its ``cores_dir``: cores.py)."""
+    loaded, config = args.loaded, args.config
+    threads, alone_threads, cores_dir = config.torch_threads, config.torch_threads_alone, config.cores_dir
+    log_file = args.log_file
     children.die_with_parent(signal.SIGKILL, PROCESS_NAME)
     if log_file:
         with suppress(OSError):
             logs.output_to(log_file)
-    if not psutil.pid_exists(consumer):  # it died while this process was starting
+    if not psutil.pid_exists(args.consumer):  # it died while this process was starting
         os._exit(0)
     if threads:
         torch.set_num_threads(threads)
     heap.mmap_threshold()  # forked from the fork server, which did not set it
-    logs.setup(log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
+    logs.setup(args.log_level, process=f"engine:{loaded.spec.name}")  # the worker's level, its JSON lines
     end = _EngineEnd(conn)
     # Packed on a thread while it serves (a replacement for a dead engine answers at once);
     # the worker gives its row-major copy back once they are in place (release_packed).
-    engine = BatchEngine(loaded, mode, max_batch, pack_in_background=True, on_packed=end.packed, **options)  # type: ignore[arg-type]
+    engine = BatchEngine.configured(loaded, config, pack_in_background=True, on_packed=end.packed)
     share = None
     if cores_dir and cores.sizing(threads, alone_threads):  # every engine notes (a small one for the others)
         alone = cores.alone_threads(threads, alone_threads, prepack.parameter_count(loaded.model), prepack.MIN_PARAMS)
@@ -139,10 +140,10 @@ def _child(
         engine,
         _Immediate(),  # type: ignore[arg-type]
         end.send,
-        max_wait_s,
+        config.max_wait_s,
         on_step=end.on_step,
-        profile=profile,
-        figures=figures,
+        profile=config.step_profile,
+        figures=args.figures,
         before_step=share.before_step if share is not None else None,
     )
     try:
@@ -345,21 +346,9 @@ def storages(model: torch.nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in _tensors(model)}
 
 
-def spawn(
-    loaded: LoadedModel,
-    mode: str,
-    max_batch: int,
-    max_wait_s: float,
-    threads: int,
-    options: dict[str, Any] | None = None,
-    profile: bool = False,
-    figures: str | None = None,
-    alone_threads: int = 0,
-    cores_dir: str | None = None,
-) -> EngineChild:
-    """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`);
-    ``options``: the :class:`BatchEngine`'s keyword arguments (its KV and prefix budgets);
-    ``profile``, ``figures``: its runner's step profile and kept figures (:class:`EngineRunner`)."""
+def spawn(loaded: LoadedModel, config: EngineConfig, figures: str | None = None) -> EngineChild:
+    """Start an engine process for ``loaded`` (whose weights it shares, see :func:`share`),
+    configured by ``config``; ``figures``: its runner's kept step figures (:class:`EngineRunner`)."""
     forks.start()
     share(loaded)
     ctx = forks.context()
@@ -367,20 +356,15 @@ def spawn(
     proc = ctx.Process(  # type: ignore[attr-defined]  # a multiprocessing context has Process
         target=_child,
         args=(
-            loaded,
-            mode,
-            max_batch,
-            max_wait_s,
-            threads,
-            options or {},
+            ChildArgs(
+                loaded,
+                config,
+                figures,
+                os.getpid(),
+                logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                forks.log_file,
+            ),
             child,
-            os.getpid(),
-            profile,
-            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-            figures,
-            forks.log_file,
-            alone_threads,
-            cores_dir,
         ),
         name=f"engine-{loaded.spec.name}",
         daemon=True,
@@ -398,33 +382,23 @@ class ProcessRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        mode: str,
-        max_batch_size: int,
+        config: EngineConfig,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[StepOutput]], None],
-        max_wait_s: float = 0.0,
-        threads: int = 0,
-        options: dict[str, Any] | None = None,
-        profile: bool = False,
         figures: str | None = None,
         reload: Callable[[], LoadedModel] | None = None,
-        alone_threads: int = 0,
-        cores_dir: str | None = None,
     ):
-        """``reload``: loads the same model again; given, the pool's row-major copy of what
-        the engine process packs is given back once it is ready, and written back from a
-        reload before a new engine process starts (:func:`release_packed`)."""
+        """``figures``: the engine process's kept step figures (EngineRunner). ``reload``:
+        loads the same model again; given, the pool's row-major copy of what the engine
+        process packs is given back once it is ready, and written back from a reload before
+        a new engine process starts (:func:`release_packed`)."""
         self.loaded = loaded
+        self.config = config
         self._reload = reload
         self._released: list[str] = []  # the weights given back, until refilled
-        self.profile, self.figures = profile, figures  # the engine process's step profile (EngineRunner)
-        self.options = options or {}  # the engine's keyword arguments
+        self.figures = figures
         self.name = loaded.spec.name
-        self.mode = mode
-        self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_s
-        self.threads = threads
-        self.alone_threads, self.cores_dir = alone_threads, cores_dir  # cores.py: threads sized to the load
+        self.max_batch_size = config.max_batch_size
         self.prefix_counts = PrefixCounts(loaded.spec.name)
         self.loop = loop
         self.on_outputs = on_outputs
@@ -444,18 +418,7 @@ class ProcessRunner:
     # ---- the child -----------------------------------------------------------------
 
     def _start(self) -> None:
-        child = spawn(
-            self.loaded,
-            self.mode,
-            self.max_batch_size,
-            self.max_wait_s,
-            self.threads,
-            self.options,
-            self.profile,
-            self.figures,
-            self.alone_threads,
-            self.cores_dir,
-        )
+        child = spawn(self.loaded, self.config, self.figures)
         self._conn, self._proc = child.conn, child.proc
         self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-out", daemon=True)
         self._reader.start()
@@ -572,6 +535,13 @@ class ProcessRunner:
         self._queued, self._starting = [], False
         self._dead_since = time.monotonic()
         self._give_back()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Ready once the engine process answered (its profile ended)."""
+        return self.ready.wait(timeout)
+
+    def available(self) -> bool:
+        return True
 
     @property
     def pid(self) -> int | None:

@@ -2,7 +2,7 @@
 batches, and alone), the share of recent step time newcomers' prefills took, the busiest
 recent batch; what its heartbeats carry (`EngineLoad`) and what the worker's own
 too-late check reads (`estimate_finish`). Kept in a file between processes, and
-rescaled when an idle probe finds the machine changed (consumers/inference/probes.py).
+rescaled when an idle probe finds the machine changed (consumers/inference/runners/probes.py).
 Written by the engine runner's thread, read from any."""
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class StepFigures:
 
     def rescale(self, ratio: float) -> None:
         """Every step measured before the last probe began, and the lone steps of the
-        profile and probes, times `ratio` (`EngineRunner._follow`)."""
+        profile and probes, times `ratio` (`runners.kept.follow`)."""
         for name in self.TIMED:
             values, at = getattr(self, name), self.at[name]
             for i, t in enumerate(at):
