@@ -22,6 +22,7 @@ import httpx
 import nats
 import openai
 import pytest
+import websockets
 
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.server import command
@@ -111,6 +112,37 @@ def test_chat_streaming_and_completions_through_the_openai_sdk(up):
 
     stopped = sdk.completions.create(model=UPSTREAM, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=["6"])
     assert "6" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+async def test_the_websocket_and_the_async_api_give_what_the_openai_api_gives(up):
+    """The other transports: a WebSocket turn and a request polled to its result (`POST
+    /chat`, then `/chat/result/ID`) give the greedy answer /v1/chat/completions gives."""
+    content, fields = "Name a colour.", {"temperature": 0, "max_tokens": 12}
+    body = {"model": UPSTREAM, "messages": [{"role": "user", "content": content}], **fields}
+    sync = httpx.post(f"{up.url}/v1/chat/completions", json=body, timeout=60)
+    assert sync.status_code == 200, sync.text
+    answer = sync.json()["choices"][0]["message"]["content"]
+    assert answer
+
+    async with websockets.connect(f"{up.url.replace('http://', 'ws://')}/v1/ws?model={UPSTREAM}") as sock:
+        session = json.loads(await asyncio.wait_for(sock.recv(), 30))
+        assert session["type"] == "session", session
+        await sock.send(json.dumps({"type": "turn", "content": content, **fields}))
+        chunks = []
+        while (frame := json.loads(await asyncio.wait_for(sock.recv(), 60)))["type"] == "chunk":
+            chunks.append(frame["text"])
+    assert frame["type"] == "done" and frame["text"] == "".join(chunks) == answer, frame
+
+    r = httpx.post(f"{up.url}/chat", json={"model": UPSTREAM, "prompt": content, **fields}, timeout=30)
+    assert r.status_code == 202, r.text
+    result_url = f"{up.url}{r.json()['result_url']}"
+    end = time.monotonic() + 60
+    while (polled := httpx.get(result_url, timeout=10)).status_code == 202:
+        assert time.monotonic() < end, "still pending after 60 s"
+        await asyncio.sleep(0.1)
+    result = polled.json()
+    assert polled.status_code == 200 and result["status"] == "completed", polled.text
+    assert result["model"] == UPSTREAM and result["text"] == answer
 
 
 def test_a_battle_of_a_local_and_an_upstream_model_a_vote_replay_and_audit(up):
