@@ -84,10 +84,13 @@ def run_up(clone: Path, command: str) -> tuple[subprocess.Popen, int, list[str]]
 
 
 def stop(proc: subprocess.Popen, clone: Path) -> None:
-    """Ctrl-C's SIGTERM to the session; `arena up` stops its servers and roles."""
-    pid = json.loads((clone / ".arena" / "endpoints.json").read_text())["pid"]
+    """Ctrl-C's SIGTERM to the session; `arena up` stops its servers and roles. The
+    signal goes first: a stack whose state is not where the README says is stopped too."""
+    endpoints = clone / ".arena" / "endpoints.json"
+    pid = json.loads(endpoints.read_text())["pid"] if endpoints.is_file() else None
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(90)
+    assert pid is not None, f"arena up wrote no {endpoints}"
     end = time.monotonic() + 90
     while time.monotonic() < end and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.2)
