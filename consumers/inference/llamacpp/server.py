@@ -43,10 +43,9 @@ def command(binary: Path, gguf: Path, alias: str, port: int, parallel: int, cont
 #: How many times an OpenMP thread of the server spins at a step's barrier before it
 #: sleeps (libgomp's GOMP_SPINCOUNT; its default with no wait policy is 300,000). A step
 #: crosses a barrier after each node of its graph; spinning long, the two threads of a
-#: 2-core machine collapse beside any other runnable process (the stack's own gateway and
-#: worker, a build): 7-27 tok/s at 1 and 8 users at load 4-7 where a spin of 1,000 made
-#: 41-81 and 50-113 (docs/inference.md, "llama.cpp's threads"). A GOMP_SPINCOUNT of the
-#: user's own environment wins (300000: libgomp's default).
+#: 2-core machine collapse beside any other runnable process (docs/inference.md, the
+#: llama.cpp backend's threads, has the figures). A GOMP_SPINCOUNT of the user's own
+#: environment wins.
 SPIN_COUNT = 1000
 
 
