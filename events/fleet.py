@@ -61,6 +61,13 @@ class EngineLoad(Beat):
         description="The most requests a served step ran at once in the last 15 s (runtime.steps.PEAK_WINDOW_S): "
         "the batch a request admitted now is judged to live through, if more than the batch of the moment.",
     )
+    mean_running: float | None = Field(
+        None,
+        ge=0.0,
+        description="The requests a served step ran at once over the last 15 s, time-weighted, idle time "
+        "counted as none (runtime.steps.PEAK_WINDOW_S): the batch a request admitted now shares, on average; "
+        "None from a worker that does not say (admission then judges at recent_running).",
+    )
     measured_at: float = Field(0.0, description="Epoch seconds of the last measured step (0: none yet).")
     ends: tuple[int, ...] = Field(
         (),
@@ -86,6 +93,9 @@ class ModelLoad(EngineLoad):
                 "running": self.running + engine.running,
                 "waiting": self.waiting + engine.waiting,
                 "recent_running": self.recent_running + engine.recent_running,
+                "mean_running": None
+                if self.mean_running is None and engine.mean_running is None
+                else (self.mean_running or 0.0) + (engine.mean_running or 0.0),
                 "max_batch": self.max_batch + engine.max_batch,
                 "ends": tuple(sorted(self.ends + engine.ends)),
                 "measured_at": max(self.measured_at, engine.measured_at),

@@ -53,7 +53,7 @@ class Judged:
         changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
         one beside it needed 1.15: the steps a request lives through grow with its life).
         `shared_step_s`: the step the figures give now for the batch it really shared
-        (the busiest of its last seconds), in place of the one it was judged at: the
+        (the mean of its last seconds), in place of the one it was judged at: the
         margin is what the figures are off by. Against the batch it was judged at, the
         first requests of a burst (judged beside a few, sharing their steps with the
         whole burst after) needed up to 1.43x, and a margin learned from them refused at

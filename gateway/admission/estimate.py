@@ -46,6 +46,15 @@ class ModelQueue:
     heard_at: float = 0.0  # the newest of the heartbeats it sums
     recent_running: int = 0  # the busiest batch of the last PEAK_WINDOW_S (the workers' sum)
     ends: tuple[int, ...] = ()  # the running requests' token budgets left, fewest first (empty: unknown)
+    mean_running: float | None = None  # requests running at once over PEAK_WINDOW_S, time-weighted (None: unsaid)
+
+    def life_batch(self) -> int:
+        """The batch a request admitted now shares its steps with, on average: itself and
+        the mean of those running over the last PEAK_WINDOW_S (the workers' sum), or,
+        from workers that do not report that mean, the busiest batch of the window."""
+        if self.mean_running is None:
+            return self.recent_running
+        return round(self.mean_running) + 1
 
 
 @dataclass(frozen=True)
@@ -201,9 +210,9 @@ def estimate(
     prefills = stretch(q.prefill_share, q.measured_at, now or time.time()) if q.requests else 1.0
     if not q.requests:
         margin = 1.0
-    # The batch its tokens will share: the one it joins, or the busiest of the last
-    # seconds where that was more (conversations idle between turns; `PEAK_WINDOW_S`).
-    batch = min(q.slots, max(q.requests + 1, q.recent_running))
+    # The batch its tokens will share: the one it joins, or the mean of the last seconds
+    # where that was more (conversations idle between turns; `ModelQueue.life_batch`).
+    batch = min(q.slots, max(q.requests + 1, q.life_batch()))
     # Alone, a request steps as fast as requests alone do (the median step at batch 1),
     # the figure `never` judges it by: an idle fleet refuses with 429 only what a retry
     # could get, never a request that a 400 would have told to change.

@@ -36,6 +36,7 @@ def queue_of(model: str, beats: Iterable[ProcessBeat]) -> ModelQueue:
         heard_at,
         total.recent_running,
         total.ends,
+        total.mean_running,
     )
 
 

@@ -150,11 +150,13 @@ class Admission:
         self.background = Background()  # the leases' bookkeeping after a publish
 
     def shared_step(self, model: str) -> float | None:
-        """The step the workers' figures give now for the busiest batch of the last
-        `PEAK_WINDOW_S`, stretched by newcomers' prefills: at most what a request that
-        ends now shared (`Judged.needed`)."""
+        """The step the workers' figures give now for the batch of the last
+        `PEAK_WINDOW_S` (its mean, the request that ends now among those running; else
+        the busiest), stretched by newcomers' prefills: what a request that ends now
+        shared (`Judged.needed`), judged as `estimate` judges the batch of a turn's life."""
         q = self.pipeline.queue(model)
-        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, q.recent_running)))) is None:
+        shared = q.recent_running if q.mean_running is None else round(q.mean_running)
+        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, shared)))) is None:
             return None
         return step * stretch(q.prefill_share, q.measured_at, time.time())
 

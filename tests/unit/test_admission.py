@@ -331,3 +331,26 @@ def test_the_requests_that_ended_since_the_beat_leave_the_slots_they_held():
     endings.add("m")
     q = combine(workers, StreamState(read_at=time.time() - 1), 0, 0, 64.0, endings, "m")
     assert (q.requests, q.ends) == (2, (5, 40))
+
+
+def test_a_turn_is_judged_at_the_mean_batch_of_the_window_where_workers_say_it():
+    """llama.cpp's backend at 2 requests/s: 16 running on average over the last 15 s, 23 at
+    the busiest moment. A turn arriving beside 10 shares its steps with the mean and
+    itself (17), not the peak: judged at 23, turns estimated at 15-19 s were refused that
+    its server answered in 12-13 s. A turn joining more than the mean is judged there."""
+    q = ModelQueue(32, 10, 10 * 32, 0.03, 0.243, time.time(), full_batch=32, small_batch=2, recent_running=23)
+    at = lambda batch: 0.03 + (0.243 - 0.03) * (batch - 2) / 30  # noqa: E731 - the step line
+    assert estimate(q, 64, 0.5).batch == 23  # an older worker's beat: the busiest
+    mean = replace(q, mean_running=15.6)
+    est = estimate(mean, 64, 0.5)
+    assert est.batch == 17 and est.step_s == pytest.approx(at(17))
+    assert estimate(replace(mean, requests=20), 64, 0.5).batch == 21  # more now than the mean
+    assert estimate(replace(mean, mean_running=40.0), 64, 0.5).batch == 32  # never past the slots
+
+
+def test_the_mean_running_sums_over_workers_and_stays_unsaid_from_older_ones():
+    from events.fleet import EngineLoad, ModelLoad
+
+    assert ModelLoad().plus(EngineLoad()).mean_running is None
+    assert ModelLoad().plus(EngineLoad(mean_running=3.5)).plus(EngineLoad()).mean_running == 3.5
+    assert ModelLoad().plus(EngineLoad(mean_running=3.5)).plus(EngineLoad(mean_running=1.0)).mean_running == 4.5

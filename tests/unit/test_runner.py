@@ -25,7 +25,7 @@ class QueueOnly:
     nothing ever steps it."""
 
     max_batch_size = 32
-    loaded = SimpleNamespace(spec=SimpleNamespace(name="toy"))
+    loaded = SimpleNamespace(spec=SimpleNamespace(name="toy", upstream=None))
     queue = EngineStats()
 
     def add(self, req: GenRequest) -> None:
@@ -180,7 +180,7 @@ class SteppingEngine(QueueOnly):
     held, sleeping `per_row` a row a step: a batch's step time is what the runner measures."""
 
     loaded = SimpleNamespace(
-        spec=SimpleNamespace(name="toy"),
+        spec=SimpleNamespace(name="toy", upstream=None),
         tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: list(range(1, 20))),
         eos_ids=[0],
     )
@@ -441,3 +441,24 @@ def test_the_busiest_batch_of_the_last_window_is_reported_beside_the_batch_of_no
     later = time.monotonic() + PEAK_WINDOW_S + 1
     monkeypatch.setattr(runner_module.time, "monotonic", lambda: later)
     assert runner.load().recent_running == 0
+
+
+def test_the_mean_batch_of_the_window_weighs_each_step_by_its_time_and_idle_as_none(monkeypatch):
+    """8 running for 6 s, then 2 for 3 s, then idle for 3 s: 4.5 on average over the 12 s
+    since the first step; past the window, only what ran inside it counts."""
+    from consumers.inference.runners import figures as figures_module
+    from consumers.inference.runners.figures import StepFigures
+    from runtime.steps import PEAK_WINDOW_S
+
+    clock = [1000.0]
+    monkeypatch.setattr(figures_module.time, "monotonic", lambda: clock[0])
+    figures = StepFigures(max_batch=8)
+    assert figures.mean_running() == 0.0
+    for batch, took, steps in ((8, 0.5, 12), (2, 0.25, 12)):
+        for _ in range(steps):
+            clock[0] += took
+            figures.count_batch(batch, took)
+    clock[0] += 3.0
+    assert figures.mean_running() == pytest.approx((8 * 6 + 2 * 3) / 12)
+    clock[0] += PEAK_WINDOW_S - 9  # the window now begins 3 s into the batch of 8
+    assert figures.mean_running() == pytest.approx((8 * 3 + 2 * 3) / PEAK_WINDOW_S, abs=0.3)

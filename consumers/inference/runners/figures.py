@@ -115,6 +115,10 @@ class StepFigures:
         #: The busiest batch of the served steps of each recent second, as (monotonic
         #: second, requests running): a second's entry, whatever the steps' pace.
         self.busiest: deque[tuple[int, int]] = deque(maxlen=int(PEAK_WINDOW_S) + 2)
+        #: The served steps of the last PEAK_WINDOW_S as (monotonic end, batch x seconds):
+        #: the batch the requests running then shared, on average (`mean_running`).
+        self.served: deque[tuple[float, float]] = deque()
+        self.first_served: float | None = None  # when the first served step began (monotonic)
         self.measured_at = 0.0
 
     def measure(self, batch: int, took: float, fresh: int = 0, idle: bool = False) -> None:
@@ -177,13 +181,37 @@ class StepFigures:
         busy = sum(took for took, _ in recent)
         return min(1.0, sum(p for _, p in recent) / busy) if busy > 0 else 0.0
 
-    def count_batch(self, batch: int) -> None:
-        """A served step's batch, into its second's entry (the runner's thread)."""
-        second = int(time.monotonic())
+    def count_batch(self, batch: int, took: float = 0.0) -> None:
+        """A served step's batch, into its second's entry, and the `took` seconds it ran
+        for into the window's mean (the runner's thread)."""
+        now = time.monotonic()
+        second = int(now)
         if self.busiest and self.busiest[-1][0] == second:
             self.busiest[-1] = (second, max(batch, self.busiest[-1][1]))
         else:
             self.busiest.append((second, batch))
+        if self.first_served is None:
+            self.first_served = now - took
+        self.served.append((now, batch * took))
+        while self.served and self.served[0][0] < now - PEAK_WINDOW_S:
+            self.served.popleft()
+
+    def mean_running(self) -> float:
+        """The requests running at once over the last PEAK_WINDOW_S (since the first
+        served step, where that was later), time-weighted, idle time counted as none: by
+        Little's law what a request admitted now shares its steps with, on average, while
+        arrivals hold their pace (Poisson arrivals see the time average). The busiest
+        batch of the window (`recent_running`) is above it by the load's swings: judged
+        there, the llama.cpp backend refused at 2 requests/s turns estimated at 15-19 s
+        that its server answered in 12-13 s."""
+        if self.first_served is None:
+            return 0.0
+        now = time.monotonic()
+        since = now - PEAK_WINDOW_S
+        span = now - max(since, self.first_served)
+        if span <= 0:
+            return 0.0
+        return sum(weight for at, weight in list(self.served) if at >= since) / span
 
     def recent_running(self) -> int:
         """The most requests a served step (not the profile's) ran in the last PEAK_WINDOW_S
@@ -200,6 +228,7 @@ class StepFigures:
                 "alone_step_s": self.alone_step(min_idle),
                 "prefill_share": self.prefill_share(),
                 "recent_running": self.recent_running(),
+                "mean_running": round(self.mean_running(), 2),
                 "ends": tuple(sorted(queue.running)),
                 "measured_at": self.measured_at,
             }

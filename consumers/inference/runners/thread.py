@@ -213,7 +213,7 @@ class EngineRunner:
         if self._profiling:
             outputs = self._profiling.strip(outputs)
         if not own:
-            self.figures.count_batch(batch)
+            self.figures.count_batch(batch, took)
             self.on_step(StepRecord(batch, len(after.running), len(after.waiting), threads or 0), after)
         if outputs:
             self._post(outputs)
