@@ -36,7 +36,7 @@ class ModelSource(_Message):
     backend: str = Field(
         "builtin", description="What computes its tokens: 'builtin', 'llamacpp' (a GGUF) or 'upstream' (a server)."
     )
-    upstream: dict[str, str | int | float | list[str]] | None = Field(
+    upstream: dict[str, bool | str | int | float | list[str]] | None = Field(
         None,
         description="backend upstream: the models config's upstream: block (base_url, model, api_key_env or "
         "api_key_file: the name of where the key is, never the key).",

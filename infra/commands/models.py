@@ -73,6 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="add --backend upstream: it continues a chat's final assistant message (llama-server, vLLM)",
     )
     p.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        default=None,
+        help="add --backend upstream: send it no step profile as it loads (a server billed per token)",
+    )
+    p.add_argument(
         "--wait",
         type=float,
         default=600.0,
@@ -114,7 +121,7 @@ def command(args: argparse.Namespace) -> ModelCommand:
             raise SystemExit("arena models add --backend upstream needs --base-url and --upstream-model")
         options = {"base_url": args.base_url, "model": args.upstream_model, "api_key_env": args.api_key_env}
         options |= {"api_key_file": args.api_key_file, "concurrency": args.concurrency}
-        options["continue_chat"] = args.continue_chat
+        options |= {"continue_chat": args.continue_chat, "profile": args.profile}
         upstream = {k: v for k, v in options.items() if v is not None}
         return AddModel(name=args.name, spec=ModelSource(name=args.name, backend="upstream", upstream=upstream))
     if args.op == "add" and not args.path:

@@ -93,6 +93,17 @@ def client(up: ArenaUp) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", timeout=60, max_retries=0)
 
 
+def test_the_upstream_is_timed_as_it_loads_by_a_short_profile(up):
+    """Before it serves, the upstream's steps are timed alone and at its `concurrency` (2),
+    by greedy chats sent to the server itself: admission's first figures at a full batch
+    are its own, not extrapolated from the first small batches served."""
+    log = (up.state / "logs" / "inference-0.log").read_text().splitlines()
+    lines = [json.loads(line) for line in log if line.startswith("{")]
+    done = [line["msg"] for line in lines if line.get("model") == UPSTREAM and "step profile" in line["msg"]]
+    assert len(done) == 2 and done[1].startswith("step profile: batch 2 done"), done
+    assert "None s at near-full" not in done[1], done  # the full batch measured
+
+
 def test_chat_streaming_and_completions_through_the_openai_sdk(up):
     sdk = client(up)
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -36,6 +36,23 @@ def test_the_cli_builds_each_command_and_the_worker_decodes_it():
         _model_command(args("remove"))
 
 
+def test_an_upstream_added_from_the_cli_keeps_its_switches_as_booleans():
+    """`--continue-chat` and `--no-profile` reach the worker as true and false, not 1 and 0."""
+    upstream = dict(backend="upstream", base_url="http://gpu-1:8000/v1", upstream_model="m")
+    upstream |= dict(api_key_env=None, api_key_file=None, concurrency=None)
+    built = _model_command(args("add", name="u", continue_chat=True, profile=False, **upstream))
+    decoded = decode_command(built.model_dump_json())
+    assert decoded.spec.upstream == {  # type: ignore[union-attr]
+        "base_url": "http://gpu-1:8000/v1",
+        "model": "m",
+        "continue_chat": True,
+        "profile": False,
+    }
+    assert [type(decoded.spec.upstream[k]) for k in ("continue_chat", "profile")] == [bool, bool]  # type: ignore[union-attr]
+    plain = _model_command(args("add", name="u", continue_chat=None, profile=None, **upstream))
+    assert "profile" not in plain.spec.upstream  # type: ignore[union-attr]  # the entry's default
+
+
 def test_commands_of_the_dict_era_decode():
     spec = {"name": "b", "path": "/w", "dtype": "auto", "device": "cpu", "quantize": None}
     assert isinstance(decode_command('{"op": "list"}'), ListModels)

@@ -55,9 +55,18 @@ class RunnerFactory:
             return EngineRunner(
                 llama, self.loop, self.on_outputs, profile=c.step_profile, figures=figures, before_step=self._notes()
             )
-        if loaded.spec.upstream is not None:  # no profile: its server is someone's, its streams time it
+        if (
+            options := loaded.spec.upstream
+        ) is not None:  # its streams time it; no idle probes: its server is someone's
             upstream = UpstreamEngine(loaded)
-            return EngineRunner(upstream, self.loop, self.on_outputs, available=lambda: not upstream.circuit.open)
+            return EngineRunner(
+                upstream,
+                self.loop,
+                self.on_outputs,
+                profile=c.step_profile and options.profile,
+                available=lambda: not upstream.circuit.open,
+                idle_probes=False,
+            )
         if c.in_process and shareable(loaded):
             reload = functools.partial(self.reload, loaded.spec, loaded.version) if self.reload else None
             return ProcessRunner(loaded, c, self.loop, self.on_outputs, figures=figures, reload=reload)

@@ -8,7 +8,7 @@ import time
 from contextlib import suppress
 
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.protocol import EngineBackend, GenRequest, StepOutput
+from consumers.inference.protocol import EngineBackend, GenRequest, StepOutput, TextPrompt
 
 #: What their prompt is cut from.
 PROMPT = "Tell me about the weather in the mountains"
@@ -29,14 +29,26 @@ class SyntheticRequests:
     def add(self, engine: EngineBackend, n: int, steps: int) -> None:
         """``n`` requests of ``steps`` decode steps each into ``engine``."""
         loaded = engine.loaded
+        ids = [f"{self.prefix}{n}-{i}-{time.monotonic_ns()}" for i in range(n)]
+        self.ids.update(ids)
+        if (upstream := loaded.spec.upstream) is not None:  # a server that tokenizes: the prompt as text
+            # Its vocabulary is unknown and `ignore_eos` an extension a hosted API refuses,
+            # so its end of sequence is not barred: a prompt answered at length.
+            text = (
+                TextPrompt(messages=[{"role": "user", "content": PROMPT}])
+                if "chat" in upstream.endpoints
+                else TextPrompt(text=PROMPT + ":")
+            )
+            for rid in ids:
+                params = SamplingParams(temperature=0, max_tokens=steps + 1)
+                engine.add(GenRequest(rid, [], params, cache=False, text_prompt=text))
+            return
         prompt = loaded.tokenizer.encode(PROMPT, add_special_tokens=False)
         params = SamplingParams(
             temperature=0,
             max_tokens=steps + 1,
             logit_bias=tuple((eos, -100.0) for eos in loaded.eos_ids),
         )
-        ids = [f"{self.prefix}{n}-{i}-{time.monotonic_ns()}" for i in range(n)]
-        self.ids.update(ids)
         for rid in ids:
             engine.add(GenRequest(rid, prompt[: self.prompt_tokens], params, cache=False))
 

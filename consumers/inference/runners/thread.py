@@ -94,6 +94,7 @@ class EngineRunner:
         figures: str | None = None,
         before_step: Callable[[], int | None] | None = None,
         available: Callable[[], bool] | None = None,
+        idle_probes: bool = True,
     ):
         self.engine = engine
         self._available = available
@@ -124,7 +125,7 @@ class EngineRunner:
         self._held_lock = threading.Lock()
         self._profiling = SyntheticRequests(PROFILE_PREFIX, PROFILE_PROMPT_TOKENS)
         self._kept = KeptFigures(self.figures, figures, self.name)  # the file the figures are kept in
-        self._probing_on = profile  # the idle probes follow the profile's figures
+        self._probing_on = profile and idle_probes  # the idle probes follow the profile's figures
         #: Figures taken from a file: a probe confirms (or rescales) them before any request.
         self._confirm = False
         if not profile:

@@ -56,6 +56,14 @@ class UpstreamOptions(BaseModel):
     context: int = Field(
         DEFAULT_CONTEXT, ge=16, description="Tokens (prompt and completion) the upstream's model takes."
     )
+    profile: bool = Field(
+        True,
+        description="Time the upstream's steps as the model loads, as the local backends' start-up profile does: "
+        "one short greedy request alone, then `concurrency` together (17 tokens each), so that admission judges "
+        "its first bursts by the upstream's own figures rather than by the few small batches served first. "
+        "false for a server billed per token or one that must see only real traffic: its figures then come from "
+        "real requests alone.",
+    )
     continue_chat: bool = Field(
         False,
         description="The upstream continues a chat's final assistant message (llama-server; vLLM and SGLang with "
