@@ -22,12 +22,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import aiohttp
 import orjson
 from aiohttp import web
+
+from tests.arena_up import ArenaUp
 
 Fault = Literal["stall", "drop", "busy", "error", "malformed"]
 #: Request headers not passed on (the proxy's own connection to the upstream sets them).
@@ -163,3 +168,21 @@ def cut(request: web.Request) -> None:
     """The request's connection closed as it is (the client may have closed it already)."""
     if request.transport is not None:
         request.transport.close()
+
+
+@contextmanager
+def proxied_stack(upstream: str, tmp: Path, entries: list[str], key: str) -> Iterator[tuple[ArenaUp, FaultyProxy]]:
+    """`arena up` serving stories-260k (the default) and the upstream models of
+    ``entries`` (models-config list items; ``{url}`` in them is the proxy's API root, the
+    key read from TEAM_KEY), through a FaultyProxy to the ``upstream`` API root; both
+    stopped after."""
+    proxy = FaultyProxy(upstream.removesuffix("/v1"))
+    config = tmp / "models.yaml"
+    lines = "".join(f"  - {entry.replace('{url}', proxy.url + '/v1')}\n" for entry in entries)
+    config.write_text(f"models:\n  - {{name: stories-260k, path: stories260K-hf}}\n{lines}")
+    stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", "stories-260k", env={"TEAM_KEY": key})
+    try:
+        yield stack, proxy
+    finally:
+        stack.stop()
+        proxy.close()

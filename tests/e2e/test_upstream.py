@@ -94,13 +94,20 @@ def client(up: ArenaUp) -> openai.OpenAI:
 
 
 def test_the_upstream_is_timed_as_it_loads_by_a_short_profile(up):
-    """Before it serves, the upstream's steps are timed alone and at its `concurrency` (2),
+    """Before it serves its first request, the upstream's steps are timed alone and at its `concurrency` (2),
     by greedy chats sent to the server itself: admission's first figures at a full batch
     are its own, not extrapolated from the first small batches served."""
-    log = (up.state / "logs" / "inference-0.log").read_text().splitlines()
-    lines = [json.loads(line) for line in log if line.startswith("{")]
-    done = [line["msg"] for line in lines if line.get("model") == UPSTREAM and "step profile" in line["msg"]]
-    assert len(done) == 2 and done[1].startswith("step profile: batch 2 done"), done
+
+    def profiled() -> list[str] | None:
+        log = (up.state / "logs" / "inference-0.log").read_text().splitlines()
+        lines = [json.loads(line) for line in log if line.startswith("{")]
+        done = [line["msg"] for line in lines if line.get("model") == UPSTREAM and "step profile" in line["msg"]]
+        return done if len(done) == 2 else None
+
+    first = [{"role": "user", "content": "Hi"}]  # it loads at its first request (not the default model)
+    assert client(up).chat.completions.create(model=UPSTREAM, messages=first, max_tokens=4).choices[0].message.content
+    done = wait_for(profiled, 10, "the upstream's step profile")
+    assert done[1].startswith("step profile: batch 2 done"), done
     assert "None s at near-full" not in done[1], done  # the full batch measured
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.arena_up import ArenaUp, arena
 from tests.e2e.test_upstream import KEY, upstream  # noqa: F401 - the fixture: a real llama-server
-from tests.upstream_proxy import FaultyProxy
+from tests.upstream_proxy import FaultyProxy, proxied_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -26,22 +26,10 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 
 @pytest.fixture(scope="module")
 def proxied(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, FaultyProxy]]:  # noqa: F811
-    proxy = FaultyProxy(upstream.removesuffix("/v1"))
-    tmp = tmp_path_factory.mktemp("circuit")
-    config = tmp / "models.yaml"
-    config.write_text(
-        "models:\n"
-        "  - {name: stories-260k, path: stories260K-hf}\n"
-        f"  - name: {MODEL}\n"
-        "    backend: upstream\n"
-        f"    upstream: {{base_url: '{proxy.url}/v1', model: smollm2, api_key_env: TEAM_KEY}}\n"
-    )
-    stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", "stories-260k", env={"TEAM_KEY": KEY})
-    try:
-        yield stack, proxy
-    finally:
-        stack.stop()
-        proxy.close()
+    upstream_entry = "{base_url: '{url}', model: smollm2, api_key_env: TEAM_KEY}"
+    entry = f"{{name: {MODEL}, backend: upstream, upstream: {upstream_entry}}}"
+    with proxied_stack(upstream, tmp_path_factory.mktemp("circuit"), [entry], KEY) as stack:
+        yield stack
 
 
 def until(check, timeout_s: float, what: str):

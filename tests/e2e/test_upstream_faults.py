@@ -27,7 +27,7 @@ from tests.arena_up import ArenaUp, arena
 from tests.conftest import stored_events
 from tests.e2e.test_upstream import KEY, upstream  # noqa: F401 - the fixture: a real llama-server
 from tests.streams import Stream, stream_one
-from tests.upstream_proxy import FaultyProxy
+from tests.upstream_proxy import FaultyProxy, proxied_stack
 from tests.waiting import until, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -39,22 +39,13 @@ READ_TIMEOUT_S = 5
 
 @pytest.fixture(scope="module")
 def faulty(upstream: str, tmp_path_factory) -> Iterator[tuple[ArenaUp, FaultyProxy]]:  # noqa: F811
-    proxy = FaultyProxy(upstream.removesuffix("/v1"))
-    tmp = tmp_path_factory.mktemp("faults")
-    config = tmp / "models.yaml"
-    entry = f"{{base_url: '{proxy.url}/v1', model: smollm2, api_key_env: TEAM_KEY, read_timeout_s: {READ_TIMEOUT_S}"
-    config.write_text(
-        "models:\n"
-        "  - {name: stories-260k, path: stories260K-hf}\n"
-        f"  - {{name: {CONTINUES}, backend: upstream, upstream: {entry}, continue_chat: true}}}}\n"
-        f"  - {{name: {PLAIN}, backend: upstream, upstream: {entry}}}}}\n"
-    )
-    stack = ArenaUp(tmp, "--models-config", str(config), "--default-model", "stories-260k", env={"TEAM_KEY": KEY})
-    try:
-        yield stack, proxy
-    finally:
-        stack.stop()
-        proxy.close()
+    entry = f"base_url: '{{url}}', model: smollm2, api_key_env: TEAM_KEY, read_timeout_s: {READ_TIMEOUT_S}"
+    entries = [
+        f"{{name: {CONTINUES}, backend: upstream, upstream: {{{entry}, continue_chat: true}}}}",
+        f"{{name: {PLAIN}, backend: upstream, upstream: {{{entry}}}}}",
+    ]
+    with proxied_stack(upstream, tmp_path_factory.mktemp("faults"), entries, KEY) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)
