@@ -128,7 +128,9 @@ class ArenaService:
             else:
                 pair = sample_pair(policy, models, resident)
         except NoPair as exc:
-            raise APIError(503, f"not enough models to battle: {exc}", "not_enough_models") from exc
+            raise APIError(
+                503, f"not enough models to battle: {exc}{unloaded(models, resident)}", "not_enough_models"
+            ) from exc
         event = BattleStarted(
             battle_id=new_id(),
             voter=voter_pseudonym(await self.secret(), api_key, address),
@@ -406,3 +408,14 @@ def view(battle: Battle) -> BattleView:
         counted=battle.counted if voted else None,
         invalid_reason=battle.invalid_reason if voted else None,
     )
+
+
+def unloaded(models: list[str], resident: set[str]) -> str:
+    """What a refused battle adds about models served but not loaded: only a loaded model
+    battles, and a model config's others load on their first request (its `warm:` list
+    loads them at start)."""
+    idle = [m for m in models if m not in resident]
+    if not idle:
+        return ""
+    names = ", ".join(idle)
+    return f" ({names} not loaded: a model battles once loaded; the models config's warm: list loads it at start)"
