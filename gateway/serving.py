@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from events import subjects
-from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
+from events.models import ChatMessage, ChatRequested, new_id
 from gateway import ratelimit
 from gateway.access import not_found
 from gateway.admission.estimate import too_slow
@@ -296,18 +296,7 @@ class ChatService:
             messages=tuple(
                 ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in req.messages
             ),
-            params=SamplingParams(
-                temperature=req.temperature,
-                top_p=req.top_p,
-                max_tokens=req.token_limit(),
-                stop=tuple(req.stop_list()),
-                seed=seed,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                logit_bias=req.logit_bias or {},
-                logprobs=req.logprob_count(),
-                ignore_eos=req.ignore_eos,
-            ),
+            params=req.sampling_params(seed),
             deadline_at=ticket.deadline_at,
             stream=req.stream,
             idempotency_key=idem_key,
