@@ -150,8 +150,8 @@ def token_logprobs(
 
 #: How many of a row's most likely tokens its nucleus is looked for among first: the
 #: nucleus lies there when their mass reaches the row's top_p, and only a row whose
-#: nucleus is wider is sorted whole (sorting SmolLM2's 49,152-token vocabulary took 2.9 ms
-#: a row, 113 ms a step at 32 rows, more than the model's forward; a top-256 0.2 ms).
+#: nucleus is wider is sorted whole (sorting a whole vocabulary for every row cost more
+#: than the model's forward; docs/inference.md, Determinism).
 NUCLEUS_CANDIDATES = 256
 
 
