@@ -29,7 +29,7 @@ from gateway.admission.service import Admission
 from gateway.admission.uvicorn_adapter import WebSocketProtocol, head_timeout_protocol
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, ServerTiming
-from gateway.fleet import FLEET
+from gateway.fleet_metrics import FLEET
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.served_schema import one_board_query, served_contexts, with_served_limits

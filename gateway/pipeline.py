@@ -25,7 +25,7 @@ from events.fleet import InferenceBeat, ProcessBeat, decode_beat
 from events.models import ChatCancelled, EventBase, RequestEvent, Terminal, TokensGenerated
 from events.readmodel import ReadModel
 from gateway.admission.estimate import ModelQueue, StreamState
-from gateway.admission.fleet import model_queue
+from gateway.admission.queues import model_queue
 from gateway.assembler import Assembler
 from gateway.errors import APIError
 from gateway.keys import GatewayKeys
@@ -177,7 +177,7 @@ class Pipeline:
             await asyncio.sleep(STREAM_POLL_S)
 
     def queue(self, model: str) -> ModelQueue:
-        """The model's queue as its workers' heartbeats report it (gateway.admission.fleet)."""
+        """The model's queue as its workers' heartbeats report it (gateway.admission.queues)."""
         return model_queue(model, self.live_beats(), self.beats.values(), time.time())
 
     def ready(self, default_model: str) -> tuple[bool, dict]:

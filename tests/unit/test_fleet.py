@@ -1,4 +1,4 @@
-"""gateway/fleet.py: the fleet's series, from heartbeats and the consumers' state."""
+"""gateway/fleet_metrics.py: the fleet's series, from heartbeats and the consumers' state."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from events.fleet import InferenceBeat, ModelLoad
 from gateway.admission.estimate import StreamState
-from gateway.admission.fleet import LATE_BEAT_S
-from gateway.fleet import FleetCollector
+from gateway.admission.queues import LATE_BEAT_S
+from gateway.fleet_metrics import FleetCollector
 from gateway.settings import GatewaySettings
 from infra.monitoring import series
 from tests.unit.fake_pipeline import FakePipeline
