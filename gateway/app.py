@@ -164,7 +164,7 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
         ok, fleet = pipeline.ready(settings.default_model)
         body: dict[str, Any] = {"ready": ok}
         if request.state.principal is not None:
-            body.update({"default_model": settings.default_model, **fleet})
+            body.update({"default_model": settings.default_model, **fleet.as_dict()})
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}})
