@@ -86,8 +86,8 @@ def handler(
     the pull loop when it returns; garbage terminated)."""
 
     async def on_requested(message: Msg) -> None:
-        event = await decode_or_term(topology.FILTER.name, message)
-        if not isinstance(event, ChatRequested):
+        event = await decode_or_term(topology.FILTER.name, message, ChatRequested)
+        if event is None:
             return
         with tracing.consumed("filter", message.headers, request_id=event.request_id) as span:
             classifier = _current(slot, metrics)
