@@ -99,14 +99,12 @@ def thread_shares(env: dict, replicas: int) -> dict:
     (2 cores a replica) a shared step runs no parallel region, so the threads of a step
     alone may spin between its products (libgomp's bounded spin: a second thread waking
     ~200 times a step serves no faster); otherwise torch's OpenMP threads wait passively
-    (engines stepping together spin on cores the other needs): on the 2-core VM
-    with other processes busy, stories260K at batch 20 decoded 1,124 tokens/s on one
-    thread, 118 on two spinning threads and 706 on two passive ones (`python -m
-    bench.engine_speed --threads N`); two spinning threads in each of an arena battle's two
-    engines starved both (SmolLM2 176 -> 0-36 tok/s, stories-260k 1,279 -> 301-372:
-    docs/benchmarks.md), which the step notes prevent: engines stepping together run
-    one thread each. A `backend: llamacpp` model's server gets the replica's share of every
-    core (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
+    (engines stepping together spin on cores the other needs: docs/operations.md and
+    docs/benchmarks.md have the figures, `python -m bench.engine_speed --threads N`); two
+    spinning threads in each of an arena battle's two engines starved both, which the
+    step notes prevent: engines stepping together run one thread each. A `backend:
+    llamacpp` model's server gets the replica's share of every core
+    (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
     out: dict[str, str] = {}
     if replicas >= 1:
         cores = os.cpu_count() or 1
@@ -115,8 +113,8 @@ def thread_shares(env: dict, replicas: int) -> dict:
             "ARENA_TORCH_THREADS": str(max(1, (cores - 1) // replicas)),
             "ARENA_TORCH_THREADS_ALONE": every,
             # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
-            # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2
-            # 62-67 tok/s to one user and 68-74 to eight, two threads 69-86 and 108-124.
+            # processes need at each token; on 2 cores two threads served more users faster
+            # than one (docs/inference.md, llama.cpp backend).
             "ARENA_LLAMA_CPP_THREADS": every,
         }
         out |= {key: value for key, value in defaults.items() if not env.get(key)}
