@@ -15,7 +15,7 @@ from gateway.access import limits_of, principal_of
 from gateway.arena.categories import CATEGORIES
 from gateway.arena.pairing import PairPolicy
 from gateway.arena.protocol import BattleView, HistoryView, LeaderboardView, TurnRequest, VoteRequest
-from gateway.arena.service import ArenaService, close_turn, view
+from gateway.arena.serving import ArenaService, close_turn, view
 from gateway.errors import APIError, errors
 from gateway.serving import ChatService
 from gateway.settings import GatewaySettings
