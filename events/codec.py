@@ -28,8 +28,8 @@ def decode(raw: bytes | str | dict) -> EventBase:
     """The event model named by the data's `type`, upcast to the current schema version.
 
     Raises ValueError for data that is no known event. Data of the current version is
-    validated from its JSON text directly (pydantic-core's parser, about 3x faster than
-    the json module and a dict: every chunk on the token path is decoded once or more)."""
+    validated from its JSON text directly (pydantic-core's parser, faster than the json
+    module and a dict: every chunk on the token path is decoded once or more)."""
     try:
         data = raw if isinstance(raw, dict) else orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

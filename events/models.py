@@ -8,12 +8,14 @@ breaking change gets a new schema version and an upcaster (see `events.codec`).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 
 def new_id() -> str:
@@ -82,10 +84,31 @@ MAX_TOKENS_LIMIT = 4096
 MIN_TEMPERATURE = 0.01
 #: The most alternatives a token's log probabilities list (OpenAI's top_logprobs bound).
 MAX_TOP_LOGPROBS = 20
+#: OpenAI's bound on a token's logit_bias.
+MAX_BIAS = 100.0
+
+
+def _bias_pairs(v: Any) -> Any:
+    # JSON writes logit_bias as an object; held as pairs, sorted, so params stay immutable
+    return list(v.items()) if isinstance(v, Mapping) else v
+
+
+#: Token id -> added to its logit: a JSON object on the wire, sorted (id, bias) pairs in memory.
+LogitBias = Annotated[
+    tuple[tuple[int, float], ...],
+    BeforeValidator(_bias_pairs),
+    AfterValidator(lambda pairs: tuple(sorted(pairs))),
+    PlainSerializer(dict, return_type=dict[int, float]),
+    WithJsonSchema({"additionalProperties": {"type": "number"}, "type": "object"}),
+]
 
 
 class SamplingParams(Additive):
-    """Per-request sampling parameters; they hold inside any batch."""
+    """Per-request sampling parameters; they hold inside any batch. The gateway writes them
+    into ChatRequested and the engine samples by them as they are.
+
+    Decoding checks the ranges every stored event keeps; `checked()` what the engine
+    cannot serve beyond that (events already stored must still decode)."""
 
     ADDITIVE = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "ignore_eos")
 
@@ -102,8 +125,8 @@ class SamplingParams(Additive):
     frequency_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per time it was generated so far."
     )
-    logit_bias: dict[int, float] = Field(
-        default_factory=dict, description="Token id -> added to its logit (-100 bans it, 100 all but forces it)."
+    logit_bias: LogitBias = Field(
+        default_factory=tuple, description="Token id -> added to its logit (-100 bans it, 100 all but forces it)."
     )
     logprobs: int | None = Field(
         None,
@@ -114,6 +137,28 @@ class SamplingParams(Additive):
     ignore_eos: bool = Field(
         False, description="Generation goes on past the end-of-sequence token, to max_tokens or a stop string."
     )
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: top_p and seed are then unused."""
+        return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """True when its logits change before selection (penalties or bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def checked(self) -> SamplingParams:
+        """These params, or ValueError naming what the engine cannot serve."""
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 or not -MAX_BIAS <= b <= MAX_BIAS for t, b in self.logit_bias):
+            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-{MAX_BIAS}, {MAX_BIAS}]")
+        return self
 
 
 class Usage(Frozen):
@@ -242,38 +287,49 @@ class ModelEvent(EventBase):
         return f"model:{self.model}:{self.type_name()}"
 
 
-class ChatRequested(RequestEvent, Additive):
-    """The gateway accepted a client request."""
+class ChatSpec(Frozen):
+    """What to answer, as the client asked it: the model, the conversation, how to sample
+    and until when. ChatRequested states it; PromptAccepted carries it on to inference
+    as it is, with the filter's messages (perhaps sanitized) in place of the client's."""
 
-    ADDITIVE = ("prompt_format",)
-
-    type: Literal["chat.requested"] = "chat.requested"
     model: str
     messages: tuple[ChatMessage, ...]
     params: SamplingParams
     deadline_at: float = Field(description="Epoch seconds after which the answer is useless.")
     received_at: float = Field(default_factory=time.time, description="Epoch seconds of the gateway's receipt.")
+    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
+
+    def spec(self) -> dict[str, Any]:
+        """Its ChatSpec fields, by name: what another event of the request carries on."""
+        return {name: getattr(self, name) for name in ChatSpec.model_fields}
+
+
+class ChatRequested(ChatSpec, RequestEvent, Additive):
+    """The gateway accepted a client request."""
+
+    ADDITIVE = ("prompt_format",)
+
+    type: Literal["chat.requested"] = "chat.requested"
     stream: bool = False
     idempotency_key: str | None = None
     principal: str | None = Field(
         None, description="Who asked: a keyed hash of the caller's API key (never the key); restores ownership."
     )
-    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
 
 
-class PromptAccepted(RequestEvent, Additive):
+class PromptAccepted(ChatSpec, RequestEvent, Additive):
     """The filter let the prompt through (possibly sanitized)."""
 
     ADDITIVE = ("prompt_format",)
 
     type: Literal["prompt.accepted"] = "prompt.accepted"
-    model: str
-    messages: tuple[ChatMessage, ...]
-    params: SamplingParams
-    deadline_at: float
-    received_at: float
     filter: FilterReport
-    prompt_format: PromptFormat = Field("chat", description=PROMPT_FORMAT)
+
+    @classmethod
+    def of(cls, requested: ChatRequested, messages: tuple[ChatMessage, ...], report: FilterReport) -> PromptAccepted:
+        """`requested` let through: its spec as it is, with `messages` in place of its own."""
+        ids = dict(request_id=requested.request_id, conv_id=requested.conv_id, turn_id=requested.turn_id)
+        return cls(**ids, **(requested.spec() | {"messages": messages}), filter=report)
 
 
 class PromptRejected(RequestEvent):

@@ -29,7 +29,7 @@ from gateway.admission.service import Admission
 from gateway.admission.uvicorn_adapter import WebSocketProtocol, head_timeout_protocol
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, ServerTiming
-from gateway.fleet import FLEET
+from gateway.fleet_metrics import FLEET
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline
 from gateway.served_schema import one_board_query, served_contexts, with_served_limits
@@ -164,7 +164,7 @@ def ops_router(settings: GatewaySettings, pipeline: Pipeline) -> APIRouter:
         ok, fleet = pipeline.ready(settings.default_model)
         body: dict[str, Any] = {"ready": ok}
         if request.state.principal is not None:
-            body.update({"default_model": settings.default_model, **fleet})
+            body.update({"default_model": settings.default_model, **fleet.as_dict()})
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}})

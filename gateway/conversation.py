@@ -1,7 +1,7 @@
 """A conversation's next turn, read from its events in the stream (pure logic).
 
 The conversation lives in the stream, not in a socket or a battle: a WebSocket turn
-(gateway/ws.py) and each side of an arena battle (gateway/arena/service.py) send the
+(gateway/ws.py) and each side of an arena battle (gateway/arena/serving.py) send the
 model the last completed turn's messages, that turn's answer and the new user message.
 """
 

@@ -25,9 +25,10 @@ from events.fleet import InferenceBeat, ProcessBeat, decode_beat
 from events.models import ChatCancelled, EventBase, RequestEvent, Terminal, TokensGenerated
 from events.readmodel import ReadModel
 from gateway.admission.estimate import ModelQueue, StreamState
-from gateway.admission.fleet import model_queue
+from gateway.admission.queues import model_queue
 from gateway.assembler import Assembler
 from gateway.errors import APIError
+from gateway.fleet_view import FleetView
 from gateway.keys import GatewayKeys
 from gateway.metrics import METRICS
 from gateway.settings import GatewaySettings
@@ -125,21 +126,21 @@ class Pipeline:
         client reconnecting across its restart, which waited in the listening socket's
         backlog) is not told that no worker is connected before the workers, beating every
         `heartbeat_s`, could have said otherwise."""
-        if self.fleet()["inference"] or self.listening_since is None:
+        if self.fleet().count(topology.INFERENCE.name) or self.listening_since is None:
             return
         until = self.listening_since + self.beat_horizon()
-        while not self.fleet()["inference"] and time.time() < until:
+        while not self.fleet().count(topology.INFERENCE.name) and time.time() < until:
             await asyncio.sleep(0.05)
 
     def workers(self) -> list[InferenceBeat]:
         """The live inference workers' beats."""
         return [b for b in self.live_beats() if isinstance(b, InferenceBeat)]
 
-    def fleet(self) -> dict:
+    def fleet(self) -> FleetView:
         """Ready processes per role, and which inference instances hold each model."""
         beats = self.live_beats()
         roles = [r.name for r in topology.ROLES if r.name != topology.GATEWAY.name]
-        out: dict[str, Any] = {role: sum(1 for b in beats if b.role == role and b.ready) for role in roles}
+        ready = {role: sum(1 for b in beats if b.role == role and b.ready) for role in roles}
         served: dict[str, set] = {}
         loading: dict[str, set] = {}
         unavailable: dict[str, set] = {}
@@ -153,10 +154,12 @@ class Pipeline:
                     loading.setdefault(name, set()).add(b.instance)
                 for name in b.unavailable:
                     unavailable.setdefault(name, set()).add(b.instance)
-        out["models"] = {name: sorted(insts) for name, insts in served.items()}
-        out["loading"] = {name: sorted(insts) for name, insts in loading.items()}
-        out["unavailable"] = {name: sorted(insts) for name, insts in unavailable.items()}
-        return out
+        return FleetView(
+            ready,
+            models={name: sorted(insts) for name, insts in served.items()},
+            loading={name: sorted(insts) for name, insts in loading.items()},
+            unavailable={name: sorted(insts) for name, insts in unavailable.items()},
+        )
 
     def context_len(self, model: str) -> int | None:
         """The model's context in tokens (prompt and completion), as the workers listing
@@ -177,12 +180,12 @@ class Pipeline:
             await asyncio.sleep(STREAM_POLL_S)
 
     def queue(self, model: str) -> ModelQueue:
-        """The model's queue as its workers' heartbeats report it (gateway.admission.fleet)."""
+        """The model's queue as its workers' heartbeats report it (gateway.admission.queues)."""
         return model_queue(model, self.live_beats(), self.beats.values(), time.time())
 
-    def ready(self, default_model: str) -> tuple[bool, dict]:
+    def ready(self, default_model: str) -> tuple[bool, FleetView]:
         fleet = self.fleet()
-        ok = all(fleet.get(r, 0) > 0 for r in topology.required()) and bool(fleet["models"].get(default_model))
+        ok = all(fleet.count(r) > 0 for r in topology.required()) and bool(fleet.models.get(default_model))
         return ok, fleet
 
     # ---- the stream ------------------------------------------------------------------

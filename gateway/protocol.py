@@ -24,6 +24,7 @@ from events.models import (
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
     PromptFormat,
+    SamplingParams,
 )
 
 
@@ -270,6 +271,21 @@ class ChatCompletionRequest(Sampling):
     def logprob_count(self) -> int | None:
         """The event's `params.logprobs`: None for none, else how many alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        """The request's sampling, as its event holds it and the engine samples by it."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.token_limit(),
+            stop=tuple(self.stop_list()),
+            seed=seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self.logit_bias or {},
+            logprobs=self.logprob_count(),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class TextPromptRequest(ChatCompletionRequest):

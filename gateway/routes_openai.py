@@ -47,7 +47,7 @@ def router(chat: ChatService) -> APIRouter:
     def served() -> dict[str, dict]:
         return {
             name: {"id": name, "object": "model", "created": 0, "owned_by": "arenaflow", "resident_on": len(insts)}
-            for name, insts in sorted(chat.pipeline.fleet()["models"].items())
+            for name, insts in sorted(chat.pipeline.fleet().models.items())
         }
 
     @r.get("/v1/models")

@@ -30,7 +30,7 @@ BOARD = "/arena/leaderboard"
 def served_contexts(pipeline) -> dict[str, int]:
     """Each model served now whose context a worker reported (a model not loaded anywhere yet
     has none, and no limit in the document)."""
-    return {m: c for m in pipeline.fleet()["models"] if (c := pipeline.context_len(m)) is not None}
+    return {m: c for m in pipeline.fleet().models if (c := pipeline.context_len(m)) is not None}
 
 
 def with_served_limits(doc: dict, overhead_s: float, contexts: Mapping[str, int], default_model: str) -> dict:

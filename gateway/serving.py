@@ -19,8 +19,8 @@ from typing import Any
 
 import anyio
 
-from events import subjects
-from events.models import ChatMessage, ChatRequested, SamplingParams, new_id
+from events import subjects, topology
+from events.models import ChatMessage, ChatRequested, new_id
 from gateway import ratelimit
 from gateway.access import not_found
 from gateway.admission.estimate import too_slow
@@ -103,15 +103,13 @@ class ChatService:
     def _check(self, req: ChatCompletionRequest) -> str:
         model = req.model or self.settings.default_model
         fleet = self.pipeline.fleet()
-        if fleet["inference"] == 0:
+        if fleet.count(topology.INFERENCE.name) == 0:
             raise APIError(503, "no inference worker is connected; retry shortly", "no_workers")
-        if model not in fleet["models"]:
+        if model not in fleet.models:
             raise APIError(404, f"model '{model}' is not served; see GET /v1/models", "model_not_found", "model")
-        loading = fleet.get("loading", {}).get(model, [])
-        if loading and not set(fleet["models"][model]) - set(loading):  # no worker holds it ready
+        if fleet.loading_everywhere(model):  # no worker holds it ready
             raise model_loading(model)
-        down = fleet.get("unavailable", {}).get(model, [])
-        if down and not set(fleet["models"][model]) - set(down):  # its upstream is down wherever it is held
+        if fleet.down_everywhere(model):  # its upstream is down wherever it is held
             raise APIError(
                 503,
                 f"model '{model}' is unavailable: its upstream server is failing; retry after {LOADING_RETRY_S} s",
@@ -296,18 +294,7 @@ class ChatService:
             messages=tuple(
                 ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in req.messages
             ),
-            params=SamplingParams(
-                temperature=req.temperature,
-                top_p=req.top_p,
-                max_tokens=req.token_limit(),
-                stop=tuple(req.stop_list()),
-                seed=seed,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                logit_bias=req.logit_bias or {},
-                logprobs=req.logprob_count(),
-                ignore_eos=req.ignore_eos,
-            ),
+            params=req.sampling_params(seed),
             deadline_at=ticket.deadline_at,
             stream=req.stream,
             idempotency_key=idem_key,

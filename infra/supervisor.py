@@ -55,7 +55,7 @@ from infra.servers import (
 )
 from infra.settings import OperatorSettings
 from infra.takeover import Takeover
-from infra.up_models import DEFAULT_MODELS_CONFIG
+from infra.up_models import DEFAULT_MODELS_CONFIG, Served
 from runtime import children, jetstream
 from runtime import models_config as config_file
 from runtime.net import free_port
@@ -99,14 +99,12 @@ def thread_shares(env: dict, replicas: int) -> dict:
     (2 cores a replica) a shared step runs no parallel region, so the threads of a step
     alone may spin between its products (libgomp's bounded spin: a second thread waking
     ~200 times a step serves no faster); otherwise torch's OpenMP threads wait passively
-    (engines stepping together spin on cores the other needs): on the 2-core VM
-    with other processes busy, stories260K at batch 20 decoded 1,124 tokens/s on one
-    thread, 118 on two spinning threads and 706 on two passive ones (`python -m
-    bench.engine_speed --threads N`); two spinning threads in each of an arena battle's two
-    engines starved both (SmolLM2 176 -> 0-36 tok/s, stories-260k 1,279 -> 301-372:
-    docs/benchmarks.md), which the step notes prevent: engines stepping together run
-    one thread each. A `backend: llamacpp` model's server gets the replica's share of every
-    core (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
+    (engines stepping together spin on cores the other needs: docs/operations.md and
+    docs/benchmarks.md have the figures, `python -m bench.engine_speed --threads N`); two
+    spinning threads in each of an arena battle's two engines starved both, which the
+    step notes prevent: engines stepping together run one thread each. A `backend:
+    llamacpp` model's server gets the replica's share of every core
+    (ARENA_LLAMA_CPP_THREADS) and waits as OpenMP does by default (its server's env)."""
     out: dict[str, str] = {}
     if replicas >= 1:
         cores = os.cpu_count() or 1
@@ -115,8 +113,8 @@ def thread_shares(env: dict, replicas: int) -> dict:
             "ARENA_TORCH_THREADS": str(max(1, (cores - 1) // replicas)),
             "ARENA_TORCH_THREADS_ALONE": every,
             # llama.cpp's threads (OpenMP, its default waiting) leave the core the stack's
-            # processes need at each token: on 2 cores, one llama.cpp thread served SmolLM2
-            # 62-67 tok/s to one user and 68-74 to eight, two threads 69-86 and 108-124.
+            # processes need at each token; on 2 cores two threads served more users faster
+            # than one (docs/inference.md, llama.cpp backend).
             "ARENA_LLAMA_CPP_THREADS": every,
         }
         out |= {key: value for key, value in defaults.items() if not env.get(key)}
@@ -343,7 +341,7 @@ def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
-def start_stack(args, print_fn=print) -> tuple[Stack, str]:
+def start_stack(args, served: Served, print_fn=print) -> tuple[Stack, str]:
     """Start what `arena up` runs, in order: NATS (unless --nats-url), Redis (unless
     --redis-url), every role's processes, the supervisor's metrics; then write where
     each answers (`endpoints.json`) for the operator commands."""
@@ -356,24 +354,24 @@ def start_stack(args, print_fn=print) -> tuple[Stack, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     stack = Stack(state, env, lock=lock, listener=listener)
     try:
-        return _start(stack, args, port, print_fn)
+        return _start(stack, args, served, port, print_fn)
     except BaseException:
         stack.stop(grace_s=5.0)  # what did start (nats-server, redis-server, roles), and the state dir's lock
         raise
 
 
-def _start(stack: Stack, args, port: int, print_fn) -> tuple[Stack, str]:
+def _start(stack: Stack, args, served: Served, port: int, print_fn) -> tuple[Stack, str]:
     state, env = stack.state, stack.env
     operator = OperatorSettings()
     nats_at = _nats(stack, args, args.nats_url or operator.nats_url, print_fn)
     stack.takeover = _takeover(nats_at.operator_url, operator) if nats_at.operator_url else None
     redis_at = _redis(stack, args.redis_url or operator.redis_url, print_fn)
-    env.update(_role_env(args, port, nats_at.url, redis_at.url, env))
+    env.update(_role_env(args, served, port, nats_at.url, redis_at.url, env))
     print_fn(
-        f"models: {env['ARENA_MODELS_CONFIG']}; default model {env['ARENA_DEFAULT_MODEL']}; warming "
+        f"models: {served.config}; default model {served.plan.default}; warming "
         f"{', '.join(json.loads(env['ARENA_WARM_MODELS']))} (the others load on their first request)"
     )
-    convert_sources(env["ARENA_MODELS_CONFIG"], env, print_fn)
+    convert_sources(str(served.config), env, print_fn)
     targets = _spawn_roles(stack, args.inference_replicas, nats_at.credentials, redis_at.users)
     if getattr(args, "standby", True) and args.inference_replicas >= 1:
         # Started with the roles, at its lower priority: imported by the time they are ready.
@@ -462,10 +460,9 @@ def _redis(stack: Stack, url: str | None, print_fn) -> _Endpoint:
     return _Endpoint(server.url, users=redis_auth.urls(server.url, passwords))
 
 
-def _role_env(args, port: int, nats_url: str, redis_url: str, base: dict) -> dict[str, str]:
+def _role_env(args, served: Served, port: int, nats_url: str, redis_url: str, base: dict) -> dict[str, str]:
     """What every role reads from `arena up`'s flags (ARENA_* variables) over the `base`
-    environment: the models config, its default model and the models warmed as
-    infra.up_models.settle chose them."""
+    environment, and what it serves (`served`, as infra.up_models.settle chose it)."""
     env = {
         "NATS_URL": nats_url,
         "REDIS_URL": redis_url,
@@ -476,11 +473,7 @@ def _role_env(args, port: int, nats_url: str, redis_url: str, base: dict) -> dic
     }
     if getattr(args, "engine_process", None) is not None:  # else ARENA_ENGINE_PROCESS, or the default (a process)
         env["ARENA_ENGINE_PROCESS"] = "1" if args.engine_process else "0"
-    plan: config_file.Plan = args.plan
-    env["ARENA_MODELS_CONFIG"] = args.models_config
-    env["ARENA_DEFAULT_MODEL"] = plan.default
-    env["ARENA_WARM_MODELS"] = base.get("ARENA_WARM_MODELS") or json.dumps(plan.warm)
-    return env
+    return env | served.env(base)
 
 
 def _spawn_roles(
@@ -653,7 +646,7 @@ def _exit_reason(log: Path) -> str:
     return lines[-1][-500:] if lines else "nothing logged"
 
 
-def up(args) -> int:
+def up(args, served: Served) -> int:
     stopping = {"flag": False}
 
     def on_signal(signum, _frame):
@@ -662,7 +655,7 @@ def up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack, url = start_stack(args)
+        stack, url = start_stack(args, served)
     except (start_checks.StartRefused, RuntimeError, OSError) as exc:  # what started is stopped by then
         print(f"arena up: {exc}", file=sys.stderr)
         return 1

@@ -21,8 +21,10 @@ config does not have is refused at once with the names it has.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,29 +106,47 @@ def write_config(sources: list[ModelSource], state_dir: Path, base: str | None) 
     return out
 
 
-def settle(args: argparse.Namespace) -> argparse.Namespace:
-    """`arena up`'s arguments with the models config the workers read (``--model`` sources
-    written into one; else ``--models-config``, ARENA_MODELS_CONFIG or DEFAULT_MODELS_CONFIG)
-    and its ``plan``: the default model and the models warmed. Raises SystemExit saying what
-    to fix when the config cannot be read or does not have the default model named."""
+@dataclass(frozen=True)
+class Served:
+    """What `arena up` serves, settled before anything starts: the models config the
+    workers read, and its plan (the default model, the models warmed)."""
+
+    config: Path
+    plan: config_file.Plan
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """How the roles, processes of their own, learn it: their settings' ARENA_* variables
+        (a user's ARENA_WARM_MODELS in ``base`` is kept)."""
+        return {
+            "ARENA_MODELS_CONFIG": str(self.config),
+            "ARENA_DEFAULT_MODEL": self.plan.default,
+            "ARENA_WARM_MODELS": base.get("ARENA_WARM_MODELS") or json.dumps(self.plan.warm),
+        }
+
+
+def settle(args: argparse.Namespace) -> Served:
+    """What `arena up`'s arguments serve: the models config the workers read (``--model``
+    sources written into one; else ``--models-config``, ARENA_MODELS_CONFIG or
+    DEFAULT_MODELS_CONFIG) and its plan. Raises SystemExit saying what to fix when the
+    config cannot be read or does not have the default model named."""
     common = CommonSettings()  # the user's ARENA_* variables
+    given, default = args.models_config, args.default_model
     if getattr(args, "with_arena_models", False):
-        if not args.model or args.models_config:
+        if not args.model or given:
             raise SystemExit("arena up: --with-arena-models goes with --model, and without --models-config")
-        args.models_config = str(DEFAULT_MODELS_CONFIG)
+        given = str(DEFAULT_MODELS_CONFIG)
     if args.model:
-        args.models_config = str(write_config(args.model, Path(args.state_dir), args.models_config))
-        args.default_model = args.default_model or args.model[0].name
-    args.models_config = str(Path(args.models_config or common.models_config or DEFAULT_MODELS_CONFIG).resolve())
-    flag, default = "--default-model", args.default_model
+        given = str(write_config(args.model, Path(args.state_dir), given))
+        default = default or args.model[0].name
+    config = Path(given or common.models_config or DEFAULT_MODELS_CONFIG).resolve()
+    flag = "--default-model"
     if default is None and "default_model" in common.model_fields_set:
         flag, default = "ARENA_DEFAULT_MODEL", common.default_model
     try:
-        plan = config_file.plan(args.models_config)
+        plan = config_file.plan(config)
         if default is not None:
-            plan = config_file.plan(args.models_config, plan.check(default, flag))
+            plan = config_file.plan(config, plan.check(default, flag))
     except config_file.ConfigError as exc:
         print(f"arena up: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    args.plan = plan
-    return args
+    return Served(config, plan)

@@ -2,10 +2,10 @@
 
 The consumers used FastStream's pull subscriber for this. Its per-message path (a task
 group per fetch, the middleware chain, dependency injection for the handler's
-arguments) cost, measured on one consumer republishing and acking each message, about
-290 µs of CPU a message on a busy core (620 against 330 for the same loop on nats-py
-alone) and, on an idle machine, 2-3 ms between the fetch returning and the handler
-starting (store to handler: 3.5-4 ms against 0.8-1.4). Every request passes three
+arguments) cost, measured on one consumer republishing and acking each message, several
+times this loop's CPU a message on a busy core and, on an idle machine, milliseconds
+between the fetch returning and the handler starting (docs/benchmarks.md, "One user, hop
+by hop; the pull loop"; `python -m bench.pull_loop`). Every request passes three
 consumers (filter, inference, delivery), two of them before its first token.
 
 This loop keeps what the consumers relied on and nothing else:

@@ -1,8 +1,9 @@
 """The cyclic garbage collector in a long-running server.
 
-A full collection walks every object the process holds: about 106,000 in a gateway
-(74 ms on a quiet core, more on a loaded one) and 412,000 in an inference process with
-torch, transformers and a model (280 ms). Each stalls the event loop or the decode loop,
+A full collection walks every object the process holds: a gateway's hundred thousand,
+an inference process's several times that (torch, transformers and a model), tens to
+hundreds of milliseconds each (docs/admission.md, "The garbage collector out of the
+way"). Each stalls the event loop or the decode loop,
 at moments set by allocation counts, i.e. in the middle of a burst. What startup
 allocated (modules, settings, the warm models) lives as long as the process, so it is
 frozen out of the collector's reach once the process is up: a full collection then

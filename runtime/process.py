@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.msg import Msg
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 #: Publishes an event with its dedupe key (`ProcessRuntime.publish`).
 Publish = Callable[[EventBase], Awaitable[None]]
+E = TypeVar("E", bound=EventBase)
 
 UNDECODABLE = Counter(
     "arena_undecodable_messages_total", "Stream messages that were no known event, terminated", ["role"]
@@ -204,20 +205,27 @@ def serve(process: Process) -> None:
     asyncio.run(process.run())
 
 
-async def decode_or_term(role: str, raw: Msg) -> Any:
-    """The message's event, or None after terminating a message that is no known event.
+async def decode_or_term(role: str, raw: Msg, reads: type[E] | tuple[type[E], ...]) -> E | None:
+    """The message's event, typed as what the role reads (``reads``: its events in the
+    topology, or their base), or None after terminating a message that is no such event.
 
-    One policy for every consumer: such a message fails the same way on every
-    redelivery, so it is terminated at once (logged and counted), never redelivered."""
+    One policy for every consumer: a message that is no known event, or an event its
+    role does not read, fails the same way on every redelivery, so it is terminated at
+    once (logged and counted), never redelivered."""
     if _delivered(raw) > 1:
         REDELIVERED.labels(role).inc()
     try:
-        return decode(raw.data)
+        event = decode(raw.data)
     except ValueError as exc:
-        UNDECODABLE.labels(role).inc()
-        log.error("undecodable message on %s terminated: %s", raw.subject, str(exc)[:200])
-        await raw.term()
-        return None
+        why = str(exc)[:200]
+    else:
+        if isinstance(event, reads):
+            return event
+        why = f"{event.type} is no event {role} reads"
+    UNDECODABLE.labels(role).inc()
+    log.error("undecodable message on %s terminated: %s", raw.subject, why)
+    await raw.term()
+    return None
 
 
 def _delivered(raw) -> int:

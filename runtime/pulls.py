@@ -5,9 +5,9 @@ holds now, then, when that was nothing, a long-poll for N that, once a message
 arrives, waits out the rest of its timeout for the other N-1. So a consumer that
 fetched more than one message at a time either held an idle system's lone request
 for up to a second, or (batch 1, what the consumers did) paid a pull request, its
-server-side bookkeeping and a wake-up for every message: measured on one consumer
-that republishes and acks each message, 233 µs of its CPU and 143 µs of
-nats-server's per message one at a time, against 80 and 30 in batches of 32.
+server-side bookkeeping and a wake-up for every message: about three times the
+consumer's CPU and nats-server's per message of fetching in batches (docs/benchmarks.md,
+"One user, hop by hop; the pull loop").
 
 `fetch_available` keeps the first stage and replaces the second by a long-poll for
 one: under load a fetch returns everything waiting (up to the batch), and an idle

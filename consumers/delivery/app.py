@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from consumers.delivery.settings import DeliverySettings
 from events import subjects, topology
-from events.models import Terminal
+from events.models import RequestEvent, Terminal
 from events.readmodel import ReadModel
 from runtime import tracing
 from runtime.consume import DurableConsumer, Handler
@@ -66,7 +66,7 @@ def handler(store: ReadModel, fanout: Fanout) -> Handler:
     event, so workers may deliver concurrently)."""
 
     async def on_output(message: Msg) -> None:
-        event = await decode_or_term(topology.DELIVERY.name, message)
+        event = await decode_or_term(topology.DELIVERY.name, message, RequestEvent)
         if event is None:
             return
         with tracing.consumed("delivery", message.headers, request_id=event.request_id, event=event.type):

@@ -46,20 +46,11 @@ def filter_request(
         classifier=_report(strongest([v.classifier for v in verdicts])),
         stages=tuple(_report(o) for o in (deciding(verdicts).stages if verdicts else ()) if o.stage != SINGLE),
     )
-    ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
     if action == "reject":
         reason = ", ".join(report.reasons[:3]) or "prompt injection suspected"
+        ids = dict(request_id=event.request_id, conv_id=event.conv_id, turn_id=event.turn_id)
         return PromptRejected(**ids, reason=reason, filter=report)
-    return PromptAccepted(
-        **ids,
-        model=event.model,
-        messages=tuple(ChatMessage(**m) for m in cleaned),
-        params=event.params,
-        deadline_at=event.deadline_at,
-        received_at=event.received_at,
-        filter=report,
-        prompt_format=event.prompt_format,
-    )
+    return PromptAccepted.of(event, tuple(ChatMessage(**m) for m in cleaned), report)
 
 
 @overload
@@ -95,8 +86,8 @@ def handler(
     the pull loop when it returns; garbage terminated)."""
 
     async def on_requested(message: Msg) -> None:
-        event = await decode_or_term(topology.FILTER.name, message)
-        if not isinstance(event, ChatRequested):
+        event = await decode_or_term(topology.FILTER.name, message, ChatRequested)
+        if event is None:
             return
         with tracing.consumed("filter", message.headers, request_id=event.request_id) as span:
             classifier = _current(slot, metrics)

@@ -21,7 +21,7 @@ from consumers.inference.settings import InferenceSettings
 from consumers.inference.worker.service import InferenceService
 from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ProcessBeat
-from events.models import ChatCancelled
+from events.models import ChatCancelled, PromptAccepted
 from runtime.consume import DurableConsumer
 from runtime.process import Process, ProcessRuntime, decode_or_term, serve
 
@@ -78,7 +78,7 @@ def build_app(settings: InferenceSettings | None = None) -> Process:
     )
 
     async def on_accepted(message: Msg) -> None:
-        event = await decode_or_term(topology.INFERENCE.name, message)
+        event = await decode_or_term(topology.INFERENCE.name, message, PromptAccepted)
         if event is None:
             return
         async with service.held(message):

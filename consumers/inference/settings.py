@@ -44,7 +44,8 @@ class InferenceSettings(CommonSettings):
         64,
         ge=1,
         le=512,
-        description="Most requests decoded together (stories260K on one thread: 1,786 tokens/s at 32, 2,230 at 64).",
+        description="Most requests decoded together; more rows make more tokens a second until a step is bound by "
+        "arithmetic (docs/inference.md, Pulling and batching).",
     )
     max_wait_ms: int = Field(
         10, ge=0, le=10_000, description="Static engine: longest a micro-batch waits to fill before it starts."

@@ -56,7 +56,7 @@ def build_app(settings: LeaderboardSettings | None = None) -> Process:
     folding = asyncio.Lock()
 
     async def on_battle_event(message: Msg) -> None:
-        event = await decode_or_term(role.name, message)
+        event = await decode_or_term(role.name, message, role.consumes)
         if event is None:
             return
         # A redelivered event is applied again harmlessly: a battle's first vote holds.

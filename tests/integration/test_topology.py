@@ -35,7 +35,7 @@ async def test_a_registered_stage_is_created_and_awaited_by_readiness(nats_serve
         await nc.close()
         assert info.config.filter_subject == "arena.res.completed.>"
         await asyncio.sleep(0.5)
-        assert gateway.fleet()["toy"] == 0
+        assert gateway.fleet().count("toy") == 0
         assert not gateway.ready("any")[0] and "toy" in topology.required()
 
         toy = ProcessRuntime("toy", settings)
@@ -43,10 +43,10 @@ async def test_a_registered_stage_is_created_and_awaited_by_readiness(nats_serve
         toy.ready = True
         runtimes.append(toy)
         for _ in range(50):  # heartbeats every 0.2 s; a slow machine may take a few
-            if gateway.fleet()["toy"] == 1:
+            if gateway.fleet().count("toy") == 1:
                 break
             await asyncio.sleep(0.1)
-        assert gateway.fleet()["toy"] == 1
+        assert gateway.fleet().count("toy") == 1
     finally:
         for rt in runtimes:
             await rt.stop()

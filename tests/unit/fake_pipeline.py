@@ -30,6 +30,7 @@ from events.models import (
 from events.readmodel import ReadModel
 from gateway.admission.estimate import StreamState
 from gateway.app import build_app
+from gateway.fleet_view import FleetView
 from gateway.keys import GatewayKeys
 from gateway.pipeline import Pipeline, stream_unavailable
 from gateway.settings import GatewaySettings
@@ -91,9 +92,9 @@ class FakePipeline(Pipeline):
     async def stop(self) -> None:
         return None
 
-    def fleet(self) -> dict:
-        out = {"filter": 1, "inference": 1, "delivery": 1}
-        return {**out, "models": {m: ["fake-0"] for m in self.models}}
+    def fleet(self) -> FleetView:
+        ready = {"filter": 1, "inference": 1, "delivery": 1}
+        return FleetView(ready, models={m: ["fake-0"] for m in self.models})
 
     async def publish(self, event, until=None) -> None:
         if self.fail_publish:

@@ -82,11 +82,13 @@ async def test_filter_accepts_rejects_and_terminates_garbage():
         await handle(pulled(requested(content)))
     garbage = Pulled(b"not an event", "arena.req.requested.c1.r2")
     await handle(garbage)
+    stray = pulled(completed())  # an event, but none the filter reads
+    await handle(stray)
     assert isinstance(out[0], PromptAccepted) and out[0].filter.action == "pass"
     assert isinstance(out[1], PromptRejected)
     assert len(out) == 2
-    assert garbage.settled == "term"  # never redelivered
-    assert UNDECODABLE.labels("filter")._value.get() == before + 1
+    assert garbage.settled == stray.settled == "term"  # never redelivered
+    assert UNDECODABLE.labels("filter")._value.get() == before + 2
 
 
 def test_filter_config_comes_from_the_environment(monkeypatch):

@@ -185,3 +185,15 @@ def test_additive_fields_are_written_only_when_used():
     for event in (used, asked):
         assert decode(encode(event)) == event
     assert json.loads(encode(used))["params"]["logit_bias"] == {"7": -100.0}
+
+
+def test_sampling_params_decode_the_stored_ranges_and_check_what_the_engine_serves():
+    """A stored event decodes whatever the engine makes of it (the worker's intake fails a
+    request it cannot serve): a temperature below MIN_TEMPERATURE, an empty stop string."""
+    stored = SamplingParams.model_validate_json('{"temperature": 0.001, "stop": [""], "logit_bias": {"9": 1, "3": -2}}')
+    assert stored.logit_bias == ((3, -2.0), (9, 1.0))  # held sorted, immutable: params are hashable
+    assert hash(stored) == hash(stored.model_copy())
+    for unservable in (stored, stored.model_copy(update={"temperature": 0.0})):
+        with pytest.raises(ValueError):
+            unservable.checked()
+    assert SamplingParams(temperature=0).checked().greedy

@@ -1,4 +1,4 @@
-"""gateway/fleet.py: the fleet's series, from heartbeats and the consumers' state."""
+"""gateway/fleet_metrics.py: the fleet's series, from heartbeats and the consumers' state."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from events.fleet import InferenceBeat, ModelLoad
 from gateway.admission.estimate import StreamState
-from gateway.admission.fleet import LATE_BEAT_S
-from gateway.fleet import FleetCollector
+from gateway.admission.queues import LATE_BEAT_S
+from gateway.fleet_metrics import FleetCollector
+from gateway.fleet_view import FleetView
 from gateway.settings import GatewaySettings
 from infra.monitoring import series
 from tests.unit.fake_pipeline import FakePipeline
@@ -38,7 +39,9 @@ def beat(instance: str, resident: list[str], running: int = 0, ts: float | None 
 
 def test_lag_resident_workers_queue_and_memory():
     pipeline = FakePipeline(GatewaySettings())
-    pipeline.fleet = lambda: {"filter": 1, "inference": 2, "delivery": 1, "models": {"a": ["w1", "w2"], "b": []}}
+    pipeline.fleet = lambda: FleetView(
+        {"filter": 1, "inference": 2, "delivery": 1}, models={"a": ["w1", "w2"], "b": []}
+    )
     pipeline.beats = {(b.role, b.instance): b for b in (beat("w1", ["a"], running=3), beat("w2", ["a"], running=2))}
     pipeline.stream_state = StreamState(ahead=4, held=5, read_at=time.time())
     fleet = FleetCollector()
@@ -60,9 +63,9 @@ def test_a_model_nobody_holds_any_more_stays_visible_at_zero():
     pipeline = FakePipeline(GatewaySettings())
     fleet = FleetCollector()
     fleet.pipeline = pipeline
-    pipeline.fleet = lambda: {"inference": 1, "models": {"a": ["w1"]}}
+    pipeline.fleet = lambda: FleetView({"inference": 1}, models={"a": ["w1"]})
     scrape(fleet)
-    pipeline.fleet = lambda: {"inference": 0, "models": {}}
+    pipeline.fleet = lambda: FleetView({"inference": 0})
     assert 'arena_model_resident_workers{model="a"} 0.0' in scrape(fleet)
 
 

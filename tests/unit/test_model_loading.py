@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from events.fleet import InferenceBeat
 from gateway.app import build_app
+from gateway.fleet_view import FleetView
 from gateway.pipeline import Pipeline
 from gateway.serving import LOADING_RETRY_S
 from tests.unit.fake_pipeline import FakePipeline, chat, settings
@@ -18,7 +19,7 @@ from tests.unit.fake_pipeline import FakePipeline, chat, settings
 class Beating(FakePipeline):
     """The fake pipeline with the real fleet, folded from the workers' heartbeats."""
 
-    def fleet(self) -> dict:
+    def fleet(self) -> FleetView:
         return Pipeline.fleet(self)
 
     def worker(self, instance: str, resident: tuple[str, ...], loading: tuple[str, ...]) -> None:
@@ -39,7 +40,7 @@ def test_a_model_loading_on_every_worker_that_lists_it_is_refused_at_once_with_r
     pipeline = Beating(s)
     pipeline.worker("w0", resident=("stories-260k",), loading=("big",))
     client = TestClient(build_app(s, pipeline))
-    assert pipeline.fleet()["loading"] == {"big": ["w0"]}
+    assert pipeline.fleet().loading == {"big": ["w0"]}
     started = time.monotonic()
     r = client.post("/v1/chat/completions", json=chat(model="big"))
     assert time.monotonic() - started < 5

@@ -91,7 +91,7 @@ def test_served_fields_reach_the_event():
     assert r.status_code == plain.status_code == 200, r.text
     first, second = pipeline.requests()
     p = first.params
-    assert (p.logprobs, p.presence_penalty, p.frequency_penalty, p.logit_bias) == (3, 0.5, -1.0, {7: -100.0})
+    assert (p.logprobs, p.presence_penalty, p.frequency_penalty, p.logit_bias) == (3, 0.5, -1.0, ((7, -100.0),))
     assert second.params.logprobs == 0 and first.prompt_format == "chat"
 
 

@@ -88,7 +88,7 @@ def test_a_named_model_past_its_context_is_refused_as_the_document_says():
     """The same limit in the document and in the check (gateway/serving.py), on the fake fleet."""
     client, pipeline = gateway()
     with client:
-        contexts = {m: 512 for m in pipeline.fleet()["models"]}
+        contexts = {m: 512 for m in pipeline.fleet().models}
         pipeline.context_len = contexts.get  # what the workers report
         served = client.get("/openapi.json").json()  # the document as served now
         for tokens in (511, 512):

@@ -67,7 +67,7 @@ def test_the_first_model_is_the_default_beside_the_config_models(checkpoint, tmp
     args = parser().parse_args(["up", "--state-dir", str(tmp_path / "state"), "--model", str(checkpoint)])
     args.models_config = str(base)
     settled = up_models.settle(args)
-    assert settled.default_model == "smollm2-135m-instruct"
+    assert args.default_model is None and args.models_config == str(base)  # the arguments as given
     written = yaml.safe_load((tmp_path / "state" / up_models.CONFIG_NAME).read_text())
     assert written == {
         "warm": ["stories-260k", "smollm2-135m-instruct"],  # the file's warmed still, and the new one
@@ -76,7 +76,7 @@ def test_the_first_model_is_the_default_beside_the_config_models(checkpoint, tmp
             {"name": "smollm2-135m-instruct", "path": str(checkpoint)},
         ],
     }
-    assert settled.models_config == str(tmp_path / "state" / up_models.CONFIG_NAME)
+    assert settled.config == tmp_path / "state" / up_models.CONFIG_NAME
     assert settled.plan.default == "smollm2-135m-instruct"
     assert settled.plan.warm == ("smollm2-135m-instruct", "stories-260k")  # the default first
     twice = parser().parse_args(["up", "--model", f"stories-260k={checkpoint}", "--state-dir", str(tmp_path)])
@@ -88,9 +88,9 @@ def test_the_first_model_is_the_default_beside_the_config_models(checkpoint, tmp
 def test_without_model_the_default_config_serves_as_it_says(tmp_path, monkeypatch):
     monkeypatch.delenv("ARENA_MODELS_CONFIG", raising=False)
     monkeypatch.delenv("ARENA_DEFAULT_MODEL", raising=False)
-    args = up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path)]))
-    assert args.models_config == str(up_models.DEFAULT_MODELS_CONFIG) and args.default_model is None
-    assert args.plan == config_file.Plan(
+    served = up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path)]))
+    assert served.config == up_models.DEFAULT_MODELS_CONFIG
+    assert served.plan == config_file.Plan(
         ("smollm2-135m", "stories-260k", "smollm2-135m-brief"), "smollm2-135m", ("smollm2-135m", "stories-260k")
     )
     assert not (tmp_path / up_models.CONFIG_NAME).exists()
@@ -100,8 +100,8 @@ def test_a_config_of_ones_own_serves_its_first_model_or_the_one_it_names(tmp_pat
     monkeypatch.delenv("ARENA_DEFAULT_MODEL", raising=False)
     config = tmp_path / "mine.yaml"
     config.write_text("models:\n  - {name: tiny, path: stories260K-hf}\n  - {name: tinier, base: tiny}\n")
-    args = up_models.settle(parser().parse_args(["up", "--models-config", str(config)]))
-    assert args.plan == config_file.Plan(("tiny", "tinier"), "tiny", ("tiny",))
+    served = up_models.settle(parser().parse_args(["up", "--models-config", str(config)]))
+    assert served.plan == config_file.Plan(("tiny", "tinier"), "tiny", ("tiny",))
     config.write_text(f"default_model: tinier\nwarm: [tiny]\n{config.read_text()}")
     assert up_models.settle(parser().parse_args(["up", "--models-config", str(config)])).plan.warm == ("tinier", "tiny")
 
@@ -128,9 +128,21 @@ def test_a_default_model_the_config_has_not_is_refused_with_the_names_it_has(whe
 
 def test_with_arena_models_a_model_of_ones_own_is_served_beside_the_arena_models(checkpoint, tmp_path):
     argv = ["up", "--state-dir", str(tmp_path / "state"), "--with-arena-models", "--model", f"mine={checkpoint}"]
-    args = up_models.settle(parser().parse_args(argv))
-    assert args.plan.default == "mine"
-    assert args.plan.warm == ("mine", "smollm2-135m", "stories-260k")  # the arena battles them at once
-    assert set(args.plan.names) == {"smollm2-135m", "stories-260k", "smollm2-135m-brief", "mine"}
+    served = up_models.settle(parser().parse_args(argv))
+    assert served.plan.default == "mine"
+    assert served.plan.warm == ("mine", "smollm2-135m", "stories-260k")  # the arena battles them at once
+    assert set(served.plan.names) == {"smollm2-135m", "stories-260k", "smollm2-135m-brief", "mine"}
     with pytest.raises(SystemExit, match="--with-arena-models goes with --model"):
         up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path), "--with-arena-models"]))
+
+
+def test_the_roles_learn_what_is_served_from_their_settings_variables(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARENA_MODELS_CONFIG", raising=False)
+    monkeypatch.delenv("ARENA_DEFAULT_MODEL", raising=False)
+    served = up_models.settle(parser().parse_args(["up", "--state-dir", str(tmp_path)]))
+    assert served.env({}) == {
+        "ARENA_MODELS_CONFIG": str(up_models.DEFAULT_MODELS_CONFIG),
+        "ARENA_DEFAULT_MODEL": "smollm2-135m",
+        "ARENA_WARM_MODELS": '["smollm2-135m", "stories-260k"]',
+    }
+    assert served.env({"ARENA_WARM_MODELS": '["stories-260k"]'})["ARENA_WARM_MODELS"] == '["stories-260k"]'

@@ -5,8 +5,8 @@ also runs what a general model needs and a decode step over the KV slab does not
 output-capturing and kwargs decorators, the causal mask built from the 2D mask, a
 ``Cache`` object with a layer object per layer, the attention interface's dispatch, and
 ``nn.Module.__call__`` around every norm, projection and activation (13 calls a layer).
-On SmolLM2-135M that is 2-5 ms of a 20-37 ms step at one row (``python -m
-bench.decode --variants bf16,int4 --rows 1,8 --lean both``).
+On a small model that is a tenth of a step or more at one row (docs/inference.md, "A decode
+step without transformers' forward"; ``python -m bench.decode --variants bf16,int4 --rows 1,8 --lean both``).
 
 :func:`decode_step` computes the same thing with the same operations in the same order
 and the same dtypes, so its logits are bitwise those of the forward it replaces (tests

@@ -2,8 +2,8 @@
 
 Without it a step with newcomers runs two passes: the running rows' decode (one token
 each) and the newcomers' padded prefill. On a model whose forward pass is bound by
-reading its weights (a 60M model on a CPU: ~19 ms for one token, ~37 ms for 16 rows,
-~38 ms for one 30-token prompt), the two passes cost about as much as one pass over all
+reading its weights (a small model on a CPU: one token, 16 rows or a 30-token prompt take
+about as long as each other), the two passes cost about as much as one pass over all
 their tokens would cost plus a second sweep of the weights. Packed, every new token of
 the step goes through the layers once, as one sequence ``[1, T]``:
 
@@ -64,9 +64,8 @@ def one_query_attention(query, keys, values, mask, scale):
     kv_heads, columns, dim]`` (a decode step). Where heads share a key/value head (GQA),
     each group of query heads attends as that head's queries ``[rows, kv_heads, group,
     dim]``, which a mask of one head ``[rows, 1, 1, columns]`` covers alike: SDPA's own
-    ``enable_gqa`` kernel is 5-7x slower for one query on a CPU (SmolLM2's 9 heads on 3,
-    bfloat16, one thread: 5,126 against 857 µs at 32 rows x 170 columns, 168 against 34 µs
-    at one row: `python -m bench.attention`). What transformers does where a mask is
+    ``enable_gqa`` kernel is several times slower for one query on a CPU (docs/inference.md,
+    A decode step's attention; `python -m bench.attention`). What transformers does where a mask is
     given (``pack_gqa``), for every one-query call."""
     rows, heads, _, dim = query.shape
     kv_heads = keys.shape[1]
@@ -118,10 +117,10 @@ def arena_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
 
 #: Parameters from which a model packs by default. Below it a forward pass on a CPU is
-#: Python's time, not the weights': stories260K served at 32 users made no more tokens
-#: packed (the attention function's Python per layer, beside the event loop's thread,
-#: costs what the second pass saved), while llama-60m's steps with newcomers took
-#: 57-62 ms packed against 82-93 ms in two passes.
+#: Python's time, not the weights': a tiny model made no more tokens packed (the attention
+#: function's Python per layer, beside the event loop's thread, costs what the second
+#: pass saved), while a 60M model's steps with newcomers took about a third less
+#: (docs/benchmarks.md, A step with newcomers).
 PACK_MIN_PARAMS = 10_000_000
 
 

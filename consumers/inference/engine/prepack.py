@@ -1,49 +1,39 @@
 """Linear layers prepared once, by the engine that steps them, for decoding on a CPU:
 bfloat16 weights packed in oneDNN's blocked layout where the CPU computes bfloat16, and
-float16 weights packed for FBGEMM where it does not.
+float16 weights packed for FBGEMM where it does not. What each is worth, measured, is in
+docs/inference.md ("Packed bfloat16 weights", "float16 weights on an AVX2 CPU", "A
+float32 vocabulary head, weight first") and docs/benchmarks.md; `python -m bench.decode
+--variants ...` measures them again.
 
 `F.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight on every call
-(a decode step of SmolLM2-135M makes 211 such calls, one per linear layer), and its
-products then ran at about half the speed of oneDNN's on a weight in its own blocked
-layout (a micro-benchmark of SmolLM2's shapes at one row: 50 µs against 26 for q/o, 106
-against 52 for gate/up, 3.5 ms against 2.1 for the lm_head). Reordered once at load (`torch.ops.mkldnn`'s
+(one per linear layer, every decode step), and its products run slower than oneDNN's on a
+weight in its own blocked layout. Reordered once at load (`torch.ops.mkldnn`'s
 `_reorder_linear_weight`, what inductor's CPU backend does for frozen weights) and run by
-`_linear_pointwise`, the same products take less: SmolLM2's step alone 37.7 ms against
-52.9, at 8 rows 44.9 against 63.2, at 32 rows 70.6 against 83.5 (`python -m bench.decode
---variants fp32,bf16-plain,bf16,int8 --threads 1 --rounds 2 --tokens 16`, this VM's AMX
-Xeon), with the same held-out perplexity (27.18 against 27.21).
+`_linear_pointwise`, the same products take less, with the same held-out perplexity.
 
 A packed weight is an opaque oneDNN tensor (no storage torch can share), so the engine
 that steps a model packs it, in its own process (`BatchEngine`): an engine process packs
-its copy of the pool's shared weights (a packed copy of the linear layers beside them:
-+269 MB for SmolLM2, counted in the model's `nbytes`), after which the worker gives the
-pool's row-major copy of the packed layers back (`engine_process.release_packed`); an
-engine on the worker's thread packs the pool's model in place (the row-major weights go,
-but a tied lm_head's, which the embedding keeps). Only bfloat16 on a CPU whose oneDNN computes it natively; float32
-steps are not faster packed (the hint is for the few rows of a decode step).
+its copy of the pool's shared weights (a packed copy of the linear layers beside them,
+counted in the model's `nbytes`), after which the worker gives the pool's row-major copy
+of the packed layers back (`engine_process.release_packed`); an engine on the worker's
+thread packs the pool's model in place (the row-major weights go, but a tied lm_head's,
+which the embedding keeps). Only bfloat16 on a CPU whose oneDNN computes it natively;
+float32 steps are not faster packed (the hint is for the few rows of a decode step).
 
 On a CPU without native bfloat16 (AVX2 only, or AVX-512 without BF16, where oneDNN emulates
-it: `dtype: auto` is float32 there, and a step of
-a few rows reads 538 MB of SmolLM2's weights at ~10 GB/s on one core), the linear layers
-keep float16 weights packed for FBGEMM (:class:`HalfLinear`,
-`quantized::linear_dynamic_fp16`): half the bytes read, the products in float32. On an
-AVX2 AMD EPYC, SmolLM2's step at 1 row took 82.6 ms against 106.0, at 8 rows 158.0 against
-234.9, at 32 rows (bound by arithmetic, not bytes) level, 486 against 477; held-out
-perplexity 27.191 against 27.192 and 8 of 8 greedy answers identical to float32 (`python
--m bench.decode --variants fp32-plain,fp32,auto --threads 1 --rounds 2 --tokens 16`). Only
-for `dtype: auto`: a model asked for in float32 gets float32 weights.
+it: `dtype: auto` is float32 there, and a step of a few rows is bound by reading the
+weights), the linear layers keep float16 weights packed for FBGEMM (:class:`HalfLinear`,
+`quantized::linear_dynamic_fp16`): half the bytes read, the products in float32; faster at
+a few rows, level where a step is bound by arithmetic, perplexity unchanged. Only for
+`dtype: auto`: a model asked for in float32 gets float32 weights.
 
 A float32 vocabulary head left unpacked (`dtype: float32`) is computed weight first
-(:class:`WeightFirstLinear`):
-`(W @ xᵀ)ᵀ`, the same weight and the same products, with the few rows as the product's
-narrow side. MKL's `x @ Wᵀ` with 2-64 rows against SmolLM2's 49,152 x 576 head ran at a
-fraction of its one-row speed on an AVX2 AMD EPYC (1 thread, best of 6: 2 rows 18.9 ms
-against 13.0, 4 rows 32.9 against 13.3, 8 rows 37.2 against 21.8, 32 rows 96.5 against
-64.1; one row 10.0 either way). The engine times both on the head at load
-(:func:`weight_first_wins`) and keeps the faster; the head's weight stays the one
-parameter it was (tied to the embedding where it is), so it costs no memory. The other
-linear layers are small enough that the two orders are level (within ±20 %, either way).
-SmolLM2's whole step at 8 rows: 216 ms against 235 (`fp32` against `fp32-plain`).
+(:class:`WeightFirstLinear`): `(W @ xᵀ)ᵀ`, the same weight and the same products, with the
+few rows as the product's narrow side, because MKL's `x @ Wᵀ` against a large head ran at
+a fraction of its one-row speed for 2-64 rows on some CPUs and not on others. So the
+engine times both on the head at load (:func:`weight_first_wins`) and keeps the faster;
+the head's weight stays the one parameter it was (tied to the embedding where it is), so
+it costs no memory. The other linear layers are small enough that the two orders are level.
 """
 
 from __future__ import annotations

@@ -30,64 +30,10 @@ from typing import Any
 import torch
 from tokenizers.decoders import DecodeStream
 
-from events.models import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
-
-#: OpenAI's bounds: penalties in [-2, 2], a token's bias in [-100, 100].
-MAX_PENALTY, MAX_BIAS = 2.0, 100.0
-
-"""The smallest non-zero temperature served. Smaller ones sharpen the distribution into
-an argmax anyway, and far smaller ones underflow to 0 in float32 (1e-300) or overflow
-the scaled logits (1e-40), which leaves nothing to sample; ask for 0 (greedy) instead."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request."""
-
-    temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy (argmax); top_p and seed are then unused
-    top_p: float = DEFAULT_TOP_P  # nucleus: sample among the smallest set of tokens with this much mass
-    max_tokens: int = DEFAULT_MAX_TOKENS  # completion tokens at most (the engine may clamp it to the context)
-    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
-    seed: int | None = None  # None draws a fresh seed per request (not reproducible)
-    presence_penalty: float = 0.0  # subtracted from every token generated at least once so far
-    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
-    logprobs: int | None = None  # None: none; n: the chosen token's and its n most likely alternatives
-    ignore_eos: bool = False  # the end-of-sequence token does not end it (max_tokens and stop strings do)
-
-    def __post_init__(self) -> None:
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(
-                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        # Accept any iterable (a list from JSON) but store a tuple so params stay hashable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
-        object.__setattr__(self, "stop", stop)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        bias = tuple(sorted((int(t), float(b)) for t, b in bias))
-        if any(t < 0 or not -MAX_BIAS <= b <= MAX_BIAS for t, b in bias):
-            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-{MAX_BIAS}, {MAX_BIAS}]")
-        object.__setattr__(self, "logit_bias", bias)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def adjusts(self) -> bool:
-        """True when its logits change before selection (penalties or bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+# The request's parameters as its event holds them (ranges checked when it was decoded,
+# what the engine cannot serve by the worker's intake, `SamplingParams.checked`); the
+# defaults too, for the backends that send them on (upstream imports them from here).
+from events.models import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -204,8 +150,8 @@ def token_logprobs(
 
 #: How many of a row's most likely tokens its nucleus is looked for among first: the
 #: nucleus lies there when their mass reaches the row's top_p, and only a row whose
-#: nucleus is wider is sorted whole (sorting SmolLM2's 49,152-token vocabulary took 2.9 ms
-#: a row, 113 ms a step at 32 rows, more than the model's forward; a top-256 0.2 ms).
+#: nucleus is wider is sorted whole (sorting a whole vocabulary for every row cost more
+#: than the model's forward; docs/inference.md, Determinism).
 NUCLEUS_CANDIDATES = 256
 
 

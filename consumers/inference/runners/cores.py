@@ -3,14 +3,13 @@ engine stepping there, and its share of them while another one steps.
 
 One torch thread an engine (ARENA_TORCH_THREADS, arena up's share) leaves a core to the
 gateway, the filter and NATS, and keeps an arena battle's two models from fighting for
-the cores: with two threads each, SmolLM2 fell from 176-186 tok/s to 0-36 and
-stories-260k from 1,279-1,328 to 301-372 (docs/benchmarks.md). But a model served alone
-(one user, or a load on one model) then runs a step on one core of two: two threads served
-SmolLM2 alone 10-22% more. So each engine notes its steps in a directory every engine of
-the machine shares (a file per process, its modification time the last step), and runs
-a step with ``alone`` threads when no other engine stepped within :data:`WINDOW_S`, and
-with ``shared`` ones otherwise. A battle runs both models at one thread each, as before;
-a model alone gets both cores.
+the cores: with two threads each, both models' tokens a second fell to a fraction
+(docs/benchmarks.md). But a model served alone (one user, or a load on one model) then
+runs a step on one core of two, and two threads served it faster. So each engine notes
+its steps in a directory every engine of the machine shares (a file per process, its
+modification time the last step), and runs a step with ``alone`` threads when no other
+engine stepped within :data:`WINDOW_S`, and with ``shared`` ones otherwise. A battle runs
+both models at one thread each, as before; a model alone gets both cores.
 
 A second thread pays only where the threads do not wait for each other between the
 step's products: torch's OpenMP threads spin briefly at the end of a parallel region
@@ -34,11 +33,11 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-#: Another engine that stepped within this many seconds is stepping (a SmolLM2 step is
-#: 30-90 ms, a gap between a closed-loop user's turns a few ms).
+#: Another engine that stepped within this many seconds is stepping: longer than a step
+#: of the models served (tens of ms) and than the gap between a closed-loop user's turns.
 WINDOW_S = 0.25
-#: How often an engine notes that it steps (a file's time a step would cost a stories-260k
-#: step of ~1 ms a syscall each).
+#: How often an engine notes that it steps (a file's time each step would cost a tiny
+#: model's step of about a millisecond a syscall each).
 NOTE_EVERY_S = WINDOW_S / 5
 #: Where the machine's engines note their steps unless ARENA_CORES_DIR says otherwise.
 DEFAULT_DIR = str(Path.home() / ".cache" / "arenaflow" / "cores")
@@ -53,8 +52,7 @@ def sizing(shared: int, alone: int) -> bool:
 def alone_threads(shared: int, alone: int, params: int, min_params: int) -> int:
     """The threads a model's engine takes alone: ``alone`` for a model of ``min_params``
     weights or more, else ``shared`` (a small model's step is Python's time, which a
-    second thread slows down: stories260K at batch 20 made 1,124 tok/s on one thread, 118
-    on two spinning ones)."""
+    second spinning thread slows down many times over: docs/operations.md)."""
     return alone if sizing(shared, alone) and params >= min_params else shared
 
 

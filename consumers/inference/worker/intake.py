@@ -9,14 +9,13 @@ import math
 from collections.abc import Awaitable, Callable
 
 from consumers.inference.engine.batch import check_kv, check_prompt, check_room
-from consumers.inference.engine.sampling import SamplingParams as EngineParams
 from consumers.inference.errors import PermanentError, PromptTooLong, Unavailable, UnknownModel, Unsupported
 from consumers.inference.metrics import METRICS
 from consumers.inference.models import LoadedModel, encode_prompt, encode_text, vocab_size
 from consumers.inference.protocol import GenRequest
 from consumers.inference.runners.base import Runner
 from consumers.inference.upstream.engine import upstream_request
-from events.models import FailureCode, PromptAccepted, Terminal, TokensGenerated
+from events.models import FailureCode, PromptAccepted, SamplingParams, Terminal, TokensGenerated
 from runtime.steps import too_long_alone
 
 log = logging.getLogger(__name__)
@@ -30,27 +29,10 @@ class Refused(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-def engine_params(event: PromptAccepted) -> EngineParams:
-    """The engine's sampling parameters of ``event``; ValueError names what cannot be served."""
-    p = event.params
-    return EngineParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        max_tokens=p.max_tokens,
-        stop=tuple(p.stop),
-        seed=p.seed,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logit_bias=tuple(p.logit_bias.items()),
-        logprobs=p.logprobs,
-        ignore_eos=p.ignore_eos,
-    )
-
-
 def gen_request(
     event: PromptAccepted,
     loaded: LoadedModel,
-    params: EngineParams,
+    params: SamplingParams,
     chunks: list[TokensGenerated],
     kv_budget_bytes: int | None,
 ) -> GenRequest:

@@ -34,7 +34,6 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from consumers.inference.engine.batch import kv_room
-from consumers.inference.engine.sampling import SamplingParams as EngineParams
 from consumers.inference.errors import RetryableError
 from consumers.inference.llamacpp.build import LlamaServerMissing
 from consumers.inference.metrics import METRICS
@@ -44,13 +43,13 @@ from consumers.inference.runners.base import Runner
 from consumers.inference.runners.factory import RunnerFactory, Runners
 from consumers.inference.runners.process import START_TIMEOUT_S
 from consumers.inference.worker import spans
-from consumers.inference.worker.intake import Refused, check_speed, delivered, engine_params, failure_of, gen_request
+from consumers.inference.worker.intake import Refused, check_speed, delivered, failure_of, gen_request
 from consumers.inference.worker.jobs import Job
 from consumers.inference.worker.outbox import Outbox
 from consumers.inference.worker.outputs import OutputProcessor
 from consumers.inference.worker.watchdog import Watchdog
 from events.fleet import ModelLoad
-from events.models import ChatFailed, PromptAccepted, TokensGenerated
+from events.models import ChatFailed, PromptAccepted, SamplingParams, TokensGenerated
 from runtime import tracing
 
 log = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ class InferenceService:
             await self._fail(event, msg, "deadline_exceeded", "the request's deadline passed before it was computed")
             return
         try:
-            params = engine_params(event)
+            params = event.params.checked()
         except ValueError as exc:  # the gateway validates these; a message from elsewhere may not be
             await self._fail(event, msg, "internal_error", f"sampling parameters cannot be served: {exc}")
             return
@@ -242,7 +241,7 @@ class InferenceService:
         event: PromptAccepted,
         msg: Msg,
         span: Span | None,
-        params: EngineParams,
+        params: SamplingParams,
         chunks: list[TokensGenerated],
         pin: AsyncExitStack,
     ) -> None:

@@ -72,7 +72,7 @@ class ArenaService:
         return self._secret
 
     def names(self, battle: Battle | None = None) -> set[str]:
-        names = set(self.pipeline.fleet()["models"])
+        names = set(self.pipeline.fleet().models)
         return names | ({battle.started.model_a, battle.started.model_b} if battle else set())
 
     def neutral(self, err: APIError, battle: Battle | None = None) -> APIError:
@@ -115,10 +115,10 @@ class ArenaService:
 
     async def start(self, api_key: str | None, address: str | None) -> Battle:
         fleet = self.pipeline.fleet()
-        down = {m for m, at in fleet.get("unavailable", {}).items() if not set(fleet["models"].get(m, ())) - set(at)}
+        down = {m for m in fleet.unavailable if fleet.down_everywhere(m)}
         out = await self.withdrawn() | down
-        resident = {m for m, insts in fleet["models"].items() if insts and m not in out}
-        models = [m for m in fleet["models"] if m not in out]
+        resident = {m for m, insts in fleet.models.items() if insts and m not in out}
+        models = [m for m in fleet.models if m not in out]
         owners = model_owners(self.pipeline.live_beats())
         votes, pairs = await self.records()
         policy = self.policy.with_votes(votes, models)

@@ -62,10 +62,10 @@ class FleetCollector:
         fleet = self.pipeline.fleet()
         processes = GaugeMetricFamily("arena_fleet_processes", "Ready processes per role (heartbeats)", labels=["role"])
         for role in topology.ROLES:
-            if role.name in fleet:
-                processes.add_metric([role.name], fleet[role.name])
+            if role.name in fleet.ready:
+                processes.add_metric([role.name], fleet.ready[role.name])
         yield processes
-        self.served |= set(fleet["models"])
+        self.served |= set(fleet.models)
         workers = GaugeMetricFamily(
             "arena_model_resident_workers", "Inference processes holding the model resident", labels=["model"]
         )
@@ -80,7 +80,7 @@ class FleetCollector:
             labels=["model"],
         )
         for model in sorted(self.served):
-            workers.add_metric([model], len(fleet["models"].get(model, ())))
+            workers.add_metric([model], len(fleet.models.get(model, ())))
             workers_queue = self.pipeline.queue(model)
             queue.add_metric([model], workers_queue.requests)
             # As admission sees it: the stream's requests (any model's) are ahead too.
