@@ -117,7 +117,7 @@ def test_active_sampling_favours_the_pair_one_vote_informs_most():
 def test_a_battle_refused_for_want_of_models_names_those_not_loaded():
     """A models config of one's own warms its default model only: the others, served but
     not loaded, never battle until loaded, and the 503 says so and how to load them."""
-    from gateway.arena.service import unloaded
+    from gateway.arena.serving import unloaded
 
     assert unloaded(["tiny", "team-7b"], {"tiny"}) == (
         " (team-7b not loaded: a model battles once loaded; the models config's warm: list loads it at start)"
