@@ -35,7 +35,7 @@ import torch
 from consumers.inference.engine import quantize
 from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import LoadedModel, ModelSpec, encode_prompt, load_model
+from consumers.inference.model_loading import LoadedModel, ModelSpec, encode_prompt, load_model
 
 #: name: (dtype, quantize, prepack)
 VARIANTS: dict[str, tuple[str, quantize.Quantize | None, bool]] = {

@@ -31,7 +31,7 @@ from bench.workload import LengthMix, Workload, draw_session
 from consumers.inference.engine import packed, prepack
 from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
+from consumers.inference.model_loading import LoadedModel, ModelSpec, default_specs, encode_prompt, load_model
 from consumers.inference.runners import cores
 from consumers.inference.settings import InferenceSettings
 

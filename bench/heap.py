@@ -24,7 +24,7 @@ if kind == "gateway":
     keep = build_app(settings, FakePipeline(settings))
 else:
     import consumers.inference.app
-    from consumers.inference.models import load_model, load_models_config
+    from consumers.inference.model_loading import load_model, load_models_config
     from consumers.inference.settings import InferenceSettings
     settings = InferenceSettings()
     specs = load_models_config(settings.models_config, settings.models_dir)

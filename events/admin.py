@@ -22,7 +22,7 @@ class _Message(BaseModel):
 
 class ModelSource(_Message):
     """Where a model's weights are and how to place them (a models config entry's first
-    fields; `consumers.inference.models.ModelSpec` validates them when applied)."""
+    fields; `consumers.inference.model_loading.ModelSpec` validates them when applied)."""
 
     name: str = Field(description="Served model name.")
     path: str = Field(

@@ -25,7 +25,7 @@ from pydantic.json_schema import models_json_schema
 from gateway import errors, routes_async, routes_openai, ws
 from gateway.access import Access, KeyGuard
 from gateway.admission.hook import EarlyAdmission, refusal
-from gateway.admission.service import Admission
+from gateway.admission.leases import Admission
 from gateway.admission.uvicorn_adapter import WebSocketProtocol, head_timeout_protocol
 from gateway.arena import routes as arena_routes
 from gateway.edge import BodyGuard, ServerTiming

@@ -24,7 +24,7 @@ from events.models import ChatMessage, ChatRequested, new_id
 from gateway import ratelimit
 from gateway.access import not_found
 from gateway.admission.estimate import too_slow
-from gateway.admission.service import Admission, Lease
+from gateway.admission.leases import Admission, Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Pipeline

@@ -28,7 +28,7 @@ from events.models import (
     TokenLogprob,
     TokensGenerated,
 )
-from gateway.admission.service import Lease
+from gateway.admission.leases import Lease
 from gateway.errors import APIError
 from gateway.metrics import METRICS
 from gateway.pipeline import Output

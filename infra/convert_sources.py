@@ -19,7 +19,7 @@ import sys
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp import build as llamacpp
-from consumers.inference.models import load_models_config
+from consumers.inference.model_loading import load_models_config
 from consumers.inference.settings import InferenceSettings
 
 

@@ -1,6 +1,6 @@
 """What a models config says before any model loads: its model names, its default model
 and the models warmed at start. Read by every process's settings (`CommonSettings`) and by
-`arena up`, none of which may import torch (`consumers.inference.models` reads the rest).
+`arena up`, none of which may import torch (`consumers.inference.model_loading` reads the rest).
 
 The default model (what a request that names none gets, and what /readyz waits for) is
 the config's ``default_model:``, else its first model; with no config at all, the one
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-#: The model served when no models config is given (consumers.inference.models.default_specs).
+#: The model served when no models config is given (consumers.inference.model_loading.default_specs).
 FALLBACK_MODEL = "stories-260k"
 
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from consumers.inference.engine import prepack
-from consumers.inference.models import ModelSpec, resolve_source
+from consumers.inference.model_loading import ModelSpec, resolve_source
 from events.admin import (
     AddModel,
     ListModels,

@@ -14,11 +14,11 @@ from nats.aio.msg import Msg
 
 from consumers.inference import admin
 from consumers.inference.metrics import register_pool
-from consumers.inference.models import load_model, load_models_config
+from consumers.inference.model_loading import load_model, load_models_config
 from consumers.inference.pool import ModelPool
 from consumers.inference.runners import forks
 from consumers.inference.settings import InferenceSettings
-from consumers.inference.worker.service import InferenceService
+from consumers.inference.worker.worker import InferenceService
 from events import decode, subjects, topology
 from events.fleet import InferenceBeat, ProcessBeat
 from events.models import ChatCancelled, PromptAccepted

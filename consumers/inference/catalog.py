@@ -5,7 +5,7 @@ and then as loaded. What the pool holds in memory is the pool's own (pool.py).""
 from __future__ import annotations
 
 from consumers.inference.errors import UnknownModel
-from consumers.inference.models import ModelSpec, configured_context_len
+from consumers.inference.model_loading import ModelSpec, configured_context_len
 
 
 class Catalog:

@@ -31,7 +31,7 @@ import torch
 
 from consumers.inference.catalog import Catalog
 from consumers.inference.errors import PermanentError, PoolExhausted
-from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from consumers.inference.model_loading import LoadedModel, ModelSpec, load_model
 from runtime import heap
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """An engine whose tokens stream from an HTTP server (server-sent events): the part the
 llama.cpp backend (its own `llama-server` child) and the upstream backend (any
-OpenAI-compatible server) share. An :class:`~consumers.inference.protocol.EngineBackend`
+OpenAI-compatible server) share. An :class:`~consumers.inference.engine_io.EngineBackend`
 the runner steps like the built-in engine.
 
 At most ``slots`` requests are streamed at once; the rest wait here, in order, and their
@@ -33,9 +33,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from consumers.inference.engine_io import EngineStats, FinishReason, GenRequest, StepOutput
 from consumers.inference.errors import PermanentError, RetryableError
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import EngineStats, FinishReason, GenRequest, StepOutput
+from consumers.inference.model_loading import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ then answered (or ended at its deadline), the margin it would have needed is
 
 with `wait_s` and `step_s` as estimated (margin aside), `tokens` the tokens it really
 generated (a budget is an upper bound: an early stop is no error of the estimate) and
-`took_s` from admission to its end; a request the deadline cut records CEILING. The
+`took_s` from admission to its end; a request the deadline cut records what its tokens
+made so far needed (more than the margin it had; CEILING when it made none). The
 margin admission uses is the 99th percentile of the last WINDOW of those (of 200, the
 second highest: two misses in the window and it is the most there is), within [FLOOR,
 CEILING]; until MIN_SAMPLES were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
@@ -44,9 +45,16 @@ class Judged:
 
     wait_s: float
     step_s: float
+    margin: float = 1.0  # the margin it was admitted with
 
     def needed(
-        self, took_s: float, tokens: int, overhead_s: float, budget_s: float, shared_step_s: float | None = None
+        self,
+        took_s: float,
+        tokens: int,
+        overhead_s: float,
+        budget_s: float,
+        shared_step_s: float | None = None,
+        cut: bool = False,
     ) -> float | None:
         """The margin this request needed; None when it says nothing of the margin: its
         estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
@@ -57,10 +65,20 @@ class Judged:
         margin is what the figures are off by. Against the batch it was judged at, the
         first requests of a burst (judged beside a few, sharing their steps with the
         whole burst after) needed up to 1.43x, and a margin learned from them refused at
-        saturation turns the server answered in time."""
+        saturation turns the server answered in time.
+        Near the edge as it was judged: its work times the margin it was admitted with
+        (a margin of 3 admits work of 5 s at most for a 15 s deadline, under the edge's
+        40 %: judged without the margin, nothing would be recorded once the margin
+        reached 2.5, and a margin pushed there by two cut turns stayed there for good,
+        answering 1.2-1.7 turns/s where 2.7 were answered before).
+        `cut`: the deadline ended it after `tokens`: how long those took says how far off
+        the figures were (more than the margin it had), near the edge or not; CEILING
+        when it made none."""
         step = self.step_s if shared_step_s is None else shared_step_s
         work = self.wait_s + tokens * step
-        if work < max(MIN_WORK_S, NEAR_EDGE * (budget_s - overhead_s)) or tokens <= 0:
+        if cut:
+            return CEILING if tokens <= 0 or work <= 0 else max(0.0, took_s - overhead_s) / work
+        if work * self.margin < max(MIN_WORK_S, NEAR_EDGE * (budget_s - overhead_s)) or tokens <= 0:
             return None
         return max(0.0, took_s - overhead_s) / work
 

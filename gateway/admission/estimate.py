@@ -78,7 +78,7 @@ class Estimate:
     def judged(self) -> Judged:
         """The estimate's parts, margin aside: what calibration compares the request's
         real time with (`calibrate.Judged`)."""
-        return Judged(self.wait_s / self.margin, self.step_s / self.margin)
+        return Judged(self.wait_s / self.margin, self.step_s / self.margin, self.margin)
 
 
 @dataclass(frozen=True)

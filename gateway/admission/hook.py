@@ -18,7 +18,7 @@ import orjson
 from events.models import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from gateway.access import bearer
 from gateway.admission.estimate import overloaded
-from gateway.admission.service import ALONE, Admission, Lease
+from gateway.admission.leases import ALONE, Admission, Lease
 from gateway.admission.uvicorn_adapter import ARRIVED, HOLD, TIMINGS
 from gateway.errors import APIError
 from gateway.metrics import METRICS

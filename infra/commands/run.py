@@ -76,7 +76,7 @@ def engine_processes(settings: InferenceSettings) -> bool:
     (``forks.start``: a new interpreter)."""
     if not settings.engine_process:
         return False
-    from consumers.inference.models import load_models_config  # noqa: PLC0415 - torch: the worker only, not the CLI
+    from consumers.inference.model_loading import load_models_config  # noqa: PLC0415 - torch: the worker only, not the CLI
 
     try:
         specs = load_models_config(settings.models_config, settings.models_dir)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
-from consumers.inference.models import encode_prompt, load_models_config, load_tokenizer_only
+from consumers.inference.model_loading import encode_prompt, load_models_config, load_tokenizer_only
 from consumers.inference.settings import InferenceSettings
 from tests.conftest import stored_events
 from tests.streams import Stream, stream_one

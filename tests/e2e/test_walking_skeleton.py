@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumers.inference.models import default_specs, load_model, render_chat
+from consumers.inference.model_loading import default_specs, load_model, render_chat
 from consumers.inference.settings import InferenceSettings
 from infra.audit import audit
 from runtime.stream import request_events

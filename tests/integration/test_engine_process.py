@@ -29,7 +29,7 @@ from consumers.inference.engine.batch import GenRequest
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import RetryableError
 from consumers.inference.metrics import LoadCollector
-from consumers.inference.models import ModelSpec, load_model, weights_nbytes
+from consumers.inference.model_loading import ModelSpec, load_model, weights_nbytes
 from consumers.inference.runners import factory as factory_module
 from consumers.inference.runners import process as engine_process
 from consumers.inference.runners.thread import PROFILE_PREFIX, EngineRunner
@@ -363,7 +363,7 @@ CONSUMER = textwrap.dedent(
     import asyncio, sys
     from consumers.inference.config import EngineConfig
     from consumers.inference.runners.process import ProcessRunner
-    from consumers.inference.models import ModelSpec, load_model, weights_nbytes
+    from consumers.inference.model_loading import ModelSpec, load_model, weights_nbytes
 
     async def main():
         loaded = load_model(ModelSpec(name="m", path=sys.argv[1]))

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from consumers.inference.config import EngineConfig
 from consumers.inference.engine.batch import GenRequest
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import ModelSpec, encode_prompt, load_model
+from consumers.inference.model_loading import ModelSpec, encode_prompt, load_model
 from consumers.inference.runners.cores import WINDOW_S
 from consumers.inference.runners.process import ProcessRunner
 from consumers.inference.settings import InferenceSettings

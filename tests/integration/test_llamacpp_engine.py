@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.engine.sampling import SamplingParams
+from consumers.inference.engine_io import GenRequest, StepOutput
 from consumers.inference.llamacpp.build import LlamaServerMissing, locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
 from consumers.inference.llamacpp.options import LlamaCppOptions
 from consumers.inference.llamacpp.server import SPIN_COUNT
-from consumers.inference.models import ModelSpec, encode_prompt, load_model, load_tokenizer_only
-from consumers.inference.protocol import GenRequest, StepOutput
+from consumers.inference.model_loading import ModelSpec, encode_prompt, load_model, load_tokenizer_only
 from consumers.inference.runners.thread import MIN_SAMPLES, EngineRunner
 from consumers.inference.settings import InferenceSettings
 

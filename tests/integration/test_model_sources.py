@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference import sources
 from consumers.inference.errors import PermanentError
-from consumers.inference.models import ModelSpec, encode_prompt, load_model
+from consumers.inference.model_loading import ModelSpec, encode_prompt, load_model
 from consumers.inference.settings import InferenceSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

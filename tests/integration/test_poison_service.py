@@ -14,10 +14,10 @@ from prometheus_client import REGISTRY
 
 from consumers.inference.engine import sequences as engine_module
 from consumers.inference.engine.batch import BatchEngine
-from consumers.inference.models import ModelSpec
+from consumers.inference.model_loading import ModelSpec
 from consumers.inference.pool import ModelPool
 from consumers.inference.settings import InferenceSettings
-from consumers.inference.worker.service import InferenceService
+from consumers.inference.worker.worker import InferenceService
 from events import decode, subjects, topology
 from events.models import ChatMessage, ChatRequested, FilterReport, PromptAccepted, SamplingParams, TokensGenerated
 from infra.audit import audit

@@ -14,12 +14,12 @@ import pytest
 from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.running import RunningBatch
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import ModelSpec, encode_prompt, load_model
+from consumers.inference.model_loading import ModelSpec, encode_prompt, load_model
 from consumers.inference.pool import ModelPool
 from consumers.inference.runners.factory import RunnerFactory
 from consumers.inference.runners.thread import EngineRunner
 from consumers.inference.settings import InferenceSettings
-from consumers.inference.worker.service import InferenceService
+from consumers.inference.worker.worker import InferenceService
 from tests.conftest import STORIES, STORY_PROMPTS
 from tests.unit.test_engine import run, tokens
 

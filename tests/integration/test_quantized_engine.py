@@ -12,7 +12,7 @@ import torch
 from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.quantize import MAX_ROWS, QuantLinear
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import ModelSpec, encode_prompt, load_model
+from consumers.inference.model_loading import ModelSpec, encode_prompt, load_model
 from consumers.inference.settings import InferenceSettings
 from tests.integration.test_chat_parity import CHATS, NEW_TOKENS, greedy, parted_at
 from tests.unit.test_engine import run, tokens

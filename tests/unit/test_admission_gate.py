@@ -16,8 +16,8 @@ from events.models import DEFAULT_MAX_TOKENS
 from gateway.admission.estimate import ModelQueue, StreamState, estimate
 from gateway.admission.gate import DEMAND_WINDOW_S, PEER_SILENT_S, STRICTER, Demand, EarlyGate, share
 from gateway.admission.hook import LEASE, refusal, request_of
+from gateway.admission.leases import ALONE, Admission
 from gateway.admission.recent import FleetAdmissions
-from gateway.admission.service import ALONE, Admission
 from gateway.admission.uvicorn_adapter import HOLD
 from gateway.settings import GatewaySettings
 from tests.waiting import until

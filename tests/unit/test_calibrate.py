@@ -75,3 +75,28 @@ def test_an_estimate_knows_its_parts_without_the_margin():
     assert judged.wait_s == pytest.approx(est.wait_s / 1.5) and judged.wait_s > 0
     idle = estimate(ModelQueue(2, 0, 0, 0.1, 0.1, measured_at=1e18), 64, 0.5, margin=1.5)
     assert idle.margin == 1.0 and idle.judged().step_s == pytest.approx(0.1)  # an idle fleet: no margin
+
+
+def test_at_a_high_margin_turns_near_the_edge_as_judged_still_teach_it():
+    """A margin of 3 (two cut turns) admits 64-token turns of ~70 ms a step: 4.5 s of work
+    for a 15 s deadline, under 40 % of it. Judged without the margin they taught nothing
+    and the margin stayed at 3 for good; near the edge as judged (x3), they teach it."""
+    assert Judged(0.0, 0.07).needed(5.2, 64, 0.5, 15.0) is None  # admitted at margin 1: far from the edge
+    high = Judged(0.0, 0.07, margin=3.0)
+    assert high.needed(5.2, 64, 0.5, 15.0) == pytest.approx(4.7 / 4.48)
+    calibration = Calibration(1.5)
+    for _ in range(2):
+        calibration.record("m", CEILING)
+    for _ in range(400):
+        calibration.record("m", high.needed(5.2, 64, 0.5, 15.0))
+    assert calibration.margin("m") == pytest.approx(4.7 / 4.48)  # the two ceilings left the window
+
+
+def test_a_cut_turn_records_how_far_off_the_figures_were_for_what_it_made():
+    """Cut at its 15 s deadline after 50 of 64 tokens, judged at 150 ms a step with a
+    margin of 1.2: its 50 tokens took 14.5 s, 1.93x the 7.5 s figured; not the ceiling."""
+    judged = Judged(0.0, 0.15, margin=1.2)
+    assert judged.needed(15.0, 50, 0.5, 15.0, cut=True) == pytest.approx(14.5 / 7.5)
+    assert judged.needed(15.0, 0, 0.5, 15.0, cut=True) == CEILING  # nothing made: the most there is
+    far = Judged(0.0, 0.01)
+    assert far.needed(15.0, 5, 0.5, 15.0, cut=True) == pytest.approx(14.5 / 0.05)  # clamped when recorded

@@ -13,7 +13,7 @@ from consumers.inference.engine.kvcache import bytes_per_token
 from consumers.inference.engine.running import RunningBatch
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
-from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.model_loading import ModelSpec, load_model
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process
 

@@ -12,7 +12,7 @@ import pytest
 from consumers.inference.engine.batch import StepOutput
 from consumers.inference.settings import InferenceSettings
 from consumers.inference.worker.jobs import Job
-from consumers.inference.worker.service import InferenceService
+from consumers.inference.worker.worker import InferenceService
 from events import subjects
 from events.models import ChatMessage, FilterReport, PromptAccepted, SamplingParams
 from runtime.jetstream import PUBLISH_TIMEOUT_S, ReplyLost

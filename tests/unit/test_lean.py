@@ -12,7 +12,7 @@ from consumers.inference.engine import lean
 from consumers.inference.engine.batch import BatchEngine, GenRequest
 from consumers.inference.engine.kvcache import KVSlab
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.model_loading import ModelSpec, load_model
 from tests.unit.test_engine import PROMPTS, STORIES, ids, run, tokens
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.engine.sampling import SamplingParams
+from consumers.inference.engine_io import GenRequest
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp import build
 from consumers.inference.llamacpp.engine import completion_body, token_logprobs
 from consumers.inference.llamacpp.options import LlamaCppOptions
 from consumers.inference.llamacpp.server import command
-from consumers.inference.models import ModelSpec, load_models_config
-from consumers.inference.protocol import GenRequest
+from consumers.inference.model_loading import ModelSpec, load_models_config
 
 pytestmark = pytest.mark.timeout(60)
 

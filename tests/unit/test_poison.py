@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from consumers.inference.engine import sequences as engine_module
 from consumers.inference.engine.batch import BatchEngine, GenRequest, StepOutput
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.model_loading import ModelSpec, load_model
 from tests.conftest import STORIES
 from tests.unit.test_engine import PROMPTS, ids, run, tokens
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.errors import PermanentError, PoolExhausted, RetryableError, UnknownModel
-from consumers.inference.models import LoadedModel, ModelSpec, load_model
+from consumers.inference.model_loading import LoadedModel, ModelSpec, load_model
 from consumers.inference.pool import ModelPool
 
 pytestmark = pytest.mark.integration  # runs the real stories260K model in-process

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consumers.inference import models
+from consumers.inference import model_loading
 from consumers.inference.engine import prepack
 from consumers.inference.engine.batch import BatchEngine
 from consumers.inference.engine.quantize import MAX_ROWS, QuantLinear
-from consumers.inference.models import ModelSpec, load_model
+from consumers.inference.model_loading import ModelSpec, load_model
 from consumers.inference.runners import process as engine_process
 from tests.conftest import STORIES
 
@@ -121,7 +121,7 @@ def test_dtype_auto_on_a_cpu_without_bfloat16_packs_float16_weights_and_an_expli
     model is big enough (stories260K is not: the floor is lowered here); `dtype: float32`
     asked for keeps float32 weights; the load counts the packed copy."""
     monkeypatch.setattr(prepack, "MIN_PARAMS", 0)
-    monkeypatch.setattr(models, "BF16_MIN_PARAMS", 0)  # where bfloat16 is native, auto takes it
+    monkeypatch.setattr(model_loading, "BF16_MIN_PARAMS", 0)  # where bfloat16 is native, auto takes it
     auto = load_model(ModelSpec(name="s", path=str(STORIES), dtype="auto"))
     fp32 = load_model(ModelSpec(name="s", path=str(STORIES), dtype="float32"))
     off = load_model(ModelSpec(name="s", path=str(STORIES), dtype="auto", prepack=False))

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.protocol import GenRequest
+from consumers.inference.engine_io import GenRequest
 from consumers.inference.runners import probes
 from consumers.inference.runners.probes import Pressure, ProbeClock, rescaled
 from consumers.inference.runners.thread import PROFILE_PREFIX, EngineRunner

@@ -12,7 +12,7 @@ from torch import nn
 
 from consumers.inference.engine.quantize import MAX_ROWS, QuantLinear, quantize_model
 from consumers.inference.errors import PermanentError
-from consumers.inference.models import ModelSpec, load_model, load_models_config
+from consumers.inference.model_loading import ModelSpec, load_model, load_models_config
 
 pytestmark = pytest.mark.timeout(120)
 

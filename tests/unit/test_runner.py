@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
+from consumers.inference.engine_io import EngineStats, GenRequest, StepOutput
 from consumers.inference.runners.figures import FIGURES_MAX_AGE_S, MIN_SAMPLES, steps_until_slot, typical_step
 from consumers.inference.runners.thread import PROFILE_PREFIX, PROFILE_PROMPT_TOKENS, PROFILE_STEPS, EngineRunner
 from runtime.steps import MAX_PREFILL_SHARE, PREFILL_WINDOW_S, stretch
@@ -20,7 +20,7 @@ from tests.waiting import until
 
 
 class QueueOnly:
-    """An engine backend (consumers.inference.protocol.EngineBackend) with a queue and no
+    """An engine backend (consumers.inference.engine_io.EngineBackend) with a queue and no
     model: what the runner's estimate reads. The runner's thread is stopped at once, so
     nothing ever steps it."""
 

@@ -9,9 +9,9 @@ import pytest
 
 from consumers.inference.engine.logprobs import Pieces, spelled, speller
 from consumers.inference.engine.sampling import SamplingParams
+from consumers.inference.engine_io import GenRequest, StepOutput, TextPrompt
 from consumers.inference.errors import PermanentError, Unsupported
-from consumers.inference.models import ModelSpec, load_models_config
-from consumers.inference.protocol import GenRequest, StepOutput, TextPrompt
+from consumers.inference.model_loading import ModelSpec, load_models_config
 from consumers.inference.streamed import StreamedEngine
 from consumers.inference.upstream.circuit import Circuit
 from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after, upstream_model

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from consumers.inference.errors import PermanentError
-from consumers.inference.models import ModelSpec, load_models_config
+from consumers.inference.model_loading import ModelSpec, load_models_config
 from consumers.inference.pool import ModelPool
 from events.fleet import VariantDefaults
 from gateway.protocol import ChatCompletionRequest

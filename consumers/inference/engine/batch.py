@@ -45,9 +45,9 @@ from consumers.inference.engine.prefix import PrefixCache
 from consumers.inference.engine.running import RunningBatch
 from consumers.inference.engine.scheduler import Scheduler
 from consumers.inference.engine.sequences import Sampler
+from consumers.inference.engine_io import EngineStats, GenRequest, StepOutput
 from consumers.inference.errors import ContextExceeded, KVBudgetExceeded, PermanentError, PromptTooLong
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import EngineStats, GenRequest, StepOutput
+from consumers.inference.model_loading import LoadedModel
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -21,7 +21,7 @@ computes it natively, packed for oneDNN by the engine as an unquantized model's 
 prepack.py). Both paths compute with
 the same weights, so a request's tokens do not depend on how many others share its
 step (to rounding). The cost is the packed copy beside the float one (+50% for int8,
-+25% for int4), which :func:`~consumers.inference.models.load_model` counts.
++25% for int4), which :func:`~consumers.inference.model_loading.load_model` counts.
 
 The kernels run in bfloat16 (their float32 paths are not vectorized: 10x slower), on
 the step's activations cast to it and back.

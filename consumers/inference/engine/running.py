@@ -25,8 +25,8 @@ from consumers.inference.engine import packed
 from consumers.inference.engine.kvcache import KV, KVSlab
 from consumers.inference.engine.prefix import Hit, PrefixCache
 from consumers.inference.engine.sequences import Sampler, Seq
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import GenRequest, StepOutput
+from consumers.inference.engine_io import GenRequest, StepOutput
+from consumers.inference.model_loading import LoadedModel
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from consumers.inference.engine.sequences import Seq
+from consumers.inference.engine_io import FinishReason, GenRequest, StepOutput
 from consumers.inference.errors import PermanentError
-from consumers.inference.protocol import FinishReason, GenRequest, StepOutput
 
 
 class Scheduler:

@@ -19,8 +19,8 @@ from consumers.inference.engine.sampling import (
     pick_tokens,
     token_logprobs,
 )
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import FinishReason, GenRequest, StepOutput
+from consumers.inference.engine_io import FinishReason, GenRequest, StepOutput
+from consumers.inference.model_loading import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A model's tokens from a `llama-server` child: an :class:`EngineBackend` the runner steps
-like the built-in engine (``consumers/inference/protocol.py``).
+like the built-in engine (``consumers/inference/engine_io.py``).
 
 The worker tokenizes the prompt as for the built-in engine (the same token ids) and
 sends the ids to the server's `/completion` with `stream: true`; each streamed token
@@ -27,10 +27,10 @@ from typing import Any
 
 from consumers.inference.engine.batch import check_prompt
 from consumers.inference.engine.sampling import SamplingParams, TokenLogprob
+from consumers.inference.engine_io import FinishReason, GenRequest, StepOutput
 from consumers.inference.llamacpp.options import LlamaCppOptions
 from consumers.inference.llamacpp.server import LlamaServer, command
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import FinishReason, GenRequest, StepOutput
+from consumers.inference.model_loading import LoadedModel
 from consumers.inference.sources import gguf_file
 from consumers.inference.streamed import Post, Stream, StreamedEngine
 
@@ -110,7 +110,7 @@ def output(
 
 class LlamaCppEngine(StreamedEngine):
     """The engine of a ``backend: llamacpp`` model: a `llama-server` child and its streams
-    (an :class:`~consumers.inference.protocol.EngineBackend`; ``close()`` stops the server)."""
+    (an :class:`~consumers.inference.engine_io.EngineBackend`; ``close()`` stops the server)."""
 
     def __init__(self, loaded: LoadedModel, binary: Path, max_batch_size: int, threads: int = 0):
         options = loaded.spec.llamacpp or LlamaCppOptions()

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from consumers.inference.models import LoadedModel
-    from consumers.inference.protocol import GenRequest
+    from consumers.inference.engine_io import GenRequest
+    from consumers.inference.model_loading import LoadedModel
     from events.fleet import EngineLoad
 
 

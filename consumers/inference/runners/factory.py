@@ -16,10 +16,10 @@ from typing import Literal
 
 from consumers.inference.config import EngineConfig
 from consumers.inference.engine.batch import BatchEngine
+from consumers.inference.engine_io import StepOutput
 from consumers.inference.llamacpp.build import locate
 from consumers.inference.llamacpp.engine import LlamaCppEngine
-from consumers.inference.models import LoadedModel, ModelSpec, machine, weights_nbytes
-from consumers.inference.protocol import StepOutput
+from consumers.inference.model_loading import LoadedModel, ModelSpec, machine, weights_nbytes
 from consumers.inference.runners.base import Runner
 from consumers.inference.runners.cores import CoreShare, share_or_none, sizing
 from consumers.inference.runners.process import ProcessRunner, shm_room

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from consumers.inference.protocol import EngineStats, SchedulerStats
+from consumers.inference.engine_io import EngineStats, SchedulerStats
 from events.fleet import EngineLoad
 from runtime.steps import PEAK_WINDOW_S, PREFILL_WINDOW_S, step_time, stretch
 

@@ -8,7 +8,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from consumers.inference.protocol import StepOutput
+from consumers.inference.engine_io import StepOutput
 
 
 class Handoff:

@@ -51,10 +51,7 @@ import torch
 from consumers.inference.config import EngineConfig
 from consumers.inference.engine import prepack
 from consumers.inference.engine.batch import BatchEngine, check_prompt
-from consumers.inference.errors import PermanentError, RetryableError
-from consumers.inference.metrics import PrefixCounts
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import (
+from consumers.inference.engine_io import (
     AddRequest,
     CancelRequest,
     EngineCommand,
@@ -68,6 +65,9 @@ from consumers.inference.protocol import (
     StepRecord,
     StopEngine,
 )
+from consumers.inference.errors import PermanentError, RetryableError
+from consumers.inference.metrics import PrefixCounts
+from consumers.inference.model_loading import LoadedModel
 from consumers.inference.runners import cores, forks
 from consumers.inference.runners.thread import EngineRunner, estimate_finish, record_step
 from events.fleet import EngineLoad

@@ -8,7 +8,7 @@ import time
 from contextlib import suppress
 
 from consumers.inference.engine.sampling import SamplingParams
-from consumers.inference.protocol import EngineBackend, GenRequest, StepOutput, TextPrompt
+from consumers.inference.engine_io import EngineBackend, GenRequest, StepOutput, TextPrompt
 
 #: What their prompt is cut from.
 PROMPT = "Tell me about the weather in the mountains"

@@ -11,9 +11,7 @@ import time
 from collections.abc import Callable
 
 from consumers.inference.engine.scheduler import BatchHold
-from consumers.inference.metrics import METRICS, PrefixCounts
-from consumers.inference.models import LoadedModel
-from consumers.inference.protocol import (
+from consumers.inference.engine_io import (
     EngineBackend,
     EngineStats,
     GenRequest,
@@ -21,6 +19,8 @@ from consumers.inference.protocol import (
     StepOutput,
     StepRecord,
 )
+from consumers.inference.metrics import METRICS, PrefixCounts
+from consumers.inference.model_loading import LoadedModel
 from consumers.inference.runners import probes
 from consumers.inference.runners.figures import MIN_SAMPLES, StepFigures, estimate_finish
 from consumers.inference.runners.handoff import Handoff

@@ -28,10 +28,10 @@ import orjson
 
 from consumers.inference.engine.logprobs import Pieces
 from consumers.inference.engine.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams, TokenLogprob
+from consumers.inference.engine_io import FinishReason, GenRequest, StepOutput, TextPrompt
 from consumers.inference.errors import PermanentError, Unavailable, Unsupported
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import LoadedModel, ModelSpec
-from consumers.inference.protocol import FinishReason, GenRequest, StepOutput, TextPrompt
+from consumers.inference.model_loading import LoadedModel, ModelSpec
 from consumers.inference.streamed import Post, ServerRefused, Stream, StreamedEngine
 from consumers.inference.upstream.circuit import Circuit
 from consumers.inference.upstream.options import UpstreamOptions

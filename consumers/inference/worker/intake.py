@@ -9,10 +9,10 @@ import math
 from collections.abc import Awaitable, Callable
 
 from consumers.inference.engine.batch import check_kv, check_prompt, check_room
+from consumers.inference.engine_io import GenRequest
 from consumers.inference.errors import PermanentError, PromptTooLong, Unavailable, UnknownModel, Unsupported
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import LoadedModel, encode_prompt, encode_text, vocab_size
-from consumers.inference.protocol import GenRequest
+from consumers.inference.model_loading import LoadedModel, encode_prompt, encode_text, vocab_size
 from consumers.inference.runners.base import Runner
 from consumers.inference.upstream.engine import upstream_request
 from events.models import FailureCode, PromptAccepted, SamplingParams, Terminal, TokensGenerated

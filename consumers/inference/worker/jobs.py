@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
-from consumers.inference.protocol import GenRequest
+from consumers.inference.engine_io import GenRequest
 from consumers.inference.runners.base import Runner
 from events.models import PromptAccepted, Terminal, TokensGenerated
 

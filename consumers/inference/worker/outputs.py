@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from consumers.inference.engine.logprobs import spelled, speller
+from consumers.inference.engine_io import StepOutput
 from consumers.inference.metrics import METRICS
-from consumers.inference.protocol import StepOutput
 from consumers.inference.worker.jobs import Chunk, Ended, GiveBack, Job
 from consumers.inference.worker.outbox import Outbox
 from events.models import ChatCompleted, ChatFailed, Timings, TokensGenerated, Usage

@@ -34,11 +34,11 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from consumers.inference.engine.batch import kv_room
+from consumers.inference.engine_io import StepOutput
 from consumers.inference.errors import RetryableError
 from consumers.inference.llamacpp.build import LlamaServerMissing
 from consumers.inference.metrics import METRICS
-from consumers.inference.models import LoadedModel, ModelSpec
-from consumers.inference.protocol import StepOutput
+from consumers.inference.model_loading import LoadedModel, ModelSpec
 from consumers.inference.runners.base import Runner
 from consumers.inference.runners.factory import RunnerFactory, Runners
 from consumers.inference.runners.process import START_TIMEOUT_S

@@ -44,7 +44,7 @@ from events.fleet import EngineLoad
 from events.models import FailureCode
 
 if TYPE_CHECKING:
-    from consumers.inference.models import LoadedModel
+    from consumers.inference.model_loading import LoadedModel
 
 #: "lost": the engine process running it died (engine_process.py); the worker gives
 #: the request back, to be continued from its stored chunks, instead of failing it.

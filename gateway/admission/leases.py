@@ -16,7 +16,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from gateway.admission.calibrate import CEILING, Calibration, Judged
+from gateway.admission.calibrate import Calibration, Judged
 from gateway.admission.estimate import (
     Endings,
     Estimate,
@@ -85,12 +85,12 @@ class Lease:
     def ended(self, took_s: float, tokens: int, missed: bool, budget_s: float) -> None:
         """It ended `took_s` after admission with `tokens` generated (at its deadline of
         `budget_s` when `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
-        counts as needing the most margin there is."""
+        by what the tokens it made took."""
         self.admission.endings.add(self.model)
         if self.judged is not None:
             admission = self.admission
             overhead_s, shared = admission.settings.admission_overhead_s, admission.shared_step(self.model)
-            needed = CEILING if missed else self.judged.needed(took_s, tokens, overhead_s, budget_s, shared)
+            needed = self.judged.needed(took_s, tokens, overhead_s, budget_s, shared, cut=missed)
             admission.calibration.record(self.model, needed)
             self.judged = None  # once
 
