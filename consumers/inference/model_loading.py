@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from consumers.inference import sources
 from consumers.inference.engine import prepack
+from consumers.inference.engine.logprobs import Pieces
 from consumers.inference.engine.quantize import Quantize, quantize_model
 from consumers.inference.errors import PermanentError
 from consumers.inference.llamacpp.options import DEFAULT_SLOT_CONTEXT, LlamaCppOptions
@@ -384,8 +385,6 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
     if spec.backend == "llamacpp":
         return load_tokenizer_only(spec, version, cache)
     if spec.backend == "upstream":
-        from consumers.inference.upstream.engine import upstream_model  # noqa: PLC0415 - it imports this module
-
         return upstream_model(spec, version)
     t0 = time.perf_counter()
     log.info("loading model %s v%d from %s (%s on %s)", spec.name, version, spec.path, spec.dtype, spec.device)
@@ -430,6 +429,22 @@ def load_model(spec: ModelSpec, version: int = 1, cache: str | Path = sources.DE
         time.perf_counter() - t0,
     )
     return loaded
+
+
+def upstream_model(spec: ModelSpec, version: int) -> LoadedModel:
+    """A ``backend: upstream`` model as the pool holds it: no weights, no tokenizer (the
+    upstream has both), its context as the entry says."""
+    assert spec.upstream is not None
+    return LoadedModel(
+        model=None,
+        tokenizer=Pieces(),
+        spec=spec,
+        version=version,
+        nbytes=0,
+        context_len=spec.upstream.context,
+        # The upstream's vocabulary is not known here: it judges a logit_bias's ids itself.
+        vocab=2**31 - 1,
+    )
 
 
 def load_tokenizer_only(spec: ModelSpec, version: int, cache: str | Path) -> LoadedModel:

@@ -40,14 +40,7 @@ FORBIDDEN = [
 ]
 
 #: Circles still there, each with the issue that removes it. Only these may stay.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    # models.load_model builds an upstream model with upstream.engine.upstream_model (a
-    # function-local import), and the upstream backend imports models (issue 52: the
-    # upstream backend is being edited beside this change; its loader moves next).
-    frozenset(
-        {"consumers.inference.model_loading", "consumers.inference.streamed", "consumers.inference.upstream.engine"}
-    ): "issue 52",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path) -> str:

@@ -11,10 +11,10 @@ from consumers.inference.engine.logprobs import Pieces, spelled, speller
 from consumers.inference.engine.sampling import SamplingParams
 from consumers.inference.engine_io import GenRequest, StepOutput, TextPrompt
 from consumers.inference.errors import PermanentError, Unsupported
-from consumers.inference.model_loading import ModelSpec, load_models_config
+from consumers.inference.model_loading import ModelSpec, load_models_config, upstream_model
 from consumers.inference.streamed import StreamedEngine
 from consumers.inference.upstream.circuit import Circuit
-from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after, upstream_model
+from consumers.inference.upstream.engine import check_served, delta_logprobs, request_body, retry_after
 from consumers.inference.upstream.options import UpstreamOptions
 
 pytestmark = pytest.mark.timeout(30)

@@ -47,22 +47,6 @@ RETRY_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
 MAX_RETRY_AFTER_S = 30.0
 
 
-def upstream_model(spec: ModelSpec, version: int) -> LoadedModel:
-    """A ``backend: upstream`` model as the pool holds it: no weights, no tokenizer (the
-    upstream has both), its context as the entry says."""
-    assert spec.upstream is not None
-    return LoadedModel(
-        model=None,
-        tokenizer=Pieces(),
-        spec=spec,
-        version=version,
-        nbytes=0,
-        context_len=spec.upstream.context,
-        # The upstream's vocabulary is not known here: it judges a logit_bias's ids itself.
-        vocab=2**31 - 1,
-    )
-
-
 def upstream_request(
     event: PromptAccepted, params: SamplingParams, chunks: list[TokensGenerated], spec: ModelSpec
 ) -> GenRequest:
