@@ -48,13 +48,15 @@ class ModelQueue:
     ends: tuple[int, ...] = ()  # the running requests' token budgets left, fewest first (empty: unknown)
     mean_running: float | None = None  # requests running at once over PEAK_WINDOW_S, time-weighted (None: unsaid)
 
+    def window_batch(self) -> int:
+        """The batch the requests of the last PEAK_WINDOW_S shared: the mean of those
+        running (the workers' sum), or, from workers that do not report it, the busiest."""
+        return self.recent_running if self.mean_running is None else round(self.mean_running)
+
     def life_batch(self) -> int:
         """The batch a request admitted now shares its steps with, on average: itself and
-        the mean of those running over the last PEAK_WINDOW_S (the workers' sum), or,
-        from workers that do not report that mean, the busiest batch of the window."""
-        if self.mean_running is None:
-            return self.recent_running
-        return round(self.mean_running) + 1
+        the window's mean (`window_batch`), or the window's busiest batch as it is."""
+        return self.window_batch() + (self.mean_running is not None)
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,7 @@ class Admission:
         the busiest), stretched by newcomers' prefills: what a request that ends now
         shared (`Judged.needed`), judged as `estimate` judges the batch of a turn's life."""
         q = self.pipeline.queue(model)
-        shared = q.recent_running if q.mean_running is None else round(q.mean_running)
-        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, shared)))) is None:
+        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, q.window_batch())))) is None:
             return None
         return step * stretch(q.prefill_share, q.measured_at, time.time())
 

@@ -55,9 +55,8 @@ class RunnerFactory:
             return EngineRunner(
                 llama, self.loop, self.on_outputs, profile=c.step_profile, figures=figures, before_step=self._notes()
             )
-        if (
-            options := loaded.spec.upstream
-        ) is not None:  # its streams time it; no idle probes: its server is someone's
+        # An upstream's streams time it, and its server is someone's: no idle probes.
+        if (options := loaded.spec.upstream) is not None:
             upstream = UpstreamEngine(loaded)
             return EngineRunner(
                 upstream,

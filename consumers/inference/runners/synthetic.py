@@ -39,8 +39,8 @@ class SyntheticRequests:
                 if "chat" in upstream.endpoints
                 else TextPrompt(text=PROMPT + ":")
             )
+            params = SamplingParams(temperature=0, max_tokens=steps + 1)
             for rid in ids:
-                params = SamplingParams(temperature=0, max_tokens=steps + 1)
                 engine.add(GenRequest(rid, [], params, cache=False, text_prompt=text))
             return
         prompt = loaded.tokenizer.encode(PROMPT, add_special_tokens=False)
