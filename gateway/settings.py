@@ -84,11 +84,11 @@ class GatewaySettings(CommonSettings):
         0.5, ge=0, description="Admission: time a request spends outside decoding (filter, hops, prefill)."
     )
     admission_margin: float = Field(
-        1.5,
+        1.25,
         ge=1,
-        description="Admission: measured step times are multiplied by this safety margin (a burst itself "
-        "slows the steps it is measured by) until 20 answered requests of the model taught the gateway the "
-        "margin its estimates really need (gateway/admission/calibrate.py).",
+        description="Admission: measured step times are multiplied by this safety margin until 20 answered "
+        "requests of the model near their deadline taught the gateway the margin its estimates really need "
+        "(gateway/admission/calibrate.py; learned: 1.0-1.2 on SmolLM2, both backends, docs/admission.md).",
     )
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty disables auth.")
     rate_limit_rpm: int = Field(0, ge=0, description="Default requests per minute per key (0: unlimited).")

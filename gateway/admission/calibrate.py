@@ -12,22 +12,23 @@ then answered (or ended at its deadline), the margin it would have needed is
 
     needed = (took_s - overhead_s) / (wait_s + tokens * step_s)
 
-with `wait_s` and `step_s` as estimated (margin aside), `tokens` the tokens it really
+with `wait_s` as estimated (margin aside), `step_s` the step the workers' figures gave
+over its life for the batches it shared (`LivedSteps`), `tokens` the tokens it really
 generated (a budget is an upper bound: an early stop is no error of the estimate) and
 `took_s` from admission to its end; a request the deadline cut records what its tokens
 made so far needed (more than the margin it had; CEILING when it made none). The
 margin admission uses is the 99th percentile of the last WINDOW of those (of 200, the
 second highest: two misses in the window and it is the most there is), within [FLOOR,
-CEILING]; until MIN_SAMPLES were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
-Only requests whose estimated work was at least NEAR_EDGE of their deadline (and
-MIN_WORK_S) are counted: the margin decides only near the edge, and short requests need
-less of it than the long ones it decides on.
+CEILING]. Only requests whose estimated work was at least NEAR_EDGE of their deadline
+(and MIN_WORK_S) are counted there: the margin decides only near the edge. Until
+MIN_SAMPLES of those were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.metrics import METRICS
 
@@ -60,12 +61,13 @@ class Judged:
         estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
         changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
         one beside it needed 1.15: the steps a request lives through grow with its life).
-        `shared_step_s`: the step the figures give now for the batch it really shared
-        (the mean of its last seconds), in place of the one it was judged at: the
-        margin is what the figures are off by. Against the batch it was judged at, the
-        first requests of a burst (judged beside a few, sharing their steps with the
-        whole burst after) needed up to 1.43x, and a margin learned from them refused at
-        saturation turns the server answered in time.
+        `shared_step_s`: the step the figures gave for the batches it lived through
+        (their time-weighted mean over its life: `LivedSteps`), in place of the one it
+        was judged at: the margin is what the figures are off by, not how the load
+        changed while it ran. Against the batch it was judged at, the first requests of
+        a burst (judged beside a few, sharing their steps with the whole burst after)
+        needed up to 1.43x, and a margin learned from them refused at saturation turns
+        the server answered in time.
         Near the edge as it was judged: its work times the margin it was admitted with
         (a margin of 3 admits work of 5 s at most for a 15 s deadline, under the edge's
         40 %: judged without the margin, nothing would be recorded once the margin
@@ -107,3 +109,47 @@ class Calibration:
 
     def margin(self, model: str) -> float:
         return self.margins.get(model, self.configured)
+
+
+#: How often a model's lived step is sampled (`LivedSteps`), at most, and how long kept:
+#: a request lives up to its deadline (the longest a client may ask is 120 s).
+SAMPLE_EVERY_S = 0.5
+KEEP_S = 150.0
+
+
+@dataclass
+class LivedSteps:
+    """The step each model's figures gave for the batch running, over the last KEEP_S:
+    what a request that ends now lived through, on average over its own life (`mean`),
+    for `Judged.needed`. Read at its end alone, the window's mean lags a load that grew
+    while it ran (the first turns of a level of 2 requests/s, judged beside a few and
+    ending beside 17): the margin learned from it said how the load changed, not how
+    far off the figures were. Sampled at each request judged and ended (SAMPLE_EVERY_S
+    at most), from the heartbeats' running requests."""
+
+    samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+
+    def due(self, model: str, now: float) -> bool:
+        seen = self.samples.get(model)
+        return not seen or now - seen[-1][0] >= SAMPLE_EVERY_S
+
+    def add(self, model: str, now: float, step_s: float) -> None:
+        seen = self.samples.setdefault(model, deque())
+        seen.append((now, step_s))
+        while seen and seen[0][0] < now - KEEP_S:
+            seen.popleft()
+
+    def mean(self, model: str, since: float, now: float) -> float | None:
+        """The time-weighted mean step over [since, now], each sample holding until the
+        next (the one before `since` from `since`); None without a sample."""
+        seen = list(self.samples.get(model) or ())
+        if not seen:
+            return None
+        start = max(0, bisect.bisect_right([t for t, _ in seen], since) - 1)
+        lived = seen[start:]
+        total = covered = 0.0
+        for i, (at, step) in enumerate(lived):
+            until = lived[i + 1][0] if i + 1 < len(lived) else now
+            span = max(0.0, min(until, now) - max(at, since))
+            total, covered = total + step * span, covered + span
+        return total / covered if covered > 0 else lived[-1][1]

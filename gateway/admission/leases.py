@@ -16,7 +16,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from gateway.admission.calibrate import Calibration, Judged
+from gateway.admission.calibrate import Calibration, Judged, LivedSteps
 from gateway.admission.estimate import (
     Endings,
     Estimate,
@@ -87,9 +87,10 @@ class Lease:
         `budget_s` when `missed`): what its estimate needed is learned (`calibrate.Calibration`); a miss
         by what the tokens it made took."""
         self.admission.endings.add(self.model)
+        self.admission.sample(self.model)
         if self.judged is not None:
             admission = self.admission
-            overhead_s, shared = admission.settings.admission_overhead_s, admission.shared_step(self.model)
+            overhead_s, shared = admission.settings.admission_overhead_s, admission.lived_step(self.model, took_s)
             needed = self.judged.needed(took_s, tokens, overhead_s, budget_s, shared, cut=missed)
             admission.calibration.record(self.model, needed)
             self.judged = None  # once
@@ -139,6 +140,7 @@ class Admission:
         self.settings, self.pipeline = settings, pipeline
         self.in_flight: dict[str, int] = {}
         self.calibration = Calibration(settings.admission_margin)
+        self.lived = LivedSteps()  # the step each model's requests lived through (`lived_step`)
         self.recent = recent or FleetAdmissions(
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
@@ -149,15 +151,28 @@ class Admission:
         )
         self.background = Background()  # the leases' bookkeeping after a publish
 
-    def shared_step(self, model: str) -> float | None:
-        """The step the workers' figures give now for the batch of the last
-        `PEAK_WINDOW_S` (its mean, the request that ends now among those running; else
-        the busiest), stretched by newcomers' prefills: what a request that ends now
-        shared (`Judged.needed`), judged as `estimate` judges the batch of a turn's life."""
+    def step_now(self, model: str) -> float | None:
+        """The step the workers' figures give now for the batch running (stretched by
+        newcomers' prefills): a request running now steps at it."""
         q = self.pipeline.queue(model)
-        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, q.window_batch())))) is None:
+        running = len(q.ends) or q.requests
+        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, running)))) is None:
             return None
         return step * stretch(q.prefill_share, q.measured_at, time.time())
+
+    def sample(self, model: str) -> None:
+        """Keep the model's step now among the lived ones (`LivedSteps`), every
+        SAMPLE_EVERY_S at most: at each request judged and ended."""
+        now = time.monotonic()
+        if self.lived.due(model, now) and (step := self.step_now(model)) is not None:
+            self.lived.add(model, now, step)
+
+    def lived_step(self, model: str, took_s: float) -> float | None:
+        """The step a request that ends now, `took_s` after it was admitted, lived
+        through by the figures, on average (`Judged.needed`'s `shared_step_s`): the margin
+        is then what the figures were off by, not how the load changed while it ran."""
+        now = time.monotonic()
+        return self.lived.mean(model, now - took_s, now)
 
     async def start(self) -> None:
         await self.gate.start()
@@ -170,6 +185,7 @@ class Admission:
         caller's checks, so a burst sees itself): `edge`'s when the HTTP edge judged it."""
         lease = edge if edge is not None and edge.model == model and not edge.counted else Lease(self, model, tokens)
         lease.reserve()
+        self.sample(model)
         return lease
 
     def passed(self, model: str, tokens: int, member: str) -> Lease:

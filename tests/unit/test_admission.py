@@ -354,3 +354,25 @@ def test_the_mean_running_sums_over_workers_and_stays_unsaid_from_older_ones():
     assert ModelLoad().plus(EngineLoad()).mean_running is None
     assert ModelLoad().plus(EngineLoad(mean_running=3.5)).plus(EngineLoad()).mean_running == 3.5
     assert ModelLoad().plus(EngineLoad(mean_running=3.5)).plus(EngineLoad(mean_running=1.0)).mean_running == 4.5
+
+
+def test_a_turn_is_judged_at_the_batch_its_steps_share_as_those_running_now_end():
+    """A moment's cluster of Poisson arrivals: 18 running, their budgets left spread over
+    a 64-token answer, 9 on average over the window. A 64-token turn shares its steps with
+    fewer and fewer of them, and with the mean's arrivals once they are gone (at least
+    9 besides itself): 12 on average, not 19 (it was refused there at 2 requests/s, where
+    the server answered every turn by 8 s). A burst's requests, all with their whole
+    budgets left, are shared with throughout; requests queued beside them too."""
+    ends = tuple(range(2, 64, 64 // 18))[:18]
+    q = ModelQueue(32, 18, sum(ends), 0.03, 0.243, time.time(), full_batch=32, small_batch=2, ends=ends)
+    assert q.life_batch(64) == 19  # an older worker's beat (no mean): the batch it joins
+    cluster = replace(q, mean_running=9.0)
+    shared = sum(max(sum(e > k for e in ends), 9.0) for k in range(64)) / 64
+    assert cluster.life_batch(64) == round(1 + shared) == 12
+    assert estimate(cluster, 64, 0.5).batch == 12
+    burst = replace(cluster, ends=(64,) * 18, tokens=18 * 64)
+    assert burst.life_batch(64) == 19
+    assert replace(burst, requests=24).life_batch(64) == 25  # 6 more queued in the stream
+    assert (
+        replace(burst, requests=40).life_batch(64) == 41 and estimate(replace(burst, requests=40), 64, 0.5).batch == 32
+    )

@@ -100,3 +100,20 @@ def test_a_cut_turn_records_how_far_off_the_figures_were_for_what_it_made():
     assert judged.needed(15.0, 0, 0.5, 15.0, cut=True) == CEILING  # nothing made: the most there is
     far = Judged(0.0, 0.01)
     assert far.needed(15.0, 5, 0.5, 15.0, cut=True) == pytest.approx(14.5 / 0.05)  # clamped when recorded
+
+
+def test_the_lived_step_is_the_time_weighted_mean_of_the_figures_over_a_requests_life():
+    """A request admitted at 0 beside a few (50 ms steps), the load grown to 17 from 4 s on
+    (100 ms): it lived through 80 ms on average by 10 s, what its margin is judged
+    against, where the step at its end alone (100 ms) would say the figures were slow."""
+    from gateway.admission.calibrate import SAMPLE_EVERY_S, LivedSteps
+
+    lived = LivedSteps()
+    assert lived.mean("m", 0.0, 10.0) is None
+    lived.add("m", -1.0, 0.05)
+    assert not lived.due("m", -1.0 + SAMPLE_EVERY_S / 2) and lived.due("m", -1.0 + SAMPLE_EVERY_S)
+    lived.add("m", 4.0, 0.10)
+    assert lived.mean("m", 0.0, 10.0) == pytest.approx((0.05 * 4 + 0.10 * 6) / 10)
+    assert lived.mean("m", 5.0, 10.0) == pytest.approx(0.10)
+    lived.add("other", 9.0, 0.2)  # samples only after it was admitted: those count
+    assert lived.mean("other", 0.0, 10.0) == pytest.approx(0.2)

@@ -317,7 +317,7 @@ async def test_a_restarted_engine_takes_the_figures_its_predecessor_kept_instead
     [probe, real] = [r.request_id for r in again.seen]  # the probe ran before the request, alone
     assert probe.startswith(f"{PROFILE_PREFIX}1-") and real == "real"
     assert not [o for o in delivered if o.request_id.startswith(PROFILE_PREFIX)]
-    assert (after.full_step_s, after.full_batch) == (before.full_step_s, before.full_batch)
+    assert after.full_batch == before.full_batch and after.full_step_s == pytest.approx(before.full_step_s)
     assert after.alone_step_s == pytest.approx(before.alone_step_s, rel=0.25)  # the probe's steps joined them
 
     kept = json.loads(figures.read_text())
@@ -462,3 +462,31 @@ def test_the_mean_batch_of_the_window_weighs_each_step_by_its_time_and_idle_as_n
     assert figures.mean_running() == pytest.approx((8 * 6 + 2 * 3) / 12)
     clock[0] += PEAK_WINDOW_S - 9  # the window now begins 3 s into the batch of 8
     assert figures.mean_running() == pytest.approx((8 * 3 + 2 * 3) / PEAK_WINDOW_S, abs=0.3)
+
+
+def test_the_decode_figures_lie_on_the_line_through_every_batch_measured():
+    """A load at 14-17 requests beside the profile's steps at every slot (32): the figures
+    are read off the line through them all, not a mean of the near-full steps put at their
+    median batch (which said 123-149 ms for llama.cpp's steps at 14-17, taking 105-115 ms).
+    A collection's slow step does not move the line; steps that do not grow with the batch
+    give one flat figure."""
+    from consumers.inference.runners.figures import StepFigures, decode_step
+
+    def real(batch: int) -> float:
+        return 0.010 + 0.0045 * batch
+
+    figures = StepFigures(max_batch=32)
+    for _ in range(24):
+        figures.measure(32, real(32), idle=True)
+    for i in range(100):
+        batch = 14 + i % 4
+        figures.measure(batch, real(batch) * (3 if i == 50 else 1))
+    load = figures.decode()
+    assert (load.small_batch, load.full_batch) == (14, 32)
+    for batch in (14, 15, 16, 17, 24, 32):
+        assert decode_step(load, batch) == pytest.approx(real(batch), rel=0.02)
+
+    flat = StepFigures(max_batch=8)
+    for batch in (1, 2, 4, 8) * 8:
+        flat.measure(batch, 0.02 - 0.0001 * batch)  # noise that falls with the batch
+    assert decode_step(flat.decode(), 1) == decode_step(flat.decode(), 8) == pytest.approx(0.0195, rel=0.01)
