@@ -96,11 +96,13 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     use_full = (full > 0 or small == 0) if len(running) * 2 >= max_batch else small == 0
     if (full if use_full else small) < MIN_SAMPLES:
         return None
-    # The step time at the batch it will run in, extrapolated as the gateway does: at
-    # a jump in load (16 users to 32) the steps measured so far are a smaller batch's.
+    # The step time at the batch it will run in, off the figures' line as the gateway
+    # reads it: at a jump in load (16 users to 32) the steps measured so far are a
+    # smaller batch's. (Never less than the figure of the kind it joins, it took the
+    # line's value at the largest batch measured for a turn joining 17, and the workers
+    # refused at 2 requests/s turns that admission had let on.)
     size = min(max_batch, len(running) + len(waiting) + 1)
-    step = decode_step(load, size)
-    step = max(step or 0.0, (load.full_step_s if use_full else load.step_s) or 0.0)
+    step = decode_step(load, size) or 0.0
     if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
         step = load.alone_step_s
     elif running or waiting:  # others' prefills stretch its steps, as the gateway counts them
