@@ -105,3 +105,19 @@ def too_long_alone(
         f"(a token every {alone_step_s * 1000:.0f} ms{outside}), over the request's {budget_s:g} s deadline; "
         f"ask for at most {math.floor((budget_s - overhead_s) / alone_step_s)} tokens{longer}"
     )
+
+
+def shared_batch(ends: tuple[int, ...] | list[int], queued: int, mean: float, budget: int, slots: int) -> int:
+    """The batch a request of `budget` tokens joining now shares its steps with, on average
+    over them: itself and, at each of its steps, those running now that are still running
+    then (`ends`, their budgets left) or the `mean` where more (arrivals keep the batch
+    at its mean), `queued` requests beside them counted throughout; at most `slots`.
+    The gateway's admission (`ModelQueue.life_batch`) and the worker's too-late check
+    both judge a turn's steps at it."""
+    running = sorted(ends)[:slots]
+    shared, start = 0.0, 0
+    for i, ends_at in enumerate([*running, budget]):  # `len(running) - i` still run up to it
+        if (end := min(ends_at, budget)) > start:
+            shared += (end - start) * max(len(running) - i + queued, mean)
+            start = end
+    return min(slots, round(1 + shared / budget)) if budget > 0 else min(slots, len(running) + queued + 1)

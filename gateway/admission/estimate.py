@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
-from runtime.steps import step_time, stretch, too_long_alone
+from runtime.steps import shared_batch, step_time, stretch, too_long_alone
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,8 @@ class ModelQueue:
         batch it joins, or the window's (its mean and itself; else its busiest) where more."""
         if self.mean_running is None or not self.ends or budget <= 0:
             return max(self.requests + 1, self.window_batch() + (self.mean_running is not None))
-        mean = self.mean_running
-        running = sorted(self.ends)[: self.slots]
-        queued = max(0, self.requests - len(running))
-        shared, start = 0.0, 0
-        for i, ends_at in enumerate([*running, budget]):  # `len(running) - i` still run up to it
-            if (end := min(ends_at, budget)) > start:
-                shared += (end - start) * max(len(running) - i + queued, mean)
-                start = end
-        return round(1 + shared / budget)
+        queued = max(0, self.requests - min(len(self.ends), self.slots))
+        return shared_batch(self.ends, queued, self.mean_running, budget, max(self.slots, self.requests + 1))
 
 
 @dataclass(frozen=True)

@@ -103,14 +103,17 @@ def test_estimate_counts_the_requests_ahead_of_it(runner):
 def test_estimate_extrapolates_to_the_batch_it_will_join(runner):
     """Steps measured at a batch of 16 (a load of 16 users) and a jump to 32: the request
     joins a batch of 32, which steps slower than any measured; as the gateway's admission
-    does, the step time is extrapolated (beyond the batch measured, in proportion to it)."""
+    does, the step time is extrapolated (beyond the batch measured, in proportion to it),
+    at the batch its steps share on average (`runtime.steps.shared_batch`): 31 others for
+    its first 64 steps, the 15 that arrived with it for its last 64 (no load before: a
+    window's mean of none), 24 with itself."""
     for _ in range(MIN_SAMPLES):
         runner._measure(4, 0.04)  # small batches (< half the slots)
         runner._measure(16, 0.056)  # half the slots: counted as full, at 16
     runner.engine.queue = EngineStats((64,) * 16, (128,) * 15)  # 16 running, 15 just arrived: it takes the last slot
-    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 2, abs=0.1)  # 112 ms at 32
-    runner.engine.queue = EngineStats((64,) * 16)  # the batch it joins is 17: about the measured one
-    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 17 / 16, abs=0.1)
+    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * 0.056 * 24 / 16, abs=0.1)  # 84 ms at 24
+    runner.engine.queue = EngineStats((64,) * 16)  # 16 for half its steps, then alone: 9 on average
+    assert runner.finish_at(128) == pytest.approx(time.time() + 128 * (0.04 + 0.016 * 5 / 12), abs=0.1)
 
 
 def test_steps_until_a_slot():

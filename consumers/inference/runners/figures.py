@@ -19,7 +19,7 @@ from pathlib import Path
 
 from consumers.inference.engine_io import EngineStats, SchedulerStats
 from events.fleet import EngineLoad
-from runtime.steps import PEAK_WINDOW_S, PREFILL_WINDOW_S, step_time, stretch
+from runtime.steps import PEAK_WINDOW_S, PREFILL_WINDOW_S, shared_batch, step_time, stretch
 
 #: Steps measured before a speed is trusted: the first ones after a load run cold (torch
 #: warm-up, a burst's prefills, processes starting beside it) and would refuse in vain.
@@ -96,12 +96,16 @@ def estimate_finish(stats: SchedulerStats, max_batch: int, tokens: int) -> float
     use_full = (full > 0 or small == 0) if len(running) * 2 >= max_batch else small == 0
     if (full if use_full else small) < MIN_SAMPLES:
         return None
-    # The step time at the batch it will run in, off the figures' line as the gateway
-    # reads it: at a jump in load (16 users to 32) the steps measured so far are a
-    # smaller batch's. (Never less than the figure of the kind it joins, it took the
-    # line's value at the largest batch measured for a turn joining 17, and the workers
-    # refused at 2 requests/s turns that admission had let on.)
+    # The step time at the batch its steps will share (`runtime.steps.shared_batch`, as
+    # the gateway judges it; the batch it joins without the window's mean), off the
+    # figures' line as the gateway reads it: at a jump in load (16 users to 32) the steps
+    # measured so far are a smaller batch's. (Never less than the figure of the kind it
+    # joins, at the batch it joins, it took the line's value at the largest batch
+    # measured for a turn joining 17, and the workers refused at 2 requests/s turns that
+    # admission had let on.)
     size = min(max_batch, len(running) + len(waiting) + 1)
+    if load.mean_running is not None and running:  # the batch its steps share, as admission judges it
+        size = shared_batch(running, len(waiting), load.mean_running, tokens, max_batch)
     step = decode_step(load, size) or 0.0
     if size == 1 and load.alone_step_s is not None:  # alone, as the gateway judges an idle fleet
         step = load.alone_step_s
