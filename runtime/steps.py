@@ -36,7 +36,7 @@ def step_time(
     full: float | None,
     full_batch: int | None,
     slots: int,
-    batch: int,
+    batch: float,
     small_batch: int | None = None,
 ) -> float | None:
     """Decode step time (newcomers' prefills apart: `stretch`): linear from the small-batch

@@ -12,8 +12,8 @@ then answered (or ended at its deadline), the margin it would have needed is
 
     needed = (took_s - overhead_s) / (wait_s + tokens * step_s)
 
-with `wait_s` as estimated (margin aside), `step_s` the step the workers' figures gave
-over its life for the batches it shared (`LivedSteps`), `tokens` the tokens it really
+with `wait_s` as estimated (margin aside), `step_s` the step the figures it was judged
+by give at the batch it shared over its life (`LivedBatches`), `tokens` the tokens it really
 generated (a budget is an upper bound: an early stop is no error of the estimate) and
 `took_s` from admission to its end; a request the deadline cut records what its tokens
 made so far needed (more than the margin it had; CEILING when it made none). The
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.metrics import METRICS
@@ -47,6 +48,9 @@ class Judged:
     wait_s: float
     step_s: float
     margin: float = 1.0  # the margin it was admitted with
+    #: The step its figures then gave at a batch (stretched, margin aside): `needed` reads
+    #: it at the batch it really shared (None: `step_s` is all there is).
+    line: Callable[[float], float | None] | None = field(default=None, compare=False, repr=False)
 
     def needed(
         self,
@@ -56,18 +60,23 @@ class Judged:
         budget_s: float,
         shared_step_s: float | None = None,
         cut: bool = False,
+        shared_batch: float | None = None,
     ) -> float | None:
         """The margin this request needed; None when it says nothing of the margin: its
         estimated work under NEAR_EDGE of its deadline (`budget_s`), where a margin
         changes no verdict (a 64-token answer at 8 users needed 0.9 where a 256-token
         one beside it needed 1.15: the steps a request lives through grow with its life).
-        `shared_step_s`: the step the figures gave for the batches it lived through
-        (their time-weighted mean over its life: `LivedSteps`), in place of the one it
-        was judged at: the margin is what the figures are off by, not how the load
-        changed while it ran. Against the batch it was judged at, the first requests of
-        a burst (judged beside a few, sharing their steps with the whole burst after)
-        needed up to 1.43x, and a margin learned from them refused at saturation turns
-        the server answered in time.
+        `shared_batch`: the batch it really shared (the time-weighted mean over its life
+        of the requests running: `LivedBatches`): its step is read there off the figures
+        it was judged by (`line`), in place of the batch it was judged at, so the margin
+        is what its estimate was off by at the batch it really shared: how far the
+        machine's speed moved after it was judged, not how the load did. Against the
+        batch it was judged at, the first requests of a burst (judged beside a few,
+        sharing their steps with the whole burst after) needed up to 1.43x, and a margin
+        learned from them refused at saturation turns the server answered in time; against
+        the figures of its end (`shared_step_s`, a step given as is), a machine slowing
+        after turns were admitted taught nothing, and turns admitted near the edge were
+        answered after it (8 at 6 requests/s on the built-in engine).
         Near the edge as it was judged: its work times the margin it was admitted with
         (a margin of 3 admits work of 5 s at most for a 15 s deadline, under the edge's
         40 %: judged without the margin, nothing would be recorded once the margin
@@ -76,7 +85,10 @@ class Judged:
         `cut`: the deadline ended it after `tokens`: how long those took says how far off
         the figures were (more than the margin it had), near the edge or not; CEILING
         when it made none."""
-        step = self.step_s if shared_step_s is None else shared_step_s
+        step = shared_step_s
+        if step is None and self.line is not None and shared_batch is not None:
+            step = self.line(shared_batch)
+        step = self.step_s if step is None else step
         work = self.wait_s + tokens * step
         if cut:
             return CEILING if tokens <= 0 or work <= 0 else max(0.0, took_s - overhead_s) / work
@@ -111,21 +123,18 @@ class Calibration:
         return self.margins.get(model, self.configured)
 
 
-#: How often a model's lived step is sampled (`LivedSteps`), at most, and how long kept:
-#: a request lives up to its deadline (the longest a client may ask is 120 s).
+#: How often a model's running batch is sampled (`LivedBatches`), at most, and how long
+#: kept: a request lives up to its deadline (the longest a client may ask is 120 s).
 SAMPLE_EVERY_S = 0.5
 KEEP_S = 150.0
 
 
 @dataclass
-class LivedSteps:
-    """The step each model's figures gave for the batch running, over the last KEEP_S:
-    what a request that ends now lived through, on average over its own life (`mean`),
-    for `Judged.needed`. Read at its end alone, the window's mean lags a load that grew
-    while it ran (the first turns of a level of 2 requests/s, judged beside a few and
-    ending beside 17): the margin learned from it said how the load changed, not how
-    far off the figures were. Sampled at each request judged and ended (SAMPLE_EVERY_S
-    at most), from the heartbeats' running requests."""
+class LivedBatches:
+    """The batch each model's workers ran, over the last KEEP_S: what a request that ends
+    now shared, on average over its own life (`mean`), for `Judged.needed`. Sampled at
+    each request judged and ended (SAMPLE_EVERY_S at most), from the heartbeats' running
+    requests."""
 
     samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
 
@@ -133,23 +142,23 @@ class LivedSteps:
         seen = self.samples.get(model)
         return not seen or now - seen[-1][0] >= SAMPLE_EVERY_S
 
-    def add(self, model: str, now: float, step_s: float) -> None:
+    def add(self, model: str, now: float, batch: float) -> None:
         seen = self.samples.setdefault(model, deque())
-        seen.append((now, step_s))
+        seen.append((now, batch))
         while seen and seen[0][0] < now - KEEP_S:
             seen.popleft()
 
     def mean(self, model: str, since: float, now: float) -> float | None:
-        """The time-weighted mean step over [since, now], each sample holding until the
-        next (the one before `since` from `since`); None without a sample."""
+        """The time-weighted mean over [since, now], each sample holding until the next
+        (the one before `since` from `since`); None without a sample."""
         seen = list(self.samples.get(model) or ())
         if not seen:
             return None
         start = max(0, bisect.bisect_right([t for t, _ in seen], since) - 1)
         lived = seen[start:]
         total = covered = 0.0
-        for i, (at, step) in enumerate(lived):
+        for i, (at, value) in enumerate(lived):
             until = lived[i + 1][0] if i + 1 < len(lived) else now
             span = max(0.0, min(until, now) - max(at, since))
-            total, covered = total + step * span, covered + span
+            total, covered = total + value * span, covered + span
         return total / covered if covered > 0 else lived[-1][1]

@@ -20,7 +20,8 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from gateway.admission.calibrate import Judged
 from gateway.errors import APIError
@@ -77,6 +78,9 @@ class Estimate:
     margin: float = 1.0  # the margin step times were multiplied by
     batch: int = 0  # the batch its steps were judged at
     stretch: float = 1.0  # what others' prefills stretched its steps by
+    #: The figures it was judged by (the step line of its queue then, stretched, margin
+    #: aside), for a batch: what calibration reads at the batch it really shared.
+    line: Callable[[float], float | None] | None = field(default=None, compare=False, repr=False)
 
     def parts(self, budget: int) -> str:
         """The estimate's inputs in words, for a log line: what refused a request."""
@@ -90,7 +94,7 @@ class Estimate:
     def judged(self) -> Judged:
         """The estimate's parts, margin aside: what calibration compares the request's
         real time with (`calibrate.Judged`)."""
-        return Judged(self.wait_s / self.margin, self.step_s / self.margin, self.margin)
+        return Judged(self.wait_s / self.margin, self.step_s / self.margin, self.margin, self.line)
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,7 @@ def slot_wait(q: ModelQueue) -> float | None:
     return free[k] + rounds * each
 
 
-def step_at(q: ModelQueue, batch: int) -> float | None:
+def step_at(q: ModelQueue, batch: float) -> float | None:
     """Step time at a batch size (`runtime.steps.step_time`, from the heartbeats' figures)."""
     return step_time(q.step_s, q.full_step_s, q.full_batch, q.slots, batch, q.small_batch)
 
@@ -237,7 +241,15 @@ def estimate(
         if (steps := slot_wait(q)) is None:
             steps = math.ceil(beyond / q.slots) * q.tokens / q.requests
         wait_s = steps * step
-    return Estimate(overhead_s + wait_s + budget * step, wait_s, step, margin, batch, prefills)
+    return Estimate(
+        overhead_s + wait_s + budget * step,
+        wait_s,
+        step,
+        margin,
+        batch,
+        prefills,
+        lambda shared: None if (at := step_at(q, min(q.slots, shared))) is None else at * prefills,
+    )
 
 
 def alone_s(q: ModelQueue, budget: int, overhead_s: float) -> float | None:

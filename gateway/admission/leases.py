@@ -16,7 +16,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from gateway.admission.calibrate import Calibration, Judged, LivedSteps
+from gateway.admission.calibrate import Calibration, Judged, LivedBatches
 from gateway.admission.estimate import (
     Endings,
     Estimate,
@@ -27,7 +27,6 @@ from gateway.admission.estimate import (
     combine,
     estimate,
     overloaded,
-    step_at,
 )
 from gateway.admission.gate import EarlyGate
 from gateway.admission.recent import FleetAdmissions, Judge
@@ -35,7 +34,6 @@ from gateway.metrics import METRICS
 from gateway.settings import GatewaySettings
 from runtime.background import Background
 from runtime.redis import REDIS_DOWN
-from runtime.steps import stretch
 
 #: The fleet-wide entry of a request a lone gateway's gate admitted on its own: with no
 #: peer alive, the gate sees every request the fleet-wide check would (its own), so
@@ -90,8 +88,8 @@ class Lease:
         self.admission.sample(self.model)
         if self.judged is not None:
             admission = self.admission
-            overhead_s, shared = admission.settings.admission_overhead_s, admission.lived_step(self.model, took_s)
-            needed = self.judged.needed(took_s, tokens, overhead_s, budget_s, shared, cut=missed)
+            overhead_s, shared = admission.settings.admission_overhead_s, admission.lived_batch(self.model, took_s)
+            needed = self.judged.needed(took_s, tokens, overhead_s, budget_s, cut=missed, shared_batch=shared)
             admission.calibration.record(self.model, needed)
             self.judged = None  # once
 
@@ -140,7 +138,7 @@ class Admission:
         self.settings, self.pipeline = settings, pipeline
         self.in_flight: dict[str, int] = {}
         self.calibration = Calibration(settings.admission_margin)
-        self.lived = LivedSteps()  # the step each model's requests lived through (`lived_step`)
+        self.lived = LivedBatches()  # the batch each model's requests lived through (`lived_batch`)
         self.recent = recent or FleetAdmissions(
             pipeline.keys.redis, lambda: pipeline.stream_state, judging_redis=pipeline.admission_redis
         )
@@ -151,26 +149,21 @@ class Admission:
         )
         self.background = Background()  # the leases' bookkeeping after a publish
 
-    def step_now(self, model: str) -> float | None:
-        """The step the workers' figures give now for the batch running (stretched by
-        newcomers' prefills): a request running now steps at it."""
+    def batch_now(self, model: str) -> float | None:
+        """The requests the workers holding the model run now (their heartbeats')."""
         q = self.pipeline.queue(model)
-        running = len(q.ends) or q.requests
-        if q.slots <= 0 or (step := step_at(q, min(q.slots, max(1, running)))) is None:
-            return None
-        return step * stretch(q.prefill_share, q.measured_at, time.time())
+        return None if q.slots <= 0 else float(min(q.slots, max(1, len(q.ends) or q.requests)))
 
     def sample(self, model: str) -> None:
-        """Keep the model's step now among the lived ones (`LivedSteps`), every
+        """Keep the model's batch now among the lived ones (`LivedBatches`), every
         SAMPLE_EVERY_S at most: at each request judged and ended."""
         now = time.monotonic()
-        if self.lived.due(model, now) and (step := self.step_now(model)) is not None:
-            self.lived.add(model, now, step)
+        if self.lived.due(model, now) and (batch := self.batch_now(model)) is not None:
+            self.lived.add(model, now, batch)
 
-    def lived_step(self, model: str, took_s: float) -> float | None:
-        """The step a request that ends now, `took_s` after it was admitted, lived
-        through by the figures, on average (`Judged.needed`'s `shared_step_s`): the margin
-        is then what the figures were off by, not how the load changed while it ran."""
+    def lived_batch(self, model: str, took_s: float) -> float | None:
+        """The batch a request that ends now, `took_s` after it was admitted, shared on
+        average (`Judged.needed`'s `shared_batch`)."""
         now = time.monotonic()
         return self.lived.mean(model, now - took_s, now)
 

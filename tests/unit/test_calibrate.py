@@ -102,18 +102,21 @@ def test_a_cut_turn_records_how_far_off_the_figures_were_for_what_it_made():
     assert far.needed(15.0, 5, 0.5, 15.0, cut=True) == pytest.approx(14.5 / 0.05)  # clamped when recorded
 
 
-def test_the_lived_step_is_the_time_weighted_mean_of_the_figures_over_a_requests_life():
-    """A request admitted at 0 beside a few (50 ms steps), the load grown to 17 from 4 s on
-    (100 ms): it lived through 80 ms on average by 10 s, what its margin is judged
-    against, where the step at its end alone (100 ms) would say the figures were slow."""
-    from gateway.admission.calibrate import SAMPLE_EVERY_S, LivedSteps
+def test_the_lived_batch_is_the_time_weighted_mean_of_the_running_over_a_requests_life():
+    """A request admitted at 0 beside 4, the load grown to 17 from 4 s on: it shared 11.8
+    on average by 10 s, where it was judged; its step is read there off the figures it was
+    judged by (a machine that slowed after it was judged is what its margin learns)."""
+    from gateway.admission.calibrate import SAMPLE_EVERY_S, LivedBatches
 
-    lived = LivedSteps()
+    lived = LivedBatches()
     assert lived.mean("m", 0.0, 10.0) is None
-    lived.add("m", -1.0, 0.05)
+    lived.add("m", -1.0, 4.0)
     assert not lived.due("m", -1.0 + SAMPLE_EVERY_S / 2) and lived.due("m", -1.0 + SAMPLE_EVERY_S)
-    lived.add("m", 4.0, 0.10)
-    assert lived.mean("m", 0.0, 10.0) == pytest.approx((0.05 * 4 + 0.10 * 6) / 10)
-    assert lived.mean("m", 5.0, 10.0) == pytest.approx(0.10)
-    lived.add("other", 9.0, 0.2)  # samples only after it was admitted: those count
-    assert lived.mean("other", 0.0, 10.0) == pytest.approx(0.2)
+    lived.add("m", 4.0, 17.0)
+    assert lived.mean("m", 0.0, 10.0) == pytest.approx((4 * 4 + 17 * 6) / 10)
+    assert lived.mean("m", 5.0, 10.0) == pytest.approx(17.0)
+    lived.add("other", 9.0, 2.0)  # samples only after it was admitted: those count
+    assert lived.mean("other", 0.0, 10.0) == pytest.approx(2.0)
+    judged = Judged(0.0, 0.05, 1.0, line=lambda batch: 0.01 * batch)
+    assert judged.needed(7.3, 64, 0.5, 15.0, shared_batch=10.0) == pytest.approx(6.8 / 6.4)
+    assert judged.needed(7.3, 64, 0.5, 15.0) is None  # no batch: as judged, 3.2 s, far from the edge
