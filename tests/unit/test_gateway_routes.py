@@ -294,7 +294,7 @@ def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport
 def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
     """Each answered request admitted by an estimate near its deadline records the margin
     it needed (gateway.admission.calibrate): a fleet that answers at once brings the
-    margin down to 1 after 20 of them, from the configured 1.5, on the HTTP edge and on
+    margin down to 1 after 20 of them, from the configured 1.25, on the HTTP edge and on
     WebSockets."""
     from events.fleet import ModelLoad
     from gateway.admission.calibrate import MIN_SAMPLES
@@ -304,7 +304,7 @@ def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
     pipeline.hold(load)
     with client:
         calibration = client.app.state.chat.admission.calibration
-        assert calibration.margin("stories-260k") == 1.5
+        assert calibration.margin("stories-260k") == 1.25
         for i in range(MIN_SAMPLES - 1):
             r = client.post("/v1/chat/completions", json=chat("word" * 64, max_tokens=64, stream=i % 2 == 0))
             assert r.status_code == 200, r.text
