@@ -58,7 +58,6 @@ class Judged:
         tokens: int,
         overhead_s: float,
         budget_s: float,
-        shared_step_s: float | None = None,
         cut: bool = False,
         shared_batch: float | None = None,
     ) -> float | None:
@@ -74,7 +73,7 @@ class Judged:
         batch it was judged at, the first requests of a burst (judged beside a few,
         sharing their steps with the whole burst after) needed up to 1.43x, and a margin
         learned from them refused at saturation turns the server answered in time; against
-        the figures of its end (`shared_step_s`, a step given as is), a machine slowing
+        the figures of its end (as a first try read them), a machine slowing
         after turns were admitted taught nothing, and turns admitted near the edge were
         answered after it (8 at 6 requests/s on the built-in engine).
         Near the edge as it was judged: its work times the margin it was admitted with
@@ -85,9 +84,7 @@ class Judged:
         `cut`: the deadline ended it after `tokens`: how long those took says how far off
         the figures were (more than the margin it had), near the edge or not; CEILING
         when it made none."""
-        step = shared_step_s
-        if step is None and self.line is not None and shared_batch is not None:
-            step = self.line(shared_batch)
+        step = self.line(shared_batch) if self.line is not None and shared_batch is not None else None
         step = self.step_s if step is None else step
         work = self.wait_s + tokens * step
         if cut:

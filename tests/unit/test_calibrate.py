@@ -24,12 +24,16 @@ def test_needed_is_against_the_batch_the_request_shared_not_the_one_it_was_judge
     (0.2 s a step by the figures): its 64 tokens in 13.3 s needed 1.0x the figures, not
     the 2x its estimate says. Judged at a batch a quiet spell never reached (0.2 s), its
     0.1 s steps needed 1.0x too, and far from the edge say nothing of a margin."""
-    judged = Judged(wait_s=0.0, step_s=0.1)
+
+    def figures(batch: float) -> float:  # the step line it was judged by: 0.1 s at 8, 0.2 s at 16
+        return 0.0125 * batch
+
+    judged = Judged(wait_s=0.0, step_s=0.1, line=figures)
     assert judged.needed(13.3, 64, 0.5, 15.0) == pytest.approx(12.8 / 6.4)
-    assert judged.needed(13.3, 64, 0.5, 15.0, shared_step_s=0.2) == pytest.approx(12.8 / 12.8)
-    quiet = Judged(wait_s=0.0, step_s=0.2)
-    assert quiet.needed(7.3, 64, 0.5, 15.0, shared_step_s=0.1) == pytest.approx(6.8 / 6.4)
-    assert quiet.needed(3.0, 64, 0.5, 15.0, shared_step_s=0.05) is None  # 3.2 s of work: far from the edge
+    assert judged.needed(13.3, 64, 0.5, 15.0, shared_batch=16) == pytest.approx(12.8 / 12.8)
+    quiet = Judged(wait_s=0.0, step_s=0.2, line=figures)
+    assert quiet.needed(7.3, 64, 0.5, 15.0, shared_batch=8) == pytest.approx(6.8 / 6.4)
+    assert quiet.needed(3.0, 64, 0.5, 15.0, shared_batch=4) is None  # 3.2 s of work: far from the edge
 
 
 def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p99_within_bounds():
