@@ -9,31 +9,33 @@ from gateway.admission.estimate import ModelQueue, estimate
 
 
 def test_needed_is_the_real_work_over_the_estimated_one_for_the_tokens_made():
-    judged = Judged(wait_s=2.0, step_s=0.1)
-    # 64 tokens made (of any budget): 2 + 6.4 s estimated; it took 0.5 s of hops + 12.6 s.
-    assert judged.needed(13.1, 64, 0.5, 15.0) == pytest.approx(12.6 / 8.4)
+    judged = Judged(wait_s=4.0, step_s=0.1)
+    # 64 tokens made (of any budget): 4 + 6.4 s estimated; it took 0.5 s of hops + 12.6 s.
+    assert judged.needed(13.1, 64, 0.5, 15.0) == pytest.approx(12.6 / 10.4)
     assert judged.needed(0.3, 64, 0.5, 15.0) == 0.0  # faster than the hops alone
     assert Judged(0.0, 0.01).needed(2.0, 50, 0.5, 2.0) is None  # 0.5 s of work: says little of steps
     assert judged.needed(5.0, 0, 0.5, 15.0) is None
-    # Far from its deadline (8.4 s of work of 119.5 s), the margin decided nothing: not counted.
+    # Far from its deadline (10.4 s of work of 119.5 s), the margin decided nothing: not counted;
+    # nor under 70 % of 15 s (NEAR_EDGE), where the estimate errs otherwise than at the edge.
     assert judged.needed(13.1, 64, 0.5, 120.0) is None
+    assert Judged(wait_s=2.0, step_s=0.1).needed(11.1, 64, 0.5, 15.0) is None
 
 
 def test_needed_is_against_the_batch_the_request_shared_not_the_one_it_was_judged_at():
-    """Judged beside a few (0.1 s a step), it shared the whole burst admitted after it
-    (0.2 s a step by the figures): its 64 tokens in 13.3 s needed 1.0x the figures, not
-    the 2x its estimate says. Judged at a batch a quiet spell never reached (0.2 s), its
-    0.1 s steps needed 1.0x too, and far from the edge say nothing of a margin."""
+    """Judged beside a few (0.1 s a step), it shared the burst admitted after it (0.14 s a
+    step by the figures): its 4 s wait and 64 tokens in 13.46 s needed 1.0x the figures,
+    not the 1.25x its estimate says. Judged at a batch a quiet spell never reached (0.2 s),
+    its 0.1 s steps needed 1.0x too, and far from the edge say nothing of a margin."""
 
-    def figures(batch: float) -> float:  # the step line it was judged by: 0.1 s at 8, 0.2 s at 16
+    def figures(batch: float) -> float:  # the step line it was judged by: 0.1 s at 8, 0.14 s at 11.2
         return 0.0125 * batch
 
-    judged = Judged(wait_s=0.0, step_s=0.1, line=figures)
-    assert judged.needed(13.3, 64, 0.5, 15.0) == pytest.approx(12.8 / 6.4)
-    assert judged.needed(13.3, 64, 0.5, 15.0, shared_batch=16) == pytest.approx(12.8 / 12.8)
-    quiet = Judged(wait_s=0.0, step_s=0.2, line=figures)
-    assert quiet.needed(7.3, 64, 0.5, 15.0, shared_batch=8) == pytest.approx(6.8 / 6.4)
-    assert quiet.needed(3.0, 64, 0.5, 15.0, shared_batch=4) is None  # 3.2 s of work: far from the edge
+    judged = Judged(wait_s=4.0, step_s=0.1, line=figures)
+    assert judged.needed(13.46, 64, 0.5, 15.0) == pytest.approx(12.96 / 10.4)
+    assert judged.needed(13.46, 64, 0.5, 15.0, shared_batch=11.2) == pytest.approx(12.96 / 12.96)
+    quiet = Judged(wait_s=4.0, step_s=0.2, line=figures)
+    assert quiet.needed(10.9, 64, 0.5, 15.0, shared_batch=8) == pytest.approx(10.4 / 10.4)
+    assert quiet.needed(3.0, 64, 0.5, 15.0, shared_batch=4) is None  # 7.2 s of work: far from the edge
 
 
 def test_the_margin_is_the_configured_one_until_enough_were_seen_then_their_p99_within_bounds():
@@ -83,7 +85,7 @@ def test_an_estimate_knows_its_parts_without_the_margin():
 
 def test_at_a_high_margin_turns_near_the_edge_as_judged_still_teach_it():
     """A margin of 3 (two cut turns) admits 64-token turns of ~70 ms a step: 4.5 s of work
-    for a 15 s deadline, under 40 % of it. Judged without the margin they taught nothing
+    for a 15 s deadline, under a third of it. Judged without the margin they taught nothing
     and the margin stayed at 3 for good; near the edge as judged (x3), they teach it."""
     assert Judged(0.0, 0.07).needed(5.2, 64, 0.5, 15.0) is None  # admitted at margin 1: far from the edge
     high = Judged(0.0, 0.07, margin=3.0)
@@ -108,7 +110,7 @@ def test_a_cut_turn_records_how_far_off_the_figures_were_for_what_it_made():
 
 def test_the_lived_batch_is_the_time_weighted_mean_of_the_running_over_a_requests_life():
     """A request admitted at 0 beside 4, the load grown to 17 from 4 s on: it shared 11.8
-    on average by 10 s, where it was judged; its step is read there off the figures it was
+    on average by 10 s; its step is read at the batch it shared off the figures it was
     judged by (a machine that slowed after it was judged is what its margin learns)."""
     from gateway.admission.calibrate import SAMPLE_EVERY_S, LivedBatches
 
@@ -122,5 +124,5 @@ def test_the_lived_batch_is_the_time_weighted_mean_of_the_running_over_a_request
     lived.add("other", 9.0, 2.0)  # samples only after it was admitted: those count
     assert lived.mean("other", 0.0, 10.0) == pytest.approx(2.0)
     judged = Judged(0.0, 0.05, 1.0, line=lambda batch: 0.01 * batch)
-    assert judged.needed(7.3, 64, 0.5, 15.0, shared_batch=10.0) == pytest.approx(6.8 / 6.4)
+    assert judged.needed(10.74, 64, 0.5, 15.0, shared_batch=16.0) == pytest.approx(10.24 / 10.24)
     assert judged.needed(7.3, 64, 0.5, 15.0) is None  # no batch: as judged, 3.2 s, far from the edge

@@ -300,7 +300,8 @@ def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
     from gateway.admission.calibrate import MIN_SAMPLES
 
     client, pipeline = gateway()
-    load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.1, measured_at=time.time() + 3600)
+    # 64 tokens at 170 ms: 10.9 s of work, near the edge of 15 s (70 %: calibrate.NEAR_EDGE).
+    load = ModelLoad(max_batch=64, running=1, tokens=10, step_s=0.17, measured_at=time.time() + 3600)
     pipeline.hold(load)
     with client:
         calibration = client.app.state.chat.admission.calibration
