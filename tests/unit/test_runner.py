@@ -100,6 +100,33 @@ def test_estimate_counts_the_requests_ahead_of_it(runner):
     assert runner.finish_at(100) == pytest.approx(time.time() + 1.0, abs=0.1)
 
 
+def test_an_engine_process_is_judged_with_the_requests_sent_to_it_since_its_last_step(runner):
+    """The engine process reports its queue after each step; a burst pulled within one
+    step was judged against that queue, none counting the others, and all went on to wait
+    past their deadlines. Those sent since (the runner's active requests beyond the ones
+    its step held) count as waiting, in the order they were sent."""
+    from consumers.inference.engine_io import SchedulerStats
+    from consumers.inference.runners.figures import estimate_finish
+    from consumers.inference.runners.process import sent_since
+
+    for _ in range(MIN_SAMPLES):
+        runner._measure(32, 0.01)
+    runner.engine.queue = EngineStats((50,) * 31)  # as its last step left it: 31 half done, a slot free
+    stats = runner.stats()
+    burst = [GenRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100)) for i in range(31 + 8)]
+    held, sent = burst[:31], burst[31:]  # the 31 its step held, 8 sent since
+    later = sent_since(stats, [*held, *sent])
+    assert isinstance(later, SchedulerStats) and later.engine.waiting == (100,) * 8
+    assert later.engine.running == stats.engine.running and later.load == stats.load
+    assert sent_since(stats, held) is stats and sent_since(stats, held[:20]) is stats  # ended, not yet delivered
+    # Judged by its last step alone, a ninth request takes the free slot at once (100 steps);
+    # behind the 8 sent before it, it waits for a slot to free (50 steps) first.
+    assert estimate_finish(stats, 32, 100) == pytest.approx(time.time() + 100 * 0.01, abs=0.1)
+    assert estimate_finish(later, 32, 100) == pytest.approx(time.time() + (50 + 100) * 0.01, abs=0.1)
+    many = sent_since(stats, [*held, *burst, *burst])  # 78 sent since: slots free at 50, 150, 250 for it
+    assert estimate_finish(many, 32, 100) == pytest.approx(time.time() + (250 + 100) * 0.01, abs=0.1)
+
+
 def test_estimate_extrapolates_to_the_batch_it_will_join(runner):
     """Steps measured at a batch of 16 (a load of 16 users) and a jump to 32: the request
     joins a batch of 32, which steps slower than any measured; as the gateway's admission

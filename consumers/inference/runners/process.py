@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
@@ -376,6 +376,19 @@ def spawn(loaded: LoadedModel, config: EngineConfig, figures: str | None = None)
     return EngineChild(proc, parent)
 
 
+def sent_since(stats: SchedulerStats, active: list[GenRequest]) -> SchedulerStats:
+    """The engine process's state after its last step with the requests sent to it since
+    (the newest of `active`, in the order they were added, beyond those its step held) as
+    waiting: the worker's too-late check of a burst pulled within one step otherwise
+    judged each of them against the same queue, none counting the others; at 9 requests/s
+    19 turns admitted at a level's start were held until their deadline without a token."""
+    known = len(stats.engine.running) + len(stats.engine.waiting)
+    if len(active) <= known:
+        return stats
+    unseen = tuple(req.params.max_tokens - len(req.resume_ids) for req in active[known:])
+    return replace(stats, engine=replace(stats.engine, waiting=stats.engine.waiting + unseen))
+
+
 class ProcessRunner:
     """An :class:`EngineRunner` whose engine steps in a child process."""
 
@@ -431,14 +444,18 @@ class ProcessRunner:
                 message: EngineMessage = conn.recv()
             except (EOFError, OSError):
                 break
-            self._stats = message.stats
             match message:
+                case EngineOutputs(outputs) if outputs:
+                    # Its stats on the loop with the requests it ended taken off (`_deliver`):
+                    # `finish_at` counts those not in them yet (`sent_since`).
+                    self.loop.call_soon_threadsafe(self._deliver, message)
                 case EngineReady(stats):
+                    self._stats = stats
                     if stats.engine.packing_done:  # its packed layers in place: the row-major ones unread
                         self._release()
                     self.ready.set()
-                case EngineOutputs(outputs) if outputs:
-                    self.loop.call_soon_threadsafe(self._deliver, message)
+                case _:
+                    self._stats = message.stats
         if not self._stopping:
             self.loop.call_soon_threadsafe(self._lost)
 
@@ -473,6 +490,7 @@ class ProcessRunner:
             for out in message.outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)
+            self._stats = message.stats
         for step in message.steps:
             record_step(self.name, step)
         self.prefix_counts.update(message.stats.engine.prefix)
@@ -583,9 +601,13 @@ class ProcessRunner:
             self._conn.send(CancelRequest(request_id))
 
     def finish_at(self, tokens: int) -> float | None:
-        """As :meth:`EngineRunner.finish_at`, from the engine's state after its last step."""
-        stats = self._stats
-        return None if stats is None else estimate_finish(stats, self.max_batch_size, tokens)
+        """As :meth:`EngineRunner.finish_at`, from the engine's state after its last step
+        and the requests sent to it since (`sent_since`)."""
+        if (stats := self._stats) is None:
+            return None
+        with self._lock:
+            active = list(self._active.values())
+        return estimate_finish(sent_since(stats, active), self.max_batch_size, tokens)
 
     def load(self) -> EngineLoad:
         """As :meth:`EngineRunner.load`: the engine process's, as of its last step."""
