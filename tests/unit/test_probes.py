@@ -89,6 +89,26 @@ async def test_an_engine_profiled_beside_a_hog_follows_the_machine_once_it_ends(
     assert len(probed) >= 2 and all(not r.cache for r in probed)
 
 
+async def test_an_idle_engine_does_not_probe_while_another_engine_steps(fast_probes):
+    """Beside an engine serving a load, an idle one's probe times that load, not the
+    machine, and takes the busy engine's threads (cores.CoreShare): it waits until the
+    other engine stops stepping, then probes as before."""
+    engine = SteppingEngine(slots=8, per_row=0.002)
+    busy = [True]
+    runner = EngineRunner(
+        engine, asyncio.get_running_loop(), lambda _: None, profile=True, neighbours_stepping=lambda: busy[0]
+    )  # type: ignore[arg-type]
+    try:
+        assert await asyncio.to_thread(runner.profiled.wait, 10)
+        profiled = len(engine.seen)
+        await asyncio.sleep(1.0)  # probes due every 0.1 s (fast_probes): none while the other steps
+        assert len(engine.seen) == profiled
+        busy[0] = False
+        await until(lambda: len(engine.seen) > profiled, timeout=10)  # it stopped: a probe runs
+    finally:
+        runner.stop()
+
+
 async def test_a_probe_gives_way_to_a_request_and_its_steps_are_not_used(fast_probes, monkeypatch):
     monkeypatch.setattr(probes, "PROBE_STEPS", 50)
     monkeypatch.setattr(probes, "PROBE_MAX_STEPS", 50)

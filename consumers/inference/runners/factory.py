@@ -53,7 +53,13 @@ class RunnerFactory:
         if loaded.spec.backend == "llamacpp":  # llama-server steps it; the runner's thread reads its steps
             llama = LlamaCppEngine(loaded, locate(c.llama_cpp_dir), c.max_batch_size, c.llama_cpp_threads)
             return EngineRunner(
-                llama, self.loop, self.on_outputs, profile=c.step_profile, figures=figures, before_step=self._notes()
+                llama,
+                self.loop,
+                self.on_outputs,
+                profile=c.step_profile,
+                figures=figures,
+                before_step=self._notes(),
+                neighbours_stepping=self._neighbours(),
             )
         # An upstream's streams time it, and its server is someone's: no idle probes.
         if (options := loaded.spec.upstream) is not None:
@@ -77,6 +83,7 @@ class RunnerFactory:
             profile=c.step_profile,
             figures=figures,
             before_step=self._notes(),
+            neighbours_stepping=self._neighbours(),
         )
 
     def _notes(self) -> Callable[[], int | None] | None:
@@ -90,6 +97,11 @@ class RunnerFactory:
         if self._core_notes is None:
             self._core_notes = (c.cores_dir and share_or_none(c.cores_dir, 0, 0)) or False
         return self._core_notes.before_step if self._core_notes else None
+
+    def _neighbours(self) -> Callable[[], bool] | None:
+        """Whether an engine of another process of the machine steps now (this process's
+        note, `_notes`, left out), for an idle engine's probes; None without notes."""
+        return self._core_notes.others_stepping if self._notes() is not None and self._core_notes else None
 
 
 class Runners:

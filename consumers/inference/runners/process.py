@@ -145,6 +145,7 @@ def _child(args: ChildArgs, conn: Any) -> None:
         profile=config.step_profile,
         figures=args.figures,
         before_step=share.before_step if share is not None else None,
+        neighbours_stepping=share.others_stepping if share is not None else None,
     )
     try:
         end.serve()
