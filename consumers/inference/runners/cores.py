@@ -123,6 +123,12 @@ class CoreShare:
                 continue
         return False
 
+    def hooks(self) -> dict[str, Any]:
+        """An :class:`EngineRunner`'s keyword arguments for this note: its steps noted
+        (`before_step`), and its idle probes held while another engine steps
+        (`neighbours_stepping`)."""
+        return {"before_step": self.before_step, "neighbours_stepping": self.others_stepping}
+
     def close(self) -> None:
         with suppress(OSError):
             self.mine.unlink()

@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from consumers.inference.config import EngineConfig
 from consumers.inference.engine.batch import BatchEngine
@@ -45,7 +45,7 @@ class RunnerFactory:
         self.loop = loop
         self.on_outputs = on_outputs
         self.reload = reload
-        self._core_notes: CoreShare | Literal[False] | None = None  # _notes(); False: none can be made
+        self._core_notes: CoreShare | Literal[False] | None = None  # _noted(); False: none can be made
 
     def build(self, loaded: LoadedModel) -> Runner:
         c = self.config
@@ -58,8 +58,7 @@ class RunnerFactory:
                 self.on_outputs,
                 profile=c.step_profile,
                 figures=figures,
-                before_step=self._notes(),
-                neighbours_stepping=self._neighbours(),
+                **self._noted(),
             )
         # An upstream's streams time it, and its server is someone's: no idle probes.
         if (options := loaded.spec.upstream) is not None:
@@ -82,26 +81,21 @@ class RunnerFactory:
             c.max_wait_s,
             profile=c.step_profile,
             figures=figures,
-            before_step=self._notes(),
-            neighbours_stepping=self._neighbours(),
+            **self._noted(),
         )
 
-    def _notes(self) -> Callable[[], int | None] | None:
+    def _noted(self) -> dict[str, Any]:
         """This process's note of its engines' steps (a llama.cpp server's, an engine on a
-        thread), so the machine's engine processes size their threads to them (cores.py);
-        None where they do not (ARENA_TORCH_THREADS_ALONE unset) or the notes' directory
-        cannot be made."""
+        thread) as a runner's keyword arguments (`CoreShare.hooks`), so the machine's
+        engine processes size their threads to them (cores.py) and an idle one here does
+        not probe beside theirs; none where they do not (ARENA_TORCH_THREADS_ALONE unset)
+        or the notes' directory cannot be made."""
         c = self.config
         if not sizing(c.torch_threads, c.torch_threads_alone):
-            return None
+            return {}
         if self._core_notes is None:
             self._core_notes = (c.cores_dir and share_or_none(c.cores_dir, 0, 0)) or False
-        return self._core_notes.before_step if self._core_notes else None
-
-    def _neighbours(self) -> Callable[[], bool] | None:
-        """Whether an engine of another process of the machine steps now (this process's
-        note, `_notes`, left out), for an idle engine's probes; None without notes."""
-        return self._core_notes.others_stepping if self._notes() is not None and self._core_notes else None
+        return self._core_notes.hooks() if self._core_notes else {}
 
 
 class Runners:

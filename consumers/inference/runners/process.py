@@ -144,8 +144,7 @@ def _child(args: ChildArgs, conn: Any) -> None:
         on_step=end.on_step,
         profile=config.step_profile,
         figures=args.figures,
-        before_step=share.before_step if share is not None else None,
-        neighbours_stepping=share.others_stepping if share is not None else None,
+        **(share.hooks() if share is not None else {}),
     )
     try:
         end.serve()
