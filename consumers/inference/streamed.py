@@ -46,12 +46,13 @@ STEP_GATHER_S = 0.002
 #: Tokens of one server step reach their streams within this long of each other: another
 #: stream's first token this soon after a stream's token ended the same step.
 SAME_STEP_S = 0.01
-#: After a stream's token, how long before it reads again: what came meanwhile is one
-#: output (`merged`). Each token read alone woke three threads of the worker (the
-#: stream's, the runner's, the loop's) for one token, and on a 2-core machine that work
-#: took the server's cores from it between its steps (one user's tokens/s through the
-#: pipeline ~0.88x the same server's sent to directly). A chunk waits at most this long
-#: more, within the cadence of a 4-token packet every 80 ms.
+#: After a stream's token, how long before it reads again while its server steps fast
+#: (`paces`): what came meanwhile is one output (`merged`). Each token read alone woke
+#: three threads of the worker (the stream's, the runner's, the loop's) for one token,
+#: and on a 2-core machine that work took the server's cores from it between its steps
+#: (one user's tokens/s through the pipeline ~0.88x the same server's sent to
+#: directly). A chunk waits at most this long more, within the cadence of a 4-token
+#: packet every 80 ms.
 READ_EVERY_S = 0.04
 
 
@@ -69,6 +70,13 @@ def merged(outs: list[StepOutput]) -> StepOutput:
         new_text="".join(o.new_text for o in outs),
         logprobs=logprobs,
     )
+
+
+def paces(step_s: float | None) -> bool:
+    """Whether a stream whose server steps ``step_s`` reads paced: where two tokens or
+    more come within READ_EVERY_S (a slower step brings one a read all the same, and
+    pausing the connection would cost two syscalls a token for nothing)."""
+    return step_s is not None and step_s <= READ_EVERY_S / 2
 
 
 async def _paced(transport: asyncio.Transport | None) -> None:
@@ -94,6 +102,7 @@ class Stream:
     generated: int = 0  # tokens streamed by this server (resumed ones not counted)
     ended: bool = False
     last_token_at: float | None = None  # time.perf_counter() of its last token's arrival
+    step_s: float | None = None  # the server's step as its last tokens came (`_timed`)
     #: What a subclass keeps of the stream between events (text so far, a finish reason).
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -369,7 +378,7 @@ class StreamedEngine:
                 out = self._took(stream, lines)
                 if not data or (out is not None and out.finished):
                     break
-                if out is not None and out.new_token_ids:  # the next token is a step away at least
+                if out is not None and out.new_token_ids and paces(stream.step_s):
                     await _paced(transport)
         if not stream.ended:  # the stream ended without its last event: the server went away
             raise aiohttp.ServerDisconnectedError()
@@ -410,7 +419,7 @@ class StreamedEngine:
             with self._lock:
                 self._first_tokens.append(now)
         else:
-            step = (now - stream.last_token_at) / tokens
+            step = stream.step_s = (now - stream.last_token_at) / tokens
             self._steps.append((len(self._running), step, tokens, stream.last_token_at, now))
         stream.last_token_at = now
 
