@@ -19,14 +19,17 @@ generated (a budget is an upper bound: an early stop is no error of the estimate
 made so far needed (more than the margin it had; CEILING when it made none). The
 margin admission uses is the 99th percentile of the last WINDOW of those (of 200, the
 second highest: two misses in the window and it is the most there is), within [FLOOR,
-CEILING]. Only requests whose estimated work was at least NEAR_EDGE of their deadline
-(and MIN_WORK_S) are counted there: the margin decides only near the edge. Until
-MIN_SAMPLES of those were seen, the configured one (`ARENA_ADMISSION_MARGIN`).
+CEILING], of those learned in the last minute (LESSONS_KEEP_S) where MIN_SAMPLES were.
+Only requests whose estimated work was at least NEAR_EDGE of their deadline (and
+MIN_WORK_S) are counted there: the margin decides only near the edge. Until MIN_SAMPLES
+of those were seen, and once fewer are that recent, the configured one
+(`ARENA_ADMISSION_MARGIN`), or less where the older lessons say less.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +48,12 @@ MIN_WORK_S = 1.0
 #: then refused at 3 requests/s turns the server answered by 11 s.
 NEAR_EDGE = 0.7
 QUANTILE = 0.99
+#: Lessons older than this hold a margin up no longer (`Calibration`): four turns cut at
+#: 6 requests/s on the llama.cpp backend with no token (each the CEILING), and the
+#: margin stayed at 3 through the 9 requests/s that followed, since a margin of 3 admits
+#: few turns near the edge and it took 197 new lessons to push them out of the window:
+#: 1.10 turns/s in time where 2.2 had been answered.
+LESSONS_KEEP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -102,29 +111,58 @@ class Judged:
 
 
 class Calibration:
-    """The margins learned per model (see the module doc)."""
+    """The margins learned per model (see the module doc). ``clock``: seconds, for the
+    lessons' age (`LESSONS_KEEP_S`)."""
 
-    def __init__(self, configured: float, window: int = WINDOW):
+    def __init__(
+        self,
+        configured: float,
+        window: int = WINDOW,
+        keep_s: float = LESSONS_KEEP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.configured = configured
         self.window = window
-        self.needed: dict[str, deque[float]] = {}
-        #: Each model's margin, worked out when a request ends (`record`), read by every
-        #: request judged (`margin`), which far outnumber them.
+        self.keep_s = keep_s
+        self.clock = clock
+        #: Each model's lessons: (when, the margin a request needed), oldest first.
+        self.needed: dict[str, deque[tuple[float, float]]] = {}
+        #: Each model's margin, worked out when a request ends (`record`) and when its
+        #: oldest lesson ages (`margin`, at most every second), read by every request
+        #: judged, which far outnumber them.
         self.margins: dict[str, float] = {}
+        self._settled: dict[str, float] = {}
 
     def record(self, model: str, needed: float | None) -> None:
         if needed is None:
             return
-        seen = self.needed.setdefault(model, deque(maxlen=self.window))
-        seen.append(needed)
-        if len(seen) >= MIN_SAMPLES:
-            ordered = sorted(seen)
-            quantile = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
-            self.margins[model] = min(CEILING, max(FLOOR, quantile))
+        self.needed.setdefault(model, deque(maxlen=self.window)).append((self.clock(), needed))
+        self._settle(model)
+
+    def _settle(self, model: str) -> None:
+        """The model's margin from its lessons: the QUANTILE of those of the last LESSONS_KEEP_S
+        where MIN_SAMPLES are that recent; else the configured margin, or less where the
+        window's lessons, older ones too, say less (old lessons may keep a margin low,
+        never hold it up)."""
+        now = self._settled[model] = self.clock()
+        seen = [needed for _, needed in self.needed.get(model) or ()]
+        recent = [needed for at, needed in self.needed.get(model) or () if at >= now - self.keep_s]
+        if len(recent) >= MIN_SAMPLES:
+            self.margins[model] = _quantile(recent)
+        elif len(seen) >= MIN_SAMPLES:
+            self.margins[model] = min(self.configured, _quantile(seen))
         METRICS.admission_margin.labels(model).set(self.margin(model))
 
     def margin(self, model: str) -> float:
+        seen = self.needed.get(model)
+        if seen and (now := self.clock()) - self._settled.get(model, now) >= 1.0 and seen[0][0] < now - self.keep_s:
+            self._settle(model)
         return self.margins.get(model, self.configured)
+
+
+def _quantile(needed: list[float]) -> float:
+    ordered = sorted(needed)
+    return min(CEILING, max(FLOOR, ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]))
 
 
 #: How often a model's running batch is sampled (`LivedBatches`), at most, and how long

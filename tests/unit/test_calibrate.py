@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission.calibrate import CEILING, FLOOR, MIN_SAMPLES, Calibration, Judged
+from gateway.admission.calibrate import CEILING, FLOOR, LESSONS_KEEP_S, MIN_SAMPLES, Calibration, Judged
 from gateway.admission.estimate import ModelQueue, estimate
 
 
@@ -126,3 +126,33 @@ def test_the_lived_batch_is_the_time_weighted_mean_of_the_running_over_a_request
     judged = Judged(0.0, 0.05, 1.0, line=lambda batch: 0.01 * batch)
     assert judged.needed(10.74, 64, 0.5, 15.0, shared_batch=16.0) == pytest.approx(10.24 / 10.24)
     assert judged.needed(7.3, 64, 0.5, 15.0) is None  # no batch: as judged, 3.2 s, far from the edge
+
+
+def test_old_lessons_hold_a_margin_up_no_longer():
+    """Turns cut with no token (each the ceiling) are forgotten after a minute when few
+    lessons followed them (a margin of 3 admits few turns near the edge): the margin
+    comes back to the configured one, where it stayed at 3 for the next 197 lessons."""
+    now = [0.0]
+    cal = Calibration(1.25, clock=lambda: now[0])
+    for _ in range(MIN_SAMPLES):
+        cal.record("m", 1.05)
+    for _ in range(4):
+        cal.record("m", CEILING)
+    assert cal.margin("m") == CEILING
+    now[0] = LESSONS_KEEP_S / 2
+    cal.record("m", 1.1)
+    assert cal.margin("m") == CEILING  # still recent
+    now[0] = LESSONS_KEEP_S + 1
+    assert cal.margin("m") == 1.25  # one recent lesson: the configured margin
+    for _ in range(MIN_SAMPLES):
+        cal.record("m", 1.08)
+    assert cal.margin("m") == pytest.approx(1.1)  # the last minute's own
+
+
+def test_old_lessons_may_keep_a_margin_low():
+    now = [0.0]
+    cal = Calibration(1.25, clock=lambda: now[0])
+    for _ in range(MIN_SAMPLES):
+        cal.record("m", 1.05)
+    now[0] = 10 * LESSONS_KEEP_S
+    assert cal.margin("m") == pytest.approx(1.05)
