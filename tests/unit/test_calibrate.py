@@ -156,3 +156,14 @@ def test_old_lessons_may_keep_a_margin_low():
         cal.record("m", 1.05)
     now[0] = 10 * LESSONS_KEEP_S
     assert cal.margin("m") == pytest.approx(1.05)
+
+
+def test_an_estimate_that_says_too_much_learns_a_margin_under_one():
+    """At llama-server's knee the turns near the edge took 0.86-0.90 of their estimate:
+    the margin follows them down (to FLOOR at most), where it stopped at 1 and refused
+    turns estimated at 15-17 s that took 12-14."""
+    cal = Calibration(1.25)
+    for i in range(MIN_SAMPLES * 5):
+        cal.record("m", 0.80 + 0.001 * (i % 100))
+    assert 0.85 < cal.margin("m") < 0.9
+    assert FLOOR < 0.85

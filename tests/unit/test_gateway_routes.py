@@ -294,10 +294,10 @@ def test_a_budget_too_long_for_the_deadline_even_alone_is_400_on_every_transport
 def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
     """Each answered request admitted by an estimate near its deadline records the margin
     it needed (gateway.admission.calibrate): a fleet that answers at once brings the
-    margin down to 1 after 20 of them, from the configured 1.25, on the HTTP edge and on
-    WebSockets."""
+    margin down to its floor after 20 of them, from the configured 1.25, on the HTTP edge
+    and on WebSockets."""
     from events.fleet import ModelLoad
-    from gateway.admission.calibrate import MIN_SAMPLES
+    from gateway.admission.calibrate import FLOOR, MIN_SAMPLES
 
     client, pipeline = gateway()
     # 64 tokens at 170 ms: 10.9 s of work, near the edge of 15 s (70 %: calibrate.NEAR_EDGE).
@@ -315,4 +315,4 @@ def test_answers_faster_than_estimated_teach_admission_a_smaller_margin():
             while ws.receive_json()["type"] == "chunk":
                 pass
     assert len(calibration.needed["stories-260k"]) == MIN_SAMPLES
-    assert calibration.margin("stories-260k") == 1.0
+    assert calibration.margin("stories-260k") == FLOOR
