@@ -372,9 +372,10 @@ class StreamedEngine:
                 data = await response.content.readany()
                 if stream.ended:
                     return
-                lines, rest = ((rest + data).split(b"\n"), b"") if data else ([rest], b"")
                 if data:
-                    rest = lines.pop()  # a line not yet ended
+                    *lines, rest = (rest + data).split(b"\n")  # `rest`: a line not yet ended
+                else:  # the end of the stream: what is left is its last line
+                    lines, rest = [rest], b""
                 out = self._took(stream, lines)
                 if not data or (out is not None and out.finished):
                     break

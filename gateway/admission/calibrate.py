@@ -149,13 +149,13 @@ class Calibration:
         window's lessons, older ones too, say less (old lessons may keep a margin low,
         never hold it up)."""
         now = self._settled[model] = self.clock()
-        seen = [needed for _, needed in self.needed.get(model) or ()]
-        recent = [needed for at, needed in self.needed.get(model) or () if at >= now - self.keep_s]
+        lessons = self.needed.get(model) or ()
+        recent = [needed for at, needed in lessons if at >= now - self.keep_s]
         if len(recent) >= MIN_SAMPLES:
             self.margins[model] = _quantile(recent)
-        elif len(seen) >= MIN_SAMPLES:
-            self.margins[model] = min(self.configured, _quantile(seen))
-        METRICS.admission_margin.labels(model).set(self.margin(model))
+        elif len(lessons) >= MIN_SAMPLES:
+            self.margins[model] = min(self.configured, _quantile([needed for _, needed in lessons]))
+        METRICS.admission_margin.labels(model).set(self.margins.get(model, self.configured))
 
     def margin(self, model: str) -> float:
         seen = self.needed.get(model)
